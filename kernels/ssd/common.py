@@ -1,0 +1,112 @@
+"""Argument checks and the dt preprocessing shared by every SSD backend (pure functions)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(*tensors) -> torch.dtype:
+    """float64 when any floating input is float64, else float32 (the accumulation dtype)."""
+    for t in tensors:
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def process_dt(dt: torch.Tensor, dt_bias, dt_softplus: bool, dt_limit, dtype) -> torch.Tensor:
+    """dt -> clamp(softplus(dt + dt_bias), *dt_limit) in `dtype` (bias added, softplus if asked)."""
+    dt = dt.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    if lo > 0.0 or hi < math.inf:
+        dt = dt.clamp(min=lo, max=hi)
+    return dt
+
+
+def _shape_err(name, tensor, expected):
+    return ValueError(f"ssd: `{name}` has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+def check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit):
+    """Validate shapes of ssd_scan's arguments; returns (b, t, h, p, g, n, num_seqs)."""
+    if x.dim() != 4:
+        raise ValueError(f"ssd: `x` must be (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
+    b, t, h, p = x.shape
+    if dt.shape != (b, t, h):
+        raise _shape_err("dt", dt, (b, t, h))
+    if A.shape != (h,):
+        raise _shape_err("A", A, (h,))
+    if B.dim() != 4 or B.shape[:2] != (b, t):
+        raise _shape_err("B", B, f"({b}, {t}, ngroups, dstate)")
+    g, n = B.shape[2], B.shape[3]
+    if C.shape != B.shape:
+        raise _shape_err("C", C, tuple(B.shape))
+    if g < 1 or h % g != 0:
+        raise ValueError(f"ssd: nheads ({h}) must be a multiple of ngroups ({g}) (B/C dim 2)")
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise _shape_err("D", D, f"({h},) or ({h}, {p})")
+    if z is not None and z.shape != x.shape:
+        raise _shape_err("z", z, tuple(x.shape))
+    if dt_bias is not None and dt_bias.shape != (h,):
+        raise _shape_err("dt_bias", dt_bias, (h,))
+    if not (isinstance(chunk_size, int) and chunk_size >= 1):
+        raise ValueError(f"ssd: chunk_size must be a positive int, got {chunk_size!r}")
+    if len(dt_limit) != 2 or float(dt_limit[0]) > float(dt_limit[1]):
+        raise ValueError(f"ssd: dt_limit must be (low, high) with low <= high, got {dt_limit!r}")
+    num_seqs = b
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"ssd: cu_seqlens needs batch size 1 (packed documents), got batch {b}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("ssd: cu_seqlens must be 1-D (num_seqs + 1,) offsets starting at 0")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ssd: cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        cs = cu_seqlens.detach().cpu()
+        if int(cs[0]) != 0 or int(cs[-1]) != t or bool((cs[1:] < cs[:-1]).any()):
+            raise ValueError(f"ssd: cu_seqlens must be non-decreasing from 0 to seqlen ({t}), got {cs.tolist()}")
+        num_seqs = cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (num_seqs, h, p, n):
+        what = "num_seqs" if cu_seqlens is not None else "batch"
+        raise _shape_err("initial_state", initial_state, f"({what}={num_seqs}, {h}, {p}, {n})")
+    return b, t, h, p, g, n, num_seqs
+
+
+def check_step_args(state, x, dt, A, B, C, D, z, dt_bias):
+    if x.dim() != 3:
+        raise ValueError(f"ssd_step: `x` must be (batch, nheads, headdim), got shape {tuple(x.shape)}")
+    b, h, p = x.shape
+    if dt.shape != (b, h):
+        raise _shape_err("dt", dt, (b, h))
+    if A.shape != (h,):
+        raise _shape_err("A", A, (h,))
+    if B.dim() != 3 or B.shape[0] != b:
+        raise _shape_err("B", B, f"({b}, ngroups, dstate)")
+    g, n = B.shape[1], B.shape[2]
+    if C.shape != B.shape:
+        raise _shape_err("C", C, tuple(B.shape))
+    if h % g != 0:
+        raise ValueError(f"ssd_step: nheads ({h}) must be a multiple of ngroups ({g})")
+    if state.shape != (b, h, p, n):
+        raise _shape_err("state", state, (b, h, p, n))
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise _shape_err("D", D, f"({h},) or ({h}, {p})")
+    if z is not None and z.shape != x.shape:
+        raise _shape_err("z", z, tuple(x.shape))
+    if dt_bias is not None and dt_bias.shape != (h,):
+        raise _shape_err("dt_bias", dt_bias, (h,))
+    return b, h, p, g, n
+
+
+def apply_skip_and_gate(y, x, D, z, dtype):
+    """y += D*x (D (h,) or (h,p)); then y *= silu(z). y is (..., h, p) in `dtype`."""
+    if D is not None:
+        Dd = D.to(dtype)
+        y = y + (Dd[:, None] if Dd.dim() == 1 else Dd) * x.to(dtype)
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y
