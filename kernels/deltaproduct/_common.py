@@ -1,0 +1,64 @@
+"""Shared checks and small pure helpers for the DeltaProduct op (no kernels here)."""
+from __future__ import annotations
+
+import torch
+
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed in float32 (float64 stays float64)."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def compute_dtype(*tensors) -> torch.dtype:
+    """float64 when any input is float64, else float32 (the accumulation dtype)."""
+    for t in tensors:
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens):
+    """Validate shapes of the chunk/naive API; returns (B, T, H, K, V, N) where N = number of states."""
+    if not isinstance(num_householder, int) or num_householder < 1:
+        raise ValueError(f"num_householder must be an int >= 1, got {num_householder!r}")
+    nh = num_householder
+    if q.dim() != 4:
+        raise ValueError(f"q must be (batch, seq_len, heads, head_k_dim), got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.dim() != 4 or tuple(k.shape) != (B, T * nh, H, K):
+        raise ValueError(f"k must be (batch, seq_len*num_householder, heads, head_k_dim) = {(B, T * nh, H, K)}, "
+                         f"got {tuple(k.shape)}")
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T * nh, H):
+        raise ValueError(f"v must be (batch, seq_len*num_householder, heads, head_v_dim) with leading dims "
+                         f"{(B, T * nh, H)}, got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if tuple(beta.shape) != (B, T * nh, H):
+        raise ValueError(f"beta must be (batch, seq_len*num_householder, heads) = {(B, T * nh, H)}, "
+                         f"got {tuple(beta.shape)}")
+    if g is not None and tuple(g.shape) != (B, T, H):
+        raise ValueError(f"g (log decay) must be (batch, seq_len, heads) = {(B, T, H)}, got {tuple(g.shape)}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1 (packed sequences), got batch {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be a 1-D tensor of token offsets (num_seqs+1,)")
+        if cu_seqlens.dtype.is_floating_point:
+            raise ValueError("cu_seqlens must be an integer tensor")
+        cs = cu_seqlens.tolist()
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs[:-1], cs[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at seq_len={T}, got {cs}")
+        N = len(cs) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
+        raise ValueError(f"initial_state must be (num_states, heads, head_k_dim, head_v_dim) = {(N, H, K, V)} "
+                         f"(num_states = batch, or number of sequences with cu_seqlens), "
+                         f"got {tuple(initial_state.shape)}")
+    return B, T, H, K, V, N
+
+
+def state_dtype(*tensors) -> torch.dtype:
+    """Final states are float32 (float64 when the inputs are float64)."""
+    return compute_dtype(*tensors)
