@@ -1,0 +1,164 @@
+"""Fixed-point engine: no-grad solve, phantom gradient, convergence statistics.
+
+Used by the implicit block stacks (paper 003: the whole stack is z <- F(z, inj(x))) and by FP-Mamba
+(paper 000: a fixed point inside each layer). It takes a function, never a model.
+
+- `solve(f, z0, ...)`: damped iteration z <- lam f(z) + (1 - lam) z without autograd, with per-sample
+  convergence tracking (sample = index along dim 0). A sample whose relative residual
+  ||f(z) - z|| / ||f(z)|| falls below `tol` is frozen at that z, so its result does not depend on
+  the rest of the batch. The loop stops when a `stop_quantile` fraction of the samples has converged,
+  or after `max_iter` iterations. Optional per-sample damping decay after `patience` iterations
+  without improvement (FP-Mamba's optimiser), optional Anderson acceleration.
+- `phantom(f, z_star, steps, damping)`: k damped steps with autograd from the detached fixed point,
+  the phantom gradient of paper 003 eq. 5 (Geng et al. 2021). Memory is that of k applications of f,
+  independent of the number of solver iterations.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+
+@dataclasses.dataclass
+class FixedPointStats:
+    iterations: int                 # solver iterations run (the loop's length)
+    residual: torch.Tensor          # (B,) final relative residual per sample (float32, detached)
+    sample_iterations: torch.Tensor  # (B,) iterations until each sample converged (or the cap)
+    converged: torch.Tensor         # (B,) bool: residual < tol (all False when tol is None)
+    tol: float | None = None
+
+    @property
+    def converged_fraction(self) -> float:
+        return float(self.converged.float().mean()) if self.converged.numel() else float("nan")
+
+    def as_dict(self) -> dict:
+        """Python floats for logging."""
+        return {
+            "iterations": float(self.iterations),
+            "mean_sample_iterations": float(self.sample_iterations.float().mean()),
+            "residual_mean": float(self.residual.mean()),
+            "residual_max": float(self.residual.max()),
+            "converged": self.converged_fraction if self.tol is not None else float("nan"),
+        }
+
+    @staticmethod
+    def merge(stats: list["FixedPointStats"]) -> dict:
+        """Average the logging dicts of several solves (e.g. the layers of FP-Mamba, tokens in generation)."""
+        if not stats:
+            return {}
+        dicts = [s.as_dict() for s in stats]
+        out = {k: sum(d[k] for d in dicts) / len(dicts) for k in dicts[0]}
+        out["residual_max"] = max(d["residual_max"] for d in dicts)
+        return out
+
+
+def relative_residual(fz: torch.Tensor, z: torch.Tensor, norm: str = "l2", eps: float = 1e-8) -> torch.Tensor:
+    """||f(z) - z|| / (||f(z)|| + eps) per sample (dim 0), in float32."""
+    d = (fz - z).float().flatten(1)
+    r = fz.float().flatten(1)
+    if norm == "inf":
+        return d.abs().amax(1) / (r.abs().amax(1) + eps)
+    return d.norm(dim=1) / (r.norm(dim=1) + eps)
+
+
+def _bcast(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return v.view(-1, *([1] * (like.dim() - 1)))
+
+
+@torch.no_grad()
+def solve(
+    f: Callable[[torch.Tensor], torch.Tensor],
+    z0: torch.Tensor,
+    *,
+    max_iter: int,
+    tol: float | None = None,
+    damping: float = 1.0,
+    stop_quantile: float = 1.0,
+    norm: str = "l2",
+    patience: int | None = None,
+    damping_decay: float = 1.0,
+    anderson: int = 0,
+) -> tuple[torch.Tensor, FixedPointStats]:
+    """Iterate z <- lam f(z) + (1 - lam) z from z0 without autograd; see the module docstring."""
+    if max_iter < 0:
+        raise ValueError(f"max_iter must be >= 0 (got {max_iter})")
+    b = z0.shape[0]
+    dev = z0.device
+    z = z0
+    res = torch.full((b,), float("inf"), device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    sample_iters = torch.zeros(b, dtype=torch.long, device=dev)
+    lam = torch.full((b,), float(damping), device=dev)
+    best = torch.full((b,), float("inf"), device=dev)
+    stall = torch.zeros(b, dtype=torch.long, device=dev)
+    hist_z: list[torch.Tensor] = []
+    hist_g: list[torch.Tensor] = []
+    it = 0
+    for it in range(1, max_iter + 1):
+        fz = f(z)
+        r = relative_residual(fz, z, norm)
+        active = ~done
+        res = torch.where(active, r, res)
+        sample_iters = sample_iters + active.long()
+        if tol is not None:
+            newly = active & (r < tol)
+            done = done | newly
+            active = active & ~newly
+        lam_b = _bcast(lam, z).to(z.dtype)
+        z_next = lam_b * fz + (1 - lam_b) * z
+        if anderson > 0:
+            z_next = _anderson_step(z, fz, z_next, hist_z, hist_g, anderson, lam_b)
+        z = torch.where(_bcast(active, z), z_next, z)
+        if patience is not None and damping_decay != 1.0:
+            improved = r < best
+            best = torch.where(improved, r, best)
+            stall = torch.where(improved, torch.zeros_like(stall), stall + 1)
+            decay = active & (stall >= patience)
+            lam = torch.where(decay, lam * damping_decay, lam)
+            stall = torch.where(decay, torch.zeros_like(stall), stall)
+        if tol is not None and done.float().mean().item() >= stop_quantile:
+            break
+    converged = res < tol if tol is not None else torch.zeros(b, dtype=torch.bool, device=dev)
+    return z, FixedPointStats(it, res.detach(), sample_iters, converged, tol)
+
+
+def _anderson_step(z, fz, z_plain, hist_z, hist_g, m, lam_b):
+    """Type-II Anderson mixing over the last m iterates, per sample; falls back to the damped step."""
+    g = (fz - z).flatten(1).float()
+    hist_z.append(z.flatten(1).float())
+    hist_g.append(g)
+    if len(hist_z) > m + 1:
+        hist_z.pop(0)
+        hist_g.pop(0)
+    if len(hist_g) < 2:
+        return z_plain
+    G = torch.stack(hist_g, dim=2)  # (b, n, k)
+    Z = torch.stack(hist_z, dim=2)
+    dG = G[..., 1:] - G[..., :-1]
+    dZ = Z[..., 1:] - Z[..., :-1]
+    # least squares gamma = argmin ||g_k - dG gamma||, regularised
+    A = dG.transpose(1, 2) @ dG
+    A = A + 1e-6 * torch.eye(A.shape[-1], device=A.device) * A.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-12)
+    rhs = dG.transpose(1, 2) @ G[..., -1:]
+    gamma = torch.linalg.solve(A, rhs)  # (b, k-1, 1)
+    z_bar = Z[..., -1:] - dZ @ gamma
+    g_bar = G[..., -1:] - dG @ gamma
+    lam = lam_b.flatten(1)[:, :1].float()
+    out = (z_bar + lam.unsqueeze(-1) * g_bar).squeeze(-1)
+    out = torch.nan_to_num(out, nan=0.0)
+    return out.view_as(z).to(z.dtype)
+
+
+def phantom(
+    f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Tensor, *, steps: int, damping: float = 1.0
+) -> torch.Tensor:
+    """k damped steps with autograd from the detached fixed point (phantom gradient, paper 003 eq. 5).
+
+    With steps == 1 and damping == 1 the gradient equals autograd through one application of f at z*.
+    """
+    z = z_star.detach()
+    for _ in range(steps):
+        z = damping * f(z) + (1.0 - damping) * z if damping != 1.0 else f(z)
+    return z

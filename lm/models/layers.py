@@ -1,0 +1,140 @@
+"""Shared building blocks: RMSNorm (plain and gated), SwiGLU MLP, causal depthwise conv, rotary embedding.
+
+Everything here is plain PyTorch and works on packed sequences (`cu_seqlens`) and with a generation
+cache (conv state). The math lives in functions; the modules only hold parameters.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * weight, computed in float32 and cast back to x's dtype."""
+    dtype = x.dtype
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba2's gated norm: RMSNorm(y * silu(z)) per group of `group_size` channels (norm_before_gate=False)."""
+
+    def __init__(self, dim: int, group_size: int | None = None, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.group_size = group_size or dim
+        if dim % self.group_size:
+            raise ValueError(f"GatedRMSNorm: dim {dim} is not a multiple of group_size {self.group_size}")
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float()
+        if z is not None:
+            y = y * F.silu(z.float())
+        shape = y.shape
+        y = y.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y.reshape(shape) * self.weight.float()).to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """Index of every token inside its document, (total,) int64; plain arange without cu_seqlens."""
+    pos = torch.arange(total, device=device)
+    if cu_seqlens is None:
+        return pos
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    doc = torch.searchsorted(cu[1:], pos, right=True)
+    return pos - cu[doc]
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution over time.
+
+    x (b, t, c); weight (c, w); conv_state (b, c, w-1): the last w-1 inputs before x (zeros if None).
+    With `cu_seqlens` (b == 1) no tap reaches across a document start. Returns (y (b, t, c), the new
+    conv state (b, c, w-1): the last w-1 inputs, for generation).
+    """
+    b, t, c = x.shape
+    w = weight.shape[-1]
+    xt = x.transpose(1, 2)  # (b, c, t)
+    if conv_state is None:
+        conv_state = xt.new_zeros(b, c, w - 1)
+    full = torch.cat([conv_state.to(xt.dtype), xt], dim=-1)  # (b, c, w-1+t)
+    if cu_seqlens is None:
+        y = F.conv1d(full, weight.unsqueeze(1).to(xt.dtype), groups=c)
+    else:
+        # tap j looks j steps back; mask taps that cross the document start
+        pos = position_in_document(t, cu_seqlens, x.device)
+        y = 0
+        for j in range(w):
+            shifted = full[..., w - 1 - j: w - 1 - j + t]
+            y = y + shifted * weight[:, w - 1 - j].to(xt.dtype).unsqueeze(-1) * (pos >= j).to(xt.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype).unsqueeze(-1)
+    if activation == "silu":
+        y = F.silu(y)
+    new_state = full[..., -(w - 1):] if w > 1 else full[..., :0]
+    return y.transpose(1, 2), new_state
+
+
+def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (..., dim) for the given integer positions (half-rotation layout, as Llama)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (b, h, t, d); cos/sin broadcastable to (b, 1, t, d)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.log(-torch.expm1(-x))
+
+
+def dt_init(nheads: int, dt_min: float, dt_max: float, floor: float = 1e-4) -> torch.Tensor:
+    """dt_bias initial values: dt log-uniform in [dt_min, dt_max] (floored), stored as inverse softplus."""
+    dt = torch.exp(torch.rand(nheads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return inverse_softplus(dt.clamp(min=floor))

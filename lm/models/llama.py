@@ -1,0 +1,117 @@
+"""Llama: causal self-attention (RoPE, SDPA, grouped KV heads) + SwiGLU, explicit or implicit.
+
+In the implicit model the injection is added to the fused Q, K, V projection (paper 003, sec. 3.2).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import LMConfig
+from .layers import apply_rotary, position_in_document, rotary_cos_sin
+from .modeling import LMForCausalLM, LMModel, Mixer
+
+
+class LMLlamaConfig(LMConfig):
+    model_type = "lm_llama"
+    _fields = {
+        "num_attention_heads": 4,
+        "num_key_value_heads": None,  # None = num_attention_heads
+        "head_dim": None,  # None = hidden_size // num_attention_heads
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "attention_bias": False,
+    }
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("intermediate_size", 688)
+        super().__init__(**kwargs)
+
+    def validate(self):
+        super().validate()
+        self._check(isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0,
+                    "num_attention_heads", "must be a positive integer")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self._check(self.hidden_size % self.num_attention_heads == 0, "num_attention_heads",
+                        f"must divide hidden_size={self.hidden_size} (or set head_dim)")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self._check(isinstance(self.num_key_value_heads, int) and self.num_key_value_heads > 0
+                    and self.num_attention_heads % self.num_key_value_heads == 0,
+                    "num_key_value_heads", "must be a positive divisor of num_attention_heads")
+        self._check(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
+                    "head_dim", "must be a positive even integer")
+        self._check(self.rope_theta > 0, "rope_theta", "must be > 0")
+
+
+class Attention(Mixer):
+    def __init__(self, config: LMLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        self.qkv_proj = nn.Linear(config.hidden_size, self.injection_dim(config), bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+
+    @staticmethod
+    def injection_dim(config) -> int:
+        return (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        # causal QK^T and AV: 2 matmuls of (t x d) average length t/2, 2 FLOPs per MAC
+        return 2 * 2 * self.n_heads * self.head_dim * seq_len / 2
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x)
+        if injection is not None:
+            qkv = qkv + injection
+        hd = self.head_dim
+        q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        q = q.view(b, t, self.n_heads, hd).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, hd).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, hd).transpose(1, 2)
+
+        offset = cache.seen_tokens if cache is not None else 0
+        pos = position_in_document(t, cu_seqlens, x.device) + offset
+        cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if cache is not None:
+            past = cache.get(self.layer_idx)
+            if "k" in past:
+                k = torch.cat([past["k"], k], dim=2)
+                v = torch.cat([past["v"], v], dim=2)
+            cache.update(self.layer_idx, k=k, v=v)
+
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+
+        s = k.shape[2]
+        if cu_seqlens is not None:
+            doc = torch.searchsorted(cu_seqlens.to(x.device).long()[1:], torch.arange(t, device=x.device), right=True)
+            mask = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif s == t:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new tokens attend to all cached ones and causally among themselves
+            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * hd))
+
+
+class LMLlamaModel(LMModel):
+    config_class = LMLlamaConfig
+    mixer_class = Attention
+
+
+class LMLlamaForCausalLM(LMForCausalLM):
+    config_class = LMLlamaConfig
+    mixer_class = Attention
+    model_class = LMLlamaModel

@@ -1,0 +1,135 @@
+"""Mamba2: in_proj -> depthwise causal conv1d -> SSD -> gated RMSNorm -> out_proj, explicit or implicit.
+
+Parameterisation and parameter names follow mamba_ssm's `Mamba2` (in_proj, conv1d, dt_bias, A_log, D,
+norm, out_proj; d_state, headdim, ngroups, expand, chunk_size, softplus dt with limits). In the
+implicit model the injection is added to in_proj's output, so x, B, C and dt all depend on the iterate
+(paper 003, App. D.3). The SSD runs through `lm_kernels.ssd` (Triton on CUDA, PyTorch on CPU).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lm_kernels.ssd import ssd_scan, ssd_step
+
+from .config import LMConfig
+from .layers import GatedRMSNorm, causal_conv1d, dt_init
+from .modeling import LMForCausalLM, LMModel, Mixer, init
+
+
+class LMMamba2Config(LMConfig):
+    model_type = "lm_mamba2"
+    _fields = {
+        "d_state": 128,
+        "d_conv": 4,
+        "expand": 2,
+        "headdim": 64,
+        "ngroups": 1,
+        "chunk_size": 256,
+        "dt_min": 0.001,
+        "dt_max": 0.1,
+        "dt_limit": [0.0, None],  # None = +inf
+        "A_init_range": [1.0, 16.0],
+        "conv_bias": True,
+    }
+
+    def validate(self):
+        super().validate()
+        for f in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
+            v = getattr(self, f)
+            self._check(isinstance(v, int) and not isinstance(v, bool) and v > 0, f, "must be a positive integer")
+        self._check(self.d_inner % self.headdim == 0, "headdim",
+                    f"must divide d_inner = expand * hidden_size = {self.d_inner}")
+        self._check(self.nheads % self.ngroups == 0, "ngroups", f"must divide the number of heads {self.nheads}")
+        self._check(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")
+        lo, hi = self.dt_limit
+        self._check(lo >= 0 and (hi is None or hi > lo), "dt_limit", "need 0 <= low < high (high None = inf)")
+        self._check(0 < self.A_init_range[0] <= self.A_init_range[1], "A_init_range", "need 0 < low <= high")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.hidden_size
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+
+class Mamba2Mixer(Mixer):
+    def __init__(self, config: LMMamba2Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.d_inner, self.nheads, self.headdim = config.d_inner, config.nheads, config.headdim
+        self.d_state, self.ngroups, self.chunk_size = config.d_state, config.ngroups, config.chunk_size
+        self.conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
+        lo, hi = config.dt_limit
+        self.dt_limit = (float(lo), float("inf") if hi is None else float(hi))
+        self.in_proj = nn.Linear(config.hidden_size, self.injection_dim(config), bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim,
+                                padding=config.d_conv - 1, bias=config.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(self.nheads))
+        self.A_log = nn.Parameter(torch.zeros(self.nheads))
+        self.D = nn.Parameter(torch.ones(self.nheads))
+        self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.ngroups, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=False)
+        for p in (self.dt_bias, self.A_log, self.D):
+            p._no_weight_decay = True
+        self.init_weights(config)
+
+    @staticmethod
+    def injection_dim(config) -> int:
+        return 2 * config.d_inner + 2 * config.ngroups * config.d_state + config.nheads
+
+    def init_weights(self, config) -> None:
+        lo, hi = config.A_init_range
+        init.copy_(self.dt_bias, dt_init(self.nheads, config.dt_min, config.dt_max))
+        init.copy_(self.A_log, torch.log(torch.empty(self.nheads).uniform_(lo, hi)))
+        init.ones_(self.D)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        # chunked SSD: intra-chunk C B^T and (.)x (length chunk/2 on average), state in/out products
+        c = min(self.chunk_size, seq_len)
+        h, p, n = self.nheads, self.headdim, self.d_state
+        return 2 * h * (c / 2) * (n + p) + 2 * 2 * h * p * n
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+        b, t, _ = x.shape
+        zxbcdt = self.in_proj(x)
+        if injection is not None:
+            zxbcdt = zxbcdt + injection
+        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        state = cache.get(self.layer_idx) if cache is not None else {}
+        xbc, conv_state = causal_conv1d(
+            xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
+            conv_state=state.get("conv"), activation="silu",
+        )
+        gn = self.ngroups * self.d_state
+        xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
+        xs = xs.reshape(b, t, self.nheads, self.headdim)
+        B = B.reshape(b, t, self.ngroups, self.d_state)
+        C = C.reshape(b, t, self.ngroups, self.d_state)
+        A = -torch.exp(self.A_log.float())
+        if cache is not None and t == 1 and "ssm" in state:
+            y, ssm = ssd_step(state["ssm"], xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D,
+                              dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+            y = y.unsqueeze(1)
+        else:
+            y, ssm = ssd_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                              dt_softplus=True, dt_limit=self.dt_limit, initial_state=state.get("ssm"),
+                              cu_seqlens=cu_seqlens, return_final_state=cache is not None)
+        if cache is not None:
+            cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
+        y = self.norm(y.reshape(b, t, self.d_inner), z)
+        return self.out_proj(y)
+
+
+class LMMamba2Model(LMModel):
+    config_class = LMMamba2Config
+    mixer_class = Mamba2Mixer
+
+
+class LMMamba2ForCausalLM(LMForCausalLM):
+    config_class = LMMamba2Config
+    mixer_class = Mamba2Mixer
+    model_class = LMMamba2Model
+

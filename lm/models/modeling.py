@@ -1,0 +1,305 @@
+"""The model every family shares: blocks, the (implicit) backbone, and the Hugging Face causal-LM classes.
+
+    Block:     x = x + mixer(norm(x), injection=inj); x = x + mlp(norm(x))   (no MLP if intermediate_size == 0)
+    Backbone:  embedding -> blocks -> final norm;  tied LM head in the causal LM.
+    Implicit:  one injection module inj = Linear(RMSNorm(emb)) shared by all layers, added to every
+               mixer's input projection; F(z) = norm_f(blocks(z, inj)) is iterated from z = 0
+               (paper 003). Simultaneous mode (all tokens at once) without a cache; sequential mode
+               (token by token, each iterated to convergence against a frozen cache, then committed)
+               with a cache, which is how `generate()` runs.
+
+A family file (llama.py, mamba2.py, ...) defines its config, its mixer, and three thin subclasses of
+the classes below that name them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+
+from ..fixed_point import FixedPointStats, phantom, solve
+from .cache import LMCache
+from .config import LMConfig
+from .layers import RMSNorm, SwiGLU
+
+try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
+    from transformers import initialization as init
+except ImportError:  # pragma: no cover
+    from torch.nn import init
+
+
+class Mixer(nn.Module):
+    """Interface of every token mixer.
+
+    forward(x, *, injection=None, cache=None, cu_seqlens=None) -> y, with x, y (b, t, hidden_size).
+    `injection` (b, t, injection_dim) is added to the mixer's input projection; `cache` is an LMCache
+    (the mixer reads/writes its layer's state); `cu_seqlens` marks packed documents (b == 1).
+    """
+
+    layer_idx: int
+
+    @staticmethod
+    def injection_dim(config) -> int:
+        raise NotImplementedError
+
+    def init_weights(self, config) -> None:
+        """Initialise parameters that are not plain Linear/Embedding/norm weights (A_log, dt_bias, ...)."""
+
+    def pop_stats(self) -> list[FixedPointStats]:
+        """Fixed-point stats of mixers that iterate internally (FP-Mamba); [] otherwise."""
+        return []
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token beyond the mixer's Linear layers (attention scores, scans)."""
+        return 0.0
+
+
+class Block(nn.Module):
+    def __init__(self, config: LMConfig, layer_idx: int, mixer_cls: type[Mixer]):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer = mixer_cls(config, layer_idx)
+        if config.intermediate_size:
+            self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        else:
+            self.mlp_norm = self.mlp = None
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+        x = x + self.mixer(self.norm(x), injection=injection, cache=cache, cu_seqlens=cu_seqlens)
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+class Injection(nn.Module):
+    """The implicit models' input injection: Linear(RMSNorm(embedding)), shared by all layers."""
+
+    def __init__(self, config: LMConfig, width: int):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.injection_norm else None
+        self.proj = nn.Linear(config.hidden_size, width, bias=False)
+
+    def forward(self, emb):
+        return self.proj(self.norm(emb) if self.norm is not None else emb)
+
+
+@dataclasses.dataclass
+class LMOutput(ModelOutput):
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    past_key_values: Optional[LMCache] = None
+    hidden_states: Optional[torch.Tensor] = None
+    fixed_point_stats: Optional[dict] = None
+
+
+class LMPreTrainedModel(PreTrainedModel):
+    config_class = LMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Block"]
+    _is_stateful = True
+    _supports_cache_class = False
+    mixer_class: type[Mixer] = Mixer
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:  # our own LMCache, made in prepare_inputs_for_generation
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Conv1d):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif hasattr(module, "weight") and "Norm" in type(module).__name__:
+            init.ones_(module.weight)
+        if isinstance(module, Mixer):
+            module.init_weights(self.config)
+
+
+class LMModel(LMPreTrainedModel):
+    """Embedding -> blocks -> final norm, explicit or implicit."""
+
+    def __init__(self, config: LMConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [Block(config, i, self.mixer_class) for i in range(config.num_hidden_layers)]
+        )
+        self.norm_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.injection = (
+            Injection(config, self.mixer_class.injection_dim(config)) if config.is_implicit else None
+        )
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    # --- the stack ----------------------------------------------------------------------------------
+    def _blocks(self, h, inj=None, cache=None, cu_seqlens=None):
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
+                h = torch.utils.checkpoint.checkpoint(
+                    layer, h, injection=inj, cu_seqlens=cu_seqlens, use_reentrant=False
+                )
+            else:
+                h = layer(h, injection=inj, cache=cache, cu_seqlens=cu_seqlens)
+        return h
+
+    def fixed_point_map(self, inj, cache=None, cu_seqlens=None):
+        """F(z) = norm_f(blocks(z, inj)): the implicit model's map."""
+        return lambda z: self.norm_f(self._blocks(z, inj, cache, cu_seqlens))
+
+    def _mixer_stats(self) -> list[FixedPointStats]:
+        out = []
+        for layer in self.layers:
+            out.extend(layer.mixer.pop_stats())
+        return out
+
+    def forward(self, input_ids, *, cache: LMCache | None = None, cu_seqlens=None):
+        """Returns (hidden states after the final norm (b, t, d), stats dict or None)."""
+        emb = self.embed_tokens(input_ids)
+        settings = self.config.implicit_settings
+        stats: dict = {}
+        if settings is None:
+            h = self.norm_f(self._blocks(emb, None, cache, cu_seqlens))
+        elif cache is None:
+            h, st = self._simultaneous(emb, settings, cu_seqlens)
+            stats.update(st.as_dict())
+        else:
+            h, st = self._sequential(emb, settings, cache)
+            stats.update(st)
+        if cache is not None and settings is None:
+            cache.seen_tokens += input_ids.shape[1]
+        inner = self._mixer_stats()
+        if inner:
+            stats.update({f"layer_{k}": v for k, v in FixedPointStats.merge(inner).items()})
+        return h, (stats or None)
+
+    def _solver_args(self, settings):
+        if self.training:
+            return dict(max_iter=settings.max_iter, tol=settings.tol)
+        return dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
+
+    def _simultaneous(self, emb, settings, cu_seqlens):
+        inj = self.injection(emb)
+        f = self.fixed_point_map(inj, None, cu_seqlens)
+        z0 = torch.zeros_like(emb)
+        # packed sequences: one "sample" per document is not separable here; the batch row is the unit
+        z, st = solve(
+            f, z0, damping=settings.damping, stop_quantile=settings.stop_quantile, norm=settings.norm,
+            anderson=settings.anderson, **self._solver_args(settings),
+        )
+        if torch.is_grad_enabled() and settings.phantom_steps > 0:
+            z = phantom(f, z, steps=settings.phantom_steps, damping=settings.damping)
+        return z, st
+
+    def _sequential(self, emb, settings, cache: LMCache):
+        """Token by token: iterate against the frozen cache until converged, then one committing pass."""
+        inj = self.injection(emb)
+        args = dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
+        outs, all_stats = [], []
+        for t in range(emb.shape[1]):
+            f = self.fixed_point_map(inj[:, t: t + 1], cache)
+            with cache.freeze():
+                z, st = solve(
+                    f, torch.zeros_like(emb[:, t: t + 1]), damping=settings.damping,
+                    stop_quantile=settings.stop_quantile, norm=settings.norm, anderson=settings.anderson, **args,
+                )
+            outs.append(f(z))  # the committing pass writes this token's states into the cache
+            cache.seen_tokens += 1
+            all_stats.append(st)
+        return torch.cat(outs, dim=1), FixedPointStats.merge(all_stats)
+
+
+class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    model_class: type[LMModel] = LMModel
+
+    def __init__(self, config: LMConfig):
+        super().__init__(config)
+        self.model = self.model_class(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        labels: torch.LongTensor | None = None,
+        targets: torch.LongTensor | None = None,
+        past_key_values: LMCache | None = None,
+        use_cache: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> LMOutput:
+        """`labels`: Hugging Face convention (shifted inside, -100 ignored). `targets`: already aligned with
+        input_ids (targets[:, i] is the token after input_ids[:, i]), as the pretraining reader yields."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            warnings.warn(
+                "lm models are recurrent and ignore attention_mask: padded positions enter the state. "
+                "Use right padding (outputs at real tokens are then exact) or batch size 1.",
+                stacklevel=2,
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = LMCache(self.config.num_hidden_layers)
+        cache = past_key_values if use_cache is not False else None
+        h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None or targets is not None:
+            if targets is None:
+                targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+                if logits_to_keep:
+                    targets = targets[:, -logits_to_keep:]
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
+            )
+        return LMOutput(loss=loss, logits=logits, past_key_values=cache, fixed_point_stats=stats)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      use_cache=True, **kwargs):
+        if past_key_values is not None and past_key_values.seen_tokens > 0:
+            input_ids = input_ids[:, past_key_values.seen_tokens:]
+        elif use_cache:
+            past_key_values = LMCache(self.config.num_hidden_layers)
+        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": use_cache,
+                "attention_mask": attention_mask}
+
+    def _reorder_cache(self, past_key_values, beam_idx):
+        past_key_values.reorder_cache(beam_idx)
+        return past_key_values
