@@ -1,0 +1,559 @@
+"""Triton chunkwise (WY/UT) kernels for (Gated) DeltaProduct, forward and backward.
+
+The op is a gated delta rule over the interleaved sequence of L = nh*T rows (see reference.py for the
+chunk equations). Queries exist only on each token's last sub-step, so the output and the query
+gradients are computed on a tile of the BQ ~ C/nh tokens whose last row lies in the chunk, not on all C
+rows. Batches are handled as packed sequences (a batch of B equal sequences is B documents), so fixed
+length and varlen share every kernel.
+
+Forward:  _prep_kernel   (parallel over chunks)  gate cumsum, A = beta KK^T o Gam, T = (I+A)^-1 by
+                                                  16x16 block inversion + merges, W = T beta e^g K, U = T beta V
+          _fwd_h_o_kernel (parallel over V blocks x heads x sequences, sequential over chunks)
+                                                  Vn = U - W S, o, S <- e^gC S + Kd^T Vn
+Backward: _bwd_dh_kernel  (sequential, reverse)   dVn and the state gradient entering each chunk
+          _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
+
+The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
+    dVn = (Q K^T o Gam o M)^T dO + Kd dS'                 dS = e^gC dS' + (e^g Q)^T dO - W^T dVn
+    dQ  = e^g dO S^T + (dO Vn^T o Gam o M) K             dK += (dO Vn^T o Gam o M)^T Q + e^{gC-g} Vn dS'^T
+    dW  = -dVn S^T,  dT = dW Kb^T + dVn Vb^T,  dKb = T^T dW,  dVb = T^T dVn,  dA = -T^T dT T^T (strict lower)
+    A = beta (K K^T o Gam): dbeta += rowsum(dA o KK o Gam), dK += (dA beta o Gam) K + (..)^T K, dg via dA o A
+and the gradient of every exp(gamma) factor goes to the within-chunk cumulative log gate, which a
+reverse cumsum maps back to the per-row (per-token) log gate.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_inputs, l2norm
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SUPPORTED_CHUNKS = (16, 32, 64)
+
+
+def _configs(warps, stages):
+    if _INTERPRET:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in warps for s in stages]
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _inv16(A):
+    """(I + A)^-1 for a strictly lower-triangular 16x16 fp32 A, by forward substitution on rows."""
+    o = tl.arange(0, 16)
+    X = -A
+    for i in tl.static_range(2, 16):
+        x = tl.sum(tl.where((o == i)[:, None], X, 0.0), 0)
+        x = x + tl.sum(x[:, None] * X, 0)
+        X = tl.where((o == i)[:, None], x[None, :], X)
+    return X + tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _load_blk(k, beta, gc, r0, eos, i_h, i: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    rows = r0 + i * 16 + tl.arange(0, 16)
+    m = rows < eos
+    o_k = tl.arange(0, BK)
+    kk = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m[:, None] & (o_k < K)[None, :],
+                 other=0.0)
+    bb = tl.load(beta + rows * H + i_h, mask=m, other=0.0).to(tl.float32)
+    gg = tl.load(gc + rows * H + i_h, mask=m, other=0.0)
+    return kk, bb, gg, m
+
+
+@triton.jit
+def _akk(ki, bi, gi, mi, kj, gj, mj, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """A_ij = beta_i (K_i K_j^T) o exp(g_i - g_j) on valid pairs (strictly lower on the diagonal)."""
+    a = tl.dot(ki, tl.trans(kj), input_precision=PREC)
+    m = mi[:, None] & mj[None, :]
+    if DIAG:
+        o = tl.arange(0, 16)
+        m = m & (o[:, None] > o[None, :])
+    d = tl.where(m, gi[:, None] - gj[None, :], float("-inf"))
+    return tl.where(m, a * bi[:, None] * tl.exp(d), 0.0)
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _store_blk(T, r0, eos, i_h, i: tl.constexpr, j: tl.constexpr, X, H: tl.constexpr, BT: tl.constexpr):
+    rows = r0 + i * 16 + tl.arange(0, 16)
+    cols = j * 16 + tl.arange(0, 16)
+    tl.store(T + (rows[:, None] * H + i_h) * BT + cols[None, :], X, mask=(rows < eos)[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------
+@triton.autotune(configs=_configs([2, 4, 8], [1, 2]), key=["H", "K", "V", "BT", "NH"])
+@triton.jit
+def _prep_kernel(k, v, beta, g, gc, Tm, w, u, chunk_seq, chunk_row, cu_rows,
+                 NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c)
+    eos = tl.load(cu_rows + n + 1)
+    o_t = tl.arange(0, BT)
+    rows = r0 + o_t
+    m_t = rows < eos
+    if USE_G:
+        gl = tl.load(g + (rows // NH) * H + i_h, mask=m_t & (rows % NH == 0), other=0.0).to(tl.float32)
+    else:
+        gl = tl.zeros([BT], dtype=tl.float32)
+    gcs = tl.cumsum(gl, 0)
+    tl.store(gc + rows * H + i_h, gcs, mask=m_t)
+    tl.debug_barrier()
+    # A in 16x16 blocks, diagonal blocks inverted, then merged: T = (I + A)^-1
+    k1, b1, g1, m1 = _load_blk(k, beta, gc, r0, eos, i_h, 0, H, K, BK)
+    T11 = _inv16(_akk(k1, b1, g1, m1, k1, g1, m1, True, PREC))
+    _store_blk(Tm, r0, eos, i_h, 0, 0, T11, H, BT)
+    if BT >= 32:
+        k2, b2, g2, m2 = _load_blk(k, beta, gc, r0, eos, i_h, 1, H, K, BK)
+        T22 = _inv16(_akk(k2, b2, g2, m2, k2, g2, m2, True, PREC))
+        A21 = _akk(k2, b2, g2, m2, k1, g1, m1, False, PREC)
+        T21 = -_mm(_mm(T22, A21), T11)
+        _store_blk(Tm, r0, eos, i_h, 1, 0, T21, H, BT)
+        _store_blk(Tm, r0, eos, i_h, 1, 1, T22, H, BT)
+    if BT >= 64:
+        k3, b3, g3, m3 = _load_blk(k, beta, gc, r0, eos, i_h, 2, H, K, BK)
+        k4, b4, g4, m4 = _load_blk(k, beta, gc, r0, eos, i_h, 3, H, K, BK)
+        T33 = _inv16(_akk(k3, b3, g3, m3, k3, g3, m3, True, PREC))
+        T44 = _inv16(_akk(k4, b4, g4, m4, k4, g4, m4, True, PREC))
+        A31 = _akk(k3, b3, g3, m3, k1, g1, m1, False, PREC)
+        A32 = _akk(k3, b3, g3, m3, k2, g2, m2, False, PREC)
+        A41 = _akk(k4, b4, g4, m4, k1, g1, m1, False, PREC)
+        A42 = _akk(k4, b4, g4, m4, k2, g2, m2, False, PREC)
+        A43 = _akk(k4, b4, g4, m4, k3, g3, m3, False, PREC)
+        T32 = -_mm(_mm(T33, A32), T22)
+        T43 = -_mm(_mm(T44, A43), T33)
+        T31 = -_mm(T33, _mm(A31, T11) + _mm(A32, T21))
+        T42 = -_mm(T44, _mm(A42, T22) + _mm(A43, T32))
+        T41 = -_mm(T44, _mm(A41, T11) + _mm(A42, T21) + _mm(A43, T31))
+        _store_blk(Tm, r0, eos, i_h, 2, 0, T31, H, BT)
+        _store_blk(Tm, r0, eos, i_h, 2, 1, T32, H, BT)
+        _store_blk(Tm, r0, eos, i_h, 2, 2, T33, H, BT)
+        _store_blk(Tm, r0, eos, i_h, 3, 0, T41, H, BT)
+        _store_blk(Tm, r0, eos, i_h, 3, 1, T42, H, BT)
+        _store_blk(Tm, r0, eos, i_h, 3, 2, T43, H, BT)
+        _store_blk(Tm, r0, eos, i_h, 3, 3, T44, H, BT)
+    tl.debug_barrier()
+    tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
+    b_b = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    o_k = tl.arange(0, BK)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
+                  other=0.0)
+    kdt = b_k.dtype
+    b_T = b_T.to(kdt)
+    b_kb = (b_k.to(tl.float32) * (b_b * tl.exp(gcs))[:, None]).to(kdt)
+    b_w = tl.dot(b_T, b_kb, input_precision=PREC)
+    tl.store(w + (rows[:, None] * H + i_h) * K + o_k[None, :], b_w.to(w.dtype.element_ty),
+             mask=m_t[:, None] & (o_k < K)[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mv, other=0.0)
+        b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
+        b_u = tl.dot(b_T, b_vb, input_precision=PREC)
+        tl.store(u + (rows[:, None] * H + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
+
+
+@triton.autotune(configs=_configs([4, 8], [1, 2, 3]), key=["H", "K", "V", "BT", "NH", "BV", "SAVE"])
+@triton.jit
+def _fwd_h_o_kernel(q, k, w, u, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale,
+                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
+                    STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_rows + i_n)
+    eos = tl.load(cu_rows + i_n + 1)
+    c0 = tl.load(chunk_off + i_n)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk = o_k < K
+    mv = o_v < V
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    kdt = k.dtype.element_ty
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                       mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    for c in range(tl.cdiv(eos - bos, BT)):
+        r0 = bos + c * BT
+        rows = r0 + o_t
+        m_t = rows < eos
+        re = tl.minimum(r0 + BT, eos)
+        if SAVE:
+            tl.store(hs + (((c0 + c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                     b_S.to(hs.dtype.element_ty), mask=mk[:, None] & mv[None, :])
+        mkv = m_t[:, None] & mk[None, :]
+        b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
+        b_u = tl.load(u + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & mv[None, :],
+                      other=0.0)
+        b_Sk = b_S.to(kdt)
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
+        if SAVE:
+            tl.store(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], b_vn.to(vn.dtype.element_ty),
+                     mask=m_t[:, None] & mv[None, :])
+        b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
+        g_last = tl.load(gc + (re - 1) * H + i_h)
+        # outputs of the tokens whose last sub-step lies in this chunk
+        toks = r0 // NH + o_q
+        rq = toks * NH + NH - 1
+        m_q = rq < re
+        b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
+                      other=0.0)
+        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
+        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+        b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
+        b_qg = (b_q.to(tl.float32) * tl.exp(b_gq)[:, None]).to(kdt)
+        b_vnk = b_vn.to(kdt)
+        b_o = tl.dot(b_qg, b_Sk, input_precision=PREC) + tl.dot(b_A.to(kdt), b_vnk, input_precision=PREC)
+        tl.store(o + (toks[:, None] * H + i_h) * V + o_v[None, :], (b_o * scale).to(o.dtype.element_ty),
+                 mask=m_q[:, None] & mv[None, :])
+        # state passing
+        b_kd = (b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]).to(kdt)
+        b_S = b_S * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vnk, input_precision=PREC)
+    if STORE_FINAL:
+        tl.store(ht + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], b_S,
+                 mask=mk[:, None] & mv[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------
+@triton.autotune(configs=_configs([4, 8], [1, 2, 3]), key=["H", "K", "V", "BT", "NH", "BV"])
+@triton.jit
+def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale,
+                   NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
+                   STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_rows + i_n)
+    eos = tl.load(cu_rows + i_n + 1)
+    c0 = tl.load(chunk_off + i_n)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk = o_k < K
+    mv = o_v < V
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    kdt = k.dtype.element_ty
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dS += tl.load(dht + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                        mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    NT = tl.cdiv(eos - bos, BT)
+    for cc in range(NT):
+        c = NT - 1 - cc
+        r0 = bos + c * BT
+        rows = r0 + o_t
+        m_t = rows < eos
+        re = tl.minimum(r0 + BT, eos)
+        tl.store(dh + (((c0 + c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                 b_dS.to(dh.dtype.element_ty), mask=mk[:, None] & mv[None, :])
+        mkv = m_t[:, None] & mk[None, :]
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
+        b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
+        b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
+        g_last = tl.load(gc + (re - 1) * H + i_h)
+        toks = r0 // NH + o_q
+        rq = toks * NH + NH - 1
+        m_q = rq < re
+        b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
+                      other=0.0)
+        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+        b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
+                       other=0.0)
+        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+        b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0))), 0.0)
+        b_kd = (b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]).to(kdt)
+        b_dSk = b_dS.to(kdt)
+        b_dvn = tl.dot(tl.trans(b_A.to(kdt)), b_do, input_precision=PREC) + \
+            tl.dot(b_kd, b_dSk, input_precision=PREC)
+        b_dvn = tl.where(m_t[:, None], b_dvn, 0.0)
+        tl.store(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
+                 mask=m_t[:, None] & mv[None, :])
+        b_qg = (b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None]).to(kdt)
+        b_dS = b_dS * tl.exp(g_last) + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC) \
+            - tl.dot(tl.trans(b_w), b_dvn.to(kdt), input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], b_dS,
+                 mask=mk[:, None] & mv[None, :])
+
+
+@triton.autotune(configs=_configs([4, 8], [1, 2]), key=["H", "K", "V", "BT", "NH", "BV"])
+@triton.jit
+def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg,
+                     chunk_seq, chunk_row, cu_rows, chunk_off, scale,
+                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
+                     PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c)
+    bos = tl.load(cu_rows + n)
+    eos = tl.load(cu_rows + n + 1)
+    c_glob = tl.load(chunk_off + n) + (r0 - bos) // BT
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    o_k = tl.arange(0, BK)
+    mk = o_k < K
+    rows = r0 + o_t
+    m_t = rows < eos
+    re = tl.minimum(r0 + BT, eos)
+    kdt = k.dtype.element_ty
+    mkv = m_t[:, None] & mk[None, :]
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
+    b_b = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
+    g_last = tl.load(gc + (re - 1) * H + i_h)
+    tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
+    b_Tk = b_T.to(kdt)
+    toks = r0 // NH + o_q
+    rq = toks * NH + NH - 1
+    m_q = rq < re
+    b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
+    b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+
+    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
+    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        mtv = m_t[:, None] & mv[None, :]
+        p_h = (c_glob * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+        b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+        b_vn = tl.load(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+        b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+        b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+        b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
+                       other=0.0)
+        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
+        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
+        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
+        b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
+        b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
+        b_dvnvb += tl.dot(b_dvn, tl.trans(b_vb), input_precision=PREC)
+        b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
+        tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
+                 (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+
+    # intra-chunk output terms
+    b_qs = b_q.to(tl.float32) * scale
+    m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
+    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
+    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
+    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
+    tl.store(dq + (toks[:, None] * H + i_h) * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_q[:, None] & mk[None, :])
+    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
+    b_e2 = b_daq * b_qk
+    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
+    b_dg = -tl.sum(b_e2, 0)
+    b_dg += tl.sum(tl.where(((rq - r0)[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
+    # state passing terms
+    b_ed = tl.exp(g_last - b_g)
+    b_dk += b_dkd * b_ed[:, None]
+    b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
+    b_dg -= b_f
+    b_dglast = tl.sum(b_f, 0) + tl.exp(g_last) * tl.sum(b_dgc, 0)
+    b_dg += tl.where(rows == re - 1, b_dglast, 0.0)
+    # WY representation: W = T Kb, U = T Vb
+    b_eb = b_b * tl.exp(b_g)
+    b_kb = b_k.to(tl.float32) * b_eb[:, None]
+    b_dT = tl.dot(b_dw.to(kdt), tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb
+    b_dkb = tl.dot(tl.trans(b_Tk), b_dw.to(kdt), input_precision=PREC)
+    b_dk += b_dkb * b_eb[:, None]
+    b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
+    b_db += b_t * tl.exp(b_g)
+    b_dg += b_t * b_eb
+    # T = (I + A)^-1: dA = -T^T dT T^T on the strictly lower part
+    b_dA = tl.dot(b_dT.to(kdt), tl.trans(b_Tk), input_precision=PREC)
+    b_dA = -tl.dot(tl.trans(b_Tk), b_dA.to(kdt), input_precision=PREC)
+    m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_gam = tl.exp(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    b_p = tl.where(m_s, b_kk * b_gam, 0.0)
+    b_dA = tl.where(m_s, b_dA, 0.0)
+    b_db += tl.sum(b_dA * b_p, 1)
+    b_dpg = b_dA * b_b[:, None] * b_gam
+    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
+                                                                        input_precision=PREC)
+    b_e = b_dA * b_p * b_b[:, None]
+    b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
+    tl.store(db + rows * H + i_h, b_db.to(db.dtype.element_ty), mask=m_t)
+    if USE_G:
+        b_dg = tl.where(m_t, b_dg, 0.0)
+        b_dgl = tl.sum(b_dg, 0) - tl.cumsum(b_dg, 0) + b_dg  # reverse cumsum
+        tl.store(dg + (rows // NH) * H + i_h, b_dgl.to(dg.dtype.element_ty), mask=m_t & (rows % NH == 0))
+
+
+# ----------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------
+def _chunk_tables(cu_rows_list, BT, device):
+    """Per chunk: its sequence and first row; per sequence: index of its first chunk."""
+    seq, row, off = [], [], []
+    for n, (a, b) in enumerate(zip(cu_rows_list[:-1], cu_rows_list[1:])):
+        off.append(len(seq))
+        for r in range(a, b, BT):
+            seq.append(n)
+            row.append(r)
+    mk = lambda x: torch.tensor(x if x else [0], dtype=torch.int32, device=device)  # noqa: E731
+    return mk(seq), mk(row), mk(off), len(seq)
+
+
+def _prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _blocks(K, V):
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    return BK, BV
+
+
+def _fwd(q, k, v, beta, g, h0, meta, save):
+    """q (1,T,H,K), k,v,beta rows (1,L,..), g (1,T,H) or None. Returns o, final, saved tensors."""
+    nh, BT, scale, output_final = meta["nh"], meta["BT"], meta["scale"], meta["output_final"]
+    _, L, H, K = k.shape
+    V = v.shape[-1]
+    dev = k.device
+    cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
+    BK, BV = _blocks(K, V)
+    BQ = max(16, triton.next_power_of_2(triton.cdiv(BT, nh)))
+    prec = _prec(k.dtype)
+    gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
+    Tm = torch.empty(1, L, H, BT, dtype=torch.float32, device=dev)
+    w = torch.empty_like(k)
+    u = torch.empty_like(v)
+    _prep_kernel[(NT, H)](k, v, beta, g if g is not None else gc, gc, Tm, w, u, cseq, crow, cu_rows,
+                          NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, PREC=prec)
+    o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
+    hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
+    vn = torch.empty_like(v) if save else None
+    _fwd_h_o_kernel[(triton.cdiv(V, BV), N, H)](
+        q, k, w, u, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
+        hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale,
+        NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
+        SAVE=save, PREC=prec)
+    return o, ht, (gc, Tm, w, hs, vn)
+
+
+def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
+    gc, Tm, w, hs, vn = saved
+    nh, BT, scale = meta["nh"], meta["BT"], meta["scale"]
+    _, L, H, K = k.shape
+    V = v.shape[-1]
+    dev = k.device
+    cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
+    BK, BV = _blocks(K, V)
+    BQ = max(16, triton.next_power_of_2(triton.cdiv(BT, nh)))
+    prec = _prec(k.dtype)
+    do = do.contiguous()
+    dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)
+    dvn = torch.empty_like(v)
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
+    _bwd_dh_kernel[(triton.cdiv(V, BV), N, H)](
+        q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn, cu_rows,
+        coff, scale, NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None,
+        STORE_DH0=h0 is not None, PREC=prec)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
+    dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
+    _bwd_main_kernel[(NT, H)](
+        q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
+        cseq, crow, cu_rows, coff, scale, NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ,
+        USE_G=g is not None, PREC=prec)
+    return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
+        (dh0.to(h0.dtype) if h0 is not None else None)
+
+
+class _ChunkDeltaProductFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, g, h0, meta):
+        o, ht, saved = _fwd(q, k, v, beta, g, h0, meta, save=True)
+        ctx.save_for_backward(q, k, v, beta, g, h0, *saved)
+        ctx.meta = meta
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, g, h0, *saved = ctx.saved_tensors
+        dq, dk, dv, db, dg, dh0 = _bwd(q, k, v, beta, g, h0, saved, do, dht, ctx.meta)
+        return dq, dk, dv, db, dg, dh0, None
+
+
+def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
+                              output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64):
+    """Triton path of `chunk_deltaproduct` (same contract). Computes in float32 inside the kernels;
+    float64 inputs are not supported here (use the reference)."""
+    B, T, H, K, V, N = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens)
+    if chunk_size not in SUPPORTED_CHUNKS:
+        raise ValueError(f"the triton backend supports chunk_size in {SUPPORTED_CHUNKS}, got {chunk_size}")
+    if K > 256:
+        raise ValueError(f"the triton backend supports head_k_dim <= 256, got {K}")
+    if q.dtype == torch.float64:
+        raise ValueError("the triton backend does not take float64 inputs; use backend='reference'")
+    dt = v.dtype
+    if not (q.dtype == k.dtype == dt):
+        raise ValueError(f"q, k and v must share one dtype for the triton backend, got {q.dtype}, {k.dtype}, {dt}")
+    nh = num_householder
+    scale = K ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    # a batch of B sequences is B packed documents
+    q, k, v = (x.reshape(1, -1, H, x.shape[-1]).contiguous() for x in (q, k, v))
+    beta = beta.reshape(1, -1, H).contiguous()
+    g = g.reshape(1, -1, H).contiguous() if g is not None else None
+    if cu_seqlens is None:
+        cu_tok = [b * T for b in range(B + 1)]
+    else:
+        cu_tok = [int(x) for x in cu_seqlens.tolist()]
+    cu_rows_list = [c * nh for c in cu_tok]
+    cseq, crow, coff, NT = _chunk_tables(cu_rows_list, chunk_size, q.device)
+    meta = dict(nh=nh, BT=chunk_size, scale=scale, output_final=output_final_state, cseq=cseq, crow=crow,
+                coff=coff, NT=NT, N=N, cu_rows=torch.tensor(cu_rows_list, dtype=torch.int32, device=q.device))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    if NT == 0:
+        o = v.new_zeros(1, 0, H, V)
+        ht = (h0.float() if h0 is not None else v.new_zeros(N, H, K, V, dtype=torch.float32)) \
+            if output_final_state else None
+        return o.reshape(B, T, H, V), ht
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, beta, g, h0))
+    if needs_grad:
+        o, ht = _ChunkDeltaProductFn.apply(q, k, v, beta, g, h0, meta)
+    else:
+        o, ht, _ = _fwd(q, k, v, beta, g, h0, meta, save=False)
+    return o.reshape(B, T, H, V), ht
