@@ -1,0 +1,517 @@
+"""Triton kernels of the chunked SSD scan, forward and backward (launched from triton_ssd.py).
+
+Notation (per head; a chunk is at most L consecutive tokens of one sequence):
+    dt  processed step (softplus(dt + bias), clamped), cs = in-chunk cumsum of dt*A, a = cs[last]
+    S_c state at the start of chunk c (S_0 = initial state), S_{c+1} = e^a S_c + sum_l w_l x_l B_l^T,
+        w_l = dt_l e^{a - cs_l}
+    y_m = e^{cs_m} S_c C_m + sum_{l<=m} (C_m.B_l) e^{cs_m - cs_l} dt_l x_l + D x_m, then y *= silu(z)
+Backward: G_c = dLoss/dS_c runs in reverse, G_c = e^a G_{c+1} + sum_m e^{cs_m} dy_m C_m^T. The kernels
+below store G_{c+1} per chunk ("dstates") and then every gradient is chunk-local:
+    dx_l   = dt_l * t_l + D dy_l,  t_l = e^{a-cs_l} G_{c+1} B_l + sum_{m>=l} (C_m.B_l) e^{cs_m-cs_l} dy_m
+    ddt_l  = x_l.t_l  (+ the part through cs)
+    Q_ml   = sum_heads (dy_m.x_l) e^{cs_m-cs_l} dt_l           (m >= l; per group)
+    dC_m   = sum_heads e^{cs_m} dy_m S_c + sum_l Q_ml B_l
+    dB_l   = sum_heads w_l x_l G_{c+1} + sum_m Q_ml C_m
+    dcs_k  = dy_k.y_ssm_k - x_k.dx_ssm_k  (+ at the last row: sum_l x_l.dx_state_l + <G_{c+1}, e^a S_c>)
+    d(dt*A)_l = sum_{k>=l} dcs_k
+Chunks: fixed-length batches use chunk = (batch, c); packed documents use a chunk table (the chunk's
+first token and length), so chunks never cross a document boundary and states restart per document.
+Internal per-token buffers (dt, cs, ...) are float32, laid out (H, B*T). Products take their operands
+in DOT_DT (the input dtype on GPU; float32 under the interpreter, whose bf16 dot is wrong).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Global chunk id -> (batch, first token in the batch row, length); length 0 = no chunk."""
+    if IS_VARLEN:
+        b = pid_c * 0
+        t0 = tl.load(chunk_t0_ptr + pid_c)
+        clen = tl.load(chunk_len_ptr + pid_c)
+    else:
+        b = pid_c // NC
+        t0 = (pid_c % NC) * L
+        clen = tl.minimum(L, T - t0)
+    return b, t0, clen
+
+
+@triton.jit
+def _seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN: tl.constexpr):
+    """Sequence id -> (batch, first token, length, first global chunk, number of chunks)."""
+    if IS_VARLEN:
+        b = pid_s * 0
+        t_begin = tl.load(cu_ptr + pid_s).to(tl.int32)
+        seqlen = tl.load(cu_ptr + pid_s + 1).to(tl.int32) - t_begin
+        c_begin = tl.load(chunk_first_ptr + pid_s)
+        n_chunks = tl.load(chunk_first_ptr + pid_s + 1) - c_begin
+    else:
+        b = pid_s
+        t_begin = pid_s * 0
+        seqlen = T
+        c_begin = pid_s * NC
+        n_chunks = NC
+    return b, t_begin, seqlen, c_begin, n_chunks
+
+
+@triton.jit
+def _softplus(v):
+    return tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))))
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def dt_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, chunk_t0_ptr, chunk_len_ptr,
+                  T, H, NC, BT, s_dt_b, s_dt_t, dt_lo, dt_hi,
+                  L: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                  HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if clen <= 0:
+        return
+    rows = tl.arange(0, L)
+    heads = pid_h * BH + tl.arange(0, BH)
+    mask = (rows[:, None] < clen) & (heads[None, :] < H)
+    dt = tl.load(dt_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :], mask=mask, other=0.0)
+    dt = dt.to(tl.float32)
+    if HAS_BIAS:
+        dt += tl.load(bias_ptr + heads, mask=heads < H, other=0.0).to(tl.float32)[None, :]
+    if SOFTPLUS:
+        dt = _softplus(dt)
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+    dt = tl.where(mask, dt, 0.0)
+    A = tl.load(A_ptr + heads, mask=heads < H, other=0.0).to(tl.float32)
+    cs = tl.cumsum(dt * A[None, :], axis=0)
+    off = heads[None, :] * BT + b * T + t0 + rows[:, None]
+    tl.store(dtp_ptr + off, dt, mask=mask)
+    tl.store(cs_ptr + off, cs, mask=mask)
+
+
+@triton.jit
+def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_ptr, cu_ptr, chunk_first_ptr,
+                     T, H, P, N, NC, BT, R,
+                     s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
+                     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Per (sequence, head, p-block x n-block): walk the chunks in order, store each chunk's start state."""
+    pid_s = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_pn = tl.program_id(2)
+    n_nb = tl.cdiv(N, BN)
+    offs_p = (pid_pn // n_nb) * BP + tl.arange(0, BP)
+    offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
+    pn_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
+    pn_off = offs_p[:, None] * N + offs_n[None, :]
+    g = h // R
+    b, t_begin, seqlen, c_begin, n_chunks = _seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
+    dtype = DOT_DT
+    if HAS_INIT:
+        S = tl.load(init_ptr + (pid_s * H + h) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BP, BN), dtype=tl.float32)
+    x_base = x_ptr + b * s_x_b + h * s_x_h
+    B_base = B_ptr + b * s_B_b + g * s_B_g
+    for i in range(0, n_chunks):
+        c = c_begin + i
+        t0 = t_begin + i * L
+        clen = tl.minimum(L, seqlen - i * L)
+        tl.store(states_ptr + (c.to(tl.int64) * H + h) * P * N + pn_off, S.to(states_ptr.dtype.element_ty),
+                 mask=pn_mask)
+        tok0 = h * BT + b * T + t0
+        a = tl.load(cs_ptr + tok0 + clen - 1)
+        acc = tl.zeros((BP, BN), dtype=tl.float32)
+        for k in range(0, clen, BK):
+            rows = k + tl.arange(0, BK)
+            rmask = rows < clen
+            cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
+            dt_k = tl.load(dtp_ptr + tok0 + rows, mask=rmask, other=0.0)
+            w = tl.where(rmask, tl.exp(a - cs_k) * dt_k, 0.0)
+            xk = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :],
+                         mask=rmask[:, None] & (offs_p[None, :] < P), other=0.0)
+            Bk = tl.load(B_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
+                         mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
+            xw = (xk.to(tl.float32) * w[:, None]).to(dtype)
+            acc = tl.dot(tl.trans(xw), Bk.to(dtype), acc, input_precision=DOT_PREC)
+        S = tl.exp(a) * S + acc
+    if HAS_FINAL:
+        tl.store(final_ptr + (pid_s * H + h) * P * N + pn_off, S, mask=pn_mask)
+
+
+@triton.jit
+def chunk_scan_fwd_kernel(x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
+                          chunk_t0_ptr, chunk_len_ptr,
+                          T, H, P, N, NC, BT, R,
+                          s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                          L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                          BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+                          STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Per (chunk, head, m-block x p-block): y = e^{cs} C S^T + causal((C B^T) * decay * dt) x + D x."""
+    pid_c = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_mp = tl.program_id(2)
+    n_pb = tl.cdiv(P, BP)
+    m0 = (pid_mp // n_pb) * BM
+    offs_p = (pid_mp % n_pb) * BP + tl.arange(0, BP)
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if m0 >= clen:
+        return
+    g = h // R
+    dtype = DOT_DT
+    tok0 = h * BT + b * T + t0
+    rows_m = m0 + tl.arange(0, BM)
+    mmask = rows_m < clen
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    pmask = offs_p < P
+    B_base = B_ptr + b * s_B_b + g * s_B_g
+    C_base = C_ptr + b * s_B_b + g * s_B_g
+    x_base = x_ptr + b * s_x_b + h * s_x_h
+    cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+    Cm = tl.load(C_base + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :], mask=mmask[:, None] & nmask[None, :],
+                 other=0.0).to(dtype)
+    S = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BP) = S^T
+    acc = tl.dot(Cm, S, input_precision=DOT_PREC) * tl.exp(cs_m)[:, None]
+    k_end = tl.minimum(m0 + BM, clen)
+    for k in range(0, k_end, BK):
+        rows_k = k + tl.arange(0, BK)
+        kmask = rows_k < clen
+        Bk = tl.load(B_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
+                     other=0.0).to(dtype)
+        cb = tl.dot(Cm, tl.trans(Bk), input_precision=DOT_PREC)
+        cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+        dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+        causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :]
+        decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+        cb = cb * decay * dt_k[None, :]
+        xk = tl.load(x_base + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],
+                     other=0.0)
+        acc = tl.dot(cb.to(dtype), xk.to(dtype), acc, input_precision=DOT_PREC)
+    mp_mask = mmask[:, None] & pmask[None, :]
+    if HAS_D:
+        xm = tl.load(x_base + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :], mask=mp_mask, other=0.0)
+        if D_HP:
+            Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            Dv = tl.load(D_ptr + h).to(tl.float32)
+        acc += Dv * xm.to(tl.float32)
+    y_off = (b * T + t0 + rows_m[:, None]) * (H * P) + h * P + offs_p[None, :]
+    if STORE_PRE:
+        tl.store(ypre_ptr + y_off, acc.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
+    if HAS_Z:
+        zv = tl.load(z_ptr + b * s_z_b + (t0 + rows_m[:, None]) * s_z_t + h * s_z_h + offs_p[None, :],
+                     mask=mp_mask, other=0.0).to(tl.float32)
+        acc = acc * zv * tl.sigmoid(zv)
+    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def gate_bwd_kernel(dout_ptr, z_ptr, ypre_ptr, dy_ptr, dz_ptr, numel, BLOCK: tl.constexpr):
+    """y = ypre * silu(z): dy = dout * silu(z), dz = dout * ypre * silu'(z) (all contiguous)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    do = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    yp = tl.load(ypre_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(z)
+    tl.store(dy_ptr + offs, (do * z * sig).to(dy_ptr.dtype.element_ty), mask=mask)
+    tl.store(dz_ptr + offs, (do * yp * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr, dinit_ptr, passing_ptr,
+                      cu_ptr, chunk_first_ptr,
+                      T, H, P, N, NC, BT, R,
+                      s_dy_b, s_dy_t, s_dy_h, s_B_b, s_B_t, s_B_g,
+                      L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                      DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Per (sequence, head, p-block x n-block): walk the chunks backwards carrying G = dLoss/dS."""
+    pid_s = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_pn = tl.program_id(2)
+    n_pn = tl.num_programs(2)
+    n_nb = tl.cdiv(N, BN)
+    offs_p = (pid_pn // n_nb) * BP + tl.arange(0, BP)
+    offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
+    pn_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
+    pn_off = offs_p[:, None] * N + offs_n[None, :]
+    g = h // R
+    b, t_begin, seqlen, c_begin, n_chunks = _seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
+    dtype = DOT_DT
+    if HAS_DFINAL:
+        G = tl.load(dfinal_ptr + (pid_s * H + h) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+    else:
+        G = tl.zeros((BP, BN), dtype=tl.float32)
+    dy_base = dy_ptr + b * s_dy_b + h * s_dy_h
+    C_base = C_ptr + b * s_B_b + g * s_B_g
+    for j in range(0, n_chunks):
+        i = n_chunks - 1 - j
+        c = c_begin + i
+        t0 = t_begin + i * L
+        clen = tl.minimum(L, seqlen - i * L)
+        st_off = (c.to(tl.int64) * H + h) * P * N + pn_off
+        tl.store(dstates_ptr + st_off, G.to(dstates_ptr.dtype.element_ty), mask=pn_mask)
+        tok0 = h * BT + b * T + t0
+        a = tl.load(cs_ptr + tok0 + clen - 1)
+        ea = tl.exp(a)
+        S = tl.load(states_ptr + st_off, mask=pn_mask, other=0.0).to(tl.float32)
+        tl.store(passing_ptr + (c.to(tl.int64) * H + h) * n_pn + pid_pn, tl.sum(tl.sum(G * S, 1), 0) * ea)
+        acc = tl.zeros((BP, BN), dtype=tl.float32)
+        for k in range(0, clen, BK):
+            rows = k + tl.arange(0, BK)
+            rmask = rows < clen
+            cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
+            dyk = tl.load(dy_base + (t0 + rows[:, None]) * s_dy_t + offs_p[None, :],
+                          mask=rmask[:, None] & (offs_p[None, :] < P), other=0.0)
+            Ck = tl.load(C_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
+                         mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
+            dyw = (dyk.to(tl.float32) * tl.where(rmask, tl.exp(cs_k), 0.0)[:, None]).to(dtype)
+            acc = tl.dot(tl.trans(dyw), Ck.to(dtype), acc, input_precision=DOT_PREC)
+        G = ea * G + acc
+    if HAS_INIT:
+        tl.store(dinit_ptr + (pid_s * H + h) * P * N + pn_off, G, mask=pn_mask)
+
+
+@triton.jit
+def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, Q_ptr, chunk_t0_ptr, chunk_len_ptr,
+                   T, H, P, NC, BT, R, G,
+                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h,
+                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32)."""
+    pid_c = tl.program_id(0)
+    g = tl.program_id(1)
+    pid_mk = tl.program_id(2)
+    n_kb = L // BK
+    m0 = (pid_mk // n_kb) * BM
+    k0 = (pid_mk % n_kb) * BK
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if (m0 >= clen) | (k0 >= m0 + BM):
+        return
+    rows_m = m0 + tl.arange(0, BM)
+    rows_k = k0 + tl.arange(0, BK)
+    mmask = rows_m < clen
+    kmask = rows_k < clen
+    offs_p = tl.arange(0, BPF)
+    pmask = offs_p < P
+    dtype = DOT_DT
+    causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :] & mmask[:, None]
+    acc = tl.zeros((BM, BK), dtype=tl.float32)
+    for hh in range(0, R):
+        h = g * R + hh
+        tok0 = h * BT + b * T + t0
+        dym = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_m[:, None]) * s_dy_t + offs_p[None, :],
+                      mask=mmask[:, None] & pmask[None, :], other=0.0).to(dtype)
+        xk = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :],
+                     mask=kmask[:, None] & pmask[None, :], other=0.0).to(dtype)
+        qq = tl.dot(dym, tl.trans(xk), input_precision=DOT_PREC)
+        cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+        cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+        dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+        decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+        acc += qq * decay * dt_k[None, :]
+    q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
+    tl.store(q_base + rows_m[:, None] * L + rows_k[None, :], acc)
+
+
+@triton.jit
+def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, Q_ptr, dB_ptr, dC_ptr,
+                    chunk_t0_ptr, chunk_len_ptr,
+                    T, H, P, N, NC, BT, R, G,
+                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
+                    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BN: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Per (chunk, group, m-block x n-block): dC = sum_h e^{cs} dy S + Q B, dB = sum_h w x G' + Q^T C."""
+    pid_c = tl.program_id(0)
+    g = tl.program_id(1)
+    pid_mn = tl.program_id(2)
+    n_nb = tl.cdiv(N, BN)
+    m0 = (pid_mn // n_nb) * BM
+    offs_n = (pid_mn % n_nb) * BN + tl.arange(0, BN)
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if m0 >= clen:
+        return
+    rows_m = m0 + tl.arange(0, BM)
+    mmask = rows_m < clen
+    nmask = offs_n < N
+    offs_p = tl.arange(0, BPF)
+    pmask = offs_p < P
+    dtype = DOT_DT
+    acc_dC = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_dB = tl.zeros((BM, BN), dtype=tl.float32)
+    for hh in range(0, R):
+        h = g * R + hh
+        tok0 = h * BT + b * T + t0
+        cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+        dt_m = tl.load(dtp_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+        a = tl.load(cs_ptr + tok0 + clen - 1)
+        pm = mmask[:, None] & pmask[None, :]
+        dym = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_m[:, None]) * s_dy_t + offs_p[None, :],
+                      mask=pm, other=0.0).to(tl.float32)
+        xm = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :],
+                     mask=pm, other=0.0).to(tl.float32)
+        st_off = (pid_c.to(tl.int64) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :]
+        pn = pmask[:, None] & nmask[None, :]
+        S = tl.load(states_ptr + st_off, mask=pn, other=0.0).to(dtype)
+        Gd = tl.load(dstates_ptr + st_off, mask=pn, other=0.0).to(dtype)
+        e_m = tl.where(mmask, tl.exp(cs_m), 0.0)
+        w_m = tl.where(mmask, tl.exp(a - cs_m) * dt_m, 0.0)
+        acc_dC = tl.dot((dym * e_m[:, None]).to(dtype), S, acc_dC, input_precision=DOT_PREC)
+        acc_dB = tl.dot((xm * w_m[:, None]).to(dtype), Gd, acc_dB, input_precision=DOT_PREC)
+    q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
+    B_base = B_ptr + b * s_B_b + g * s_B_g
+    C_base = C_ptr + b * s_B_b + g * s_B_g
+    k_end = tl.minimum(m0 + BM, clen)
+    for k in range(0, k_end, BK):  # dC_m += sum_{l <= m} Q[m, l] B_l
+        rows_k = k + tl.arange(0, BK)
+        kmask = rows_k < clen
+        q = tl.load(q_base + rows_m[:, None] * L + rows_k[None, :],
+                    mask=mmask[:, None] & kmask[None, :] & (rows_m[:, None] >= rows_k[None, :]), other=0.0)
+        Bk = tl.load(B_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
+                     other=0.0).to(dtype)
+        acc_dC = tl.dot(q.to(dtype), Bk, acc_dC, input_precision=DOT_PREC)
+    k_begin = (m0 // BK) * BK
+    for k in range(k_begin, clen, BK):  # dB_l += sum_{m >= l} Q[m, l] C_m  (here l = rows_m)
+        rows_k = k + tl.arange(0, BK)
+        kmask = rows_k < clen
+        qT = tl.load(q_base + rows_k[None, :] * L + rows_m[:, None],
+                     mask=mmask[:, None] & kmask[None, :] & (rows_k[None, :] >= rows_m[:, None]), other=0.0)
+        Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
+                     other=0.0).to(dtype)
+        acc_dB = tl.dot(qT.to(dtype), Ck, acc_dB, input_precision=DOT_PREC)
+    out_off = (b * T + t0 + rows_m[:, None]) * (G * N) + g * N + offs_n[None, :]
+    mn = mmask[:, None] & nmask[None, :]
+    tl.store(dB_ptr + out_off, acc_dB.to(dB_ptr.dtype.element_ty), mask=mn)
+    tl.store(dC_ptr + out_off, acc_dC.to(dC_ptr.dtype.element_ty), mask=mn)
+
+
+@triton.jit
+def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr, ypre_ptr,
+                  dx_ptr, ddt_ptr, dcs_ptr, q_ptr, dD_ptr, chunk_t0_ptr, chunk_len_ptr,
+                  T, H, P, N, NC, BT, R,
+                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
+                  L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
+                  HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums."""
+    pid_c = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    l0 = pid_m * BM
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if l0 >= clen:
+        return
+    g = h // R
+    dtype = DOT_DT
+    tok0 = h * BT + b * T + t0
+    rows_l = l0 + tl.arange(0, BM)
+    lmask = rows_l < clen
+    offs_p = tl.arange(0, BPF)
+    pmask = offs_p < P
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    B_base = B_ptr + b * s_B_b + g * s_B_g
+    C_base = C_ptr + b * s_B_b + g * s_B_g
+    dy_base = dy_ptr + b * s_dy_b + h * s_dy_h
+    x_base = x_ptr + b * s_x_b + h * s_x_h
+    cs_l = tl.load(cs_ptr + tok0 + rows_l, mask=lmask, other=0.0)
+    dt_l = tl.load(dtp_ptr + tok0 + rows_l, mask=lmask, other=0.0)
+    a = tl.load(cs_ptr + tok0 + clen - 1)
+    Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
+                 other=0.0).to(dtype)
+    Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
+    dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
+    dxi = tl.zeros((BM, BPF), dtype=tl.float32)
+    for k in range(l0, clen, BK):
+        rows_k = k + tl.arange(0, BK)
+        kmask = rows_k < clen
+        Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
+                     other=0.0).to(dtype)
+        cbT = tl.dot(Bl, tl.trans(Ck), input_precision=DOT_PREC)  # [l, m] = C_m . B_l
+        cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+        causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
+        decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
+        dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],
+                      other=0.0).to(dtype)
+        dxi = tl.dot((cbT * decay).to(dtype), dyk, dxi, input_precision=DOT_PREC)
+    lp = lmask[:, None] & pmask[None, :]
+    xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
+    dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
+    yp = tl.load(ypre_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :], mask=lp,
+                 other=0.0).to(tl.float32)
+    t = dxs + dxi
+    dx = dt_l[:, None] * t
+    dx_ssm = dx
+    if HAS_D:
+        if D_HP:
+            Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            Dv = tl.load(D_ptr + h).to(tl.float32)
+        dx = dx + Dv * dyl
+        yp = yp - Dv * xl
+        tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.num_programs(2) + pid_m) * H + h) * P + offs_p,
+                 tl.sum(dyl * xl, 0), mask=pmask)
+    tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=lp)
+    tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
+    tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yp, 1) - tl.sum(xl * dx_ssm, 1), mask=lmask)
+    tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
+
+
+@triton.jit
+def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, q_ptr, passing_ptr,
+                  ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
+                  T, H, NC, BT, NPN, s_dt_b, s_dt_t, dt_lo, dt_hi,
+                  L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per (chunk, head block): d(dt*A) = reverse cumsum of dcs, then back through clamp/softplus/bias."""
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if clen <= 0:
+        return
+    rows = tl.arange(0, L)
+    heads = pid_h * BH + tl.arange(0, BH)
+    hmask = heads < H
+    mask = (rows[:, None] < clen) & hmask[None, :]
+    off = heads[None, :] * BT + b * T + t0 + rows[:, None]
+    dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
+    q = tl.load(q_ptr + off, mask=mask, other=0.0)
+    ddt = tl.load(ddt_dir_ptr + off, mask=mask, other=0.0)
+    dtp = tl.load(dtp_ptr + off, mask=mask, other=0.0)
+    offs_pn = tl.arange(0, NPN_B)
+    pas = tl.load(passing_ptr + (pid_c.to(tl.int64) * H + heads[:, None]) * NPN + offs_pn[None, :],
+                  mask=hmask[:, None] & (offs_pn[None, :] < NPN), other=0.0)
+    K = tl.sum(q, 0) + tl.sum(pas, 1)
+    dcs = dcs + tl.where(rows[:, None] == clen - 1, K[None, :], 0.0)
+    ddA = tl.sum(dcs, 0)[None, :] - tl.cumsum(dcs, axis=0) + dcs
+    ddA = tl.where(mask, ddA, 0.0)
+    A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+    ddt = ddt + A[None, :] * ddA
+    tl.store(dA_part_ptr + pid_c * H + heads, tl.sum(dtp * ddA, 0), mask=hmask)
+    raw = tl.load(dt_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :], mask=mask,
+                  other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += tl.load(bias_ptr + heads, mask=hmask, other=0.0).to(tl.float32)[None, :]
+    v = raw
+    if SOFTPLUS:
+        v = _softplus(raw)
+    if HAS_LIMIT:
+        ddt = tl.where((v >= dt_lo) & (v <= dt_hi), ddt, 0.0)
+    if SOFTPLUS:
+        ddt = tl.where(raw > 20.0, ddt, ddt * tl.sigmoid(raw))
+    ddt = tl.where(mask, ddt, 0.0)
+    tl.store(ddt_out_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :],
+             ddt.to(ddt_out_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        tl.store(dbias_part_ptr + pid_c * H + heads, tl.sum(ddt, 0), mask=hmask)

@@ -1,0 +1,302 @@
+"""Triton SSD scan: launches (forward 3 kernels, backward 5-6) and the autograd.Function.
+
+Forward:  dt_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A)
+          state_fwd (chunk states and the chunk-to-chunk pass fused: one program walks a sequence's
+                     chunks and stores every chunk's start state; the final state stays float32)
+          chunk_scan_fwd (y = inter-chunk + intra-chunk + D skip, then the z gate)
+Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate, fused with the per-chunk dstate)
+          -> dcb_bwd (per group dy.x^T * decay * dt) -> dx_bwd -> dbdc_bwd -> dt_bwd.
+When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs
+outside autograd: nothing is saved and the pre-gate output is not stored.
+The chunk size must be a power of two >= 16. Accumulation is float32; chunk start states are kept
+in bfloat16 for bfloat16 inputs (they enter the tensor-core products in that dtype anyway), else in
+float32. float32 inputs use tf32 products unless torch.get_float32_matmul_precision() == "highest".
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_kernels as K
+from .common import check_scan_args
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tune(configs, key):
+    """Autotune over `configs` on GPU; a single fixed config under the interpreter."""
+    if _INTERPRET:
+        configs = configs[:1]
+    return lambda fn: triton.autotune(configs=configs, key=key)(fn)
+
+
+def _cfgs(*pairs):
+    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in pairs]
+
+
+_dt_fwd = K.dt_fwd_kernel
+_dt_bwd = K.dt_bwd_kernel
+_gate_bwd = K.gate_bwd_kernel
+_state_fwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "N", "R"])(K.state_fwd_kernel)
+_scan_fwd = _tune(_cfgs((4, 2), (4, 3), (8, 2), (8, 3)), ["P", "N", "R"])(K.chunk_scan_fwd_kernel)
+_dstate_bwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "R"])(K.dcb_bwd_kernel)
+_dbdc_bwd = _tune(_cfgs((4, 2), (8, 2), (4, 3)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 2), (8, 2), (4, 3)), ["P", "N", "R"])(K.dx_bwd_kernel)
+
+
+def _p2(v, lo=16):
+    return max(lo, triton.next_power_of_2(int(v)))
+
+
+def _dot_dt(dtype):
+    """Operand dtype of tl.dot: the input dtype; float32 under the interpreter (its bf16 dot is wrong)."""
+    if _INTERPRET:
+        return tl.float32
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _dot_prec(dtype):
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+class _Plan:
+    """Shapes, block sizes and the chunk table of one call (shared by forward and backward)."""
+
+    def __init__(self, x, B, cu_seqlens, chunk_size):
+        b, t, h, p = x.shape
+        g, n = B.shape[2], B.shape[3]
+        L = chunk_size
+        self.b, self.T, self.H, self.P, self.G, self.N, self.L = b, t, h, p, g, n, L
+        self.R = h // g
+        self.BT = b * t
+        self.varlen = cu_seqlens is not None
+        dev = x.device
+        if self.varlen:
+            cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+            self.nseq = cu.numel() - 1
+            lens = cu[1:] - cu[:-1]
+            nch = (lens + L - 1) // L
+            first = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0)])
+            self.NCB = t // L + self.nseq  # upper bound on the number of chunks (no host sync)
+            j = torch.arange(self.NCB, device=dev)
+            s = torch.searchsorted(first[1:], j, right=True).clamp_max(self.nseq - 1)
+            t0 = cu[s] + (j - first[s]) * L
+            clen = torch.where(j < first[-1], torch.minimum(cu[s + 1] - t0, torch.full_like(t0, L)), 0)
+            self.cu = cu.to(torch.int32)
+            self.chunk_first = first.to(torch.int32)
+            self.chunk_t0 = t0.to(torch.int32)
+            self.chunk_len = clen.to(torch.int32)
+            self.NC = 0
+        else:
+            self.nseq = b
+            self.NC = max(1, -(-t // L))
+            self.NCB = b * self.NC
+            dummy = torch.zeros(1, dtype=torch.int32, device=dev)
+            self.cu = self.chunk_first = self.chunk_t0 = self.chunk_len = dummy
+        self.BPF = _p2(p)
+        self.BNF = _p2(n)
+        self.BM = min(64, L)
+        self.BK = min(64, L)
+        self.BP = min(64, self.BPF)
+        self.BN = min(64, self.BNF)
+        self.BH = 16 if L <= 128 else 8
+        self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
+
+
+def _limits(dt_limit):
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    has = lo > 0.0 or hi < math.inf
+    return has, lo, (hi if hi < math.inf else 3.0e38)
+
+
+def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit, want_final, save):
+    pl = plan
+    dev = x.device
+    H, P, N, L = pl.H, pl.P, pl.N, pl.L
+    has_limit, lo, hi = _limits(dt_limit)
+    dtp = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
+    cs = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
+    _dt_fwd[(pl.NCB, triton.cdiv(H, pl.BH))](
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), lo, hi,
+        L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
+        IS_VARLEN=pl.varlen, num_warps=4)
+    state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)
+    final = torch.empty(pl.nseq, H, P, N, dtype=torch.float32, device=dev) if want_final else None
+    prec = _dot_prec(x.dtype)
+    _state_fwd[(pl.nseq, H, pl.npn)](
+        x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
+        final if final is not None else dtp, pl.cu, pl.chunk_first,
+        pl.T, H, P, N, pl.NC, pl.BT, pl.R,
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        L=L, BP=pl.BP, BN=pl.BN, BK=pl.BK, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+        IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    y = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
+    store_pre = save and z is not None
+    ypre = torch.empty_like(y) if store_pre else None
+    zz = z if z is not None else x
+    _scan_fwd[(pl.NCB, H, triton.cdiv(L, pl.BM) * triton.cdiv(P, pl.BP))](
+        x, B, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
+        pl.chunk_t0, pl.chunk_len,
+        pl.T, H, P, N, pl.NC, pl.BT, pl.R,
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        zz.stride(0), zz.stride(1), zz.stride(2),
+        L=L, BM=pl.BM, BK=pl.BK, BP=pl.BP, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
+        HAS_Z=z is not None, STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    return y, final, (dtp, cs, states, ypre if store_pre else y)
+
+
+def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit, aux):
+    pl = plan
+    dev = x.device
+    H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
+    dtp, cs, states, ypre = aux
+    prec = _dot_prec(x.dtype)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dz = None
+    if z is not None:
+        zc = z.contiguous()
+        doc = dout.contiguous()
+        dy = torch.empty_like(ypre)
+        dz = torch.empty_like(zc)
+        numel = dy.numel()
+        _gate_bwd[(triton.cdiv(numel, 1024),)](doc, zc, ypre, dy, dz, numel, BLOCK=1024, num_warps=4)
+    else:
+        dy = dout
+    # reverse state pass
+    dstates = torch.empty_like(states)
+    passing = torch.zeros(pl.NCB, H, pl.npn, dtype=torch.float32, device=dev)
+    dinit = torch.empty(pl.nseq, H, P, N, dtype=torch.float32, device=dev) if initial_state is not None else None
+    if dfinal is not None:
+        dfinal = dfinal.float().contiguous()
+    _dstate_bwd[(pl.nseq, H, pl.npn)](
+        dy, C, cs, states, dfinal if dfinal is not None else cs, dstates, dinit if dinit is not None else cs,
+        passing, pl.cu, pl.chunk_first,
+        pl.T, H, P, N, pl.NC, pl.BT, R,
+        dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        L=L, BP=pl.BP, BN=pl.BN, BK=pl.BK, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
+        IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    # per-group dy.x^T (decayed), for dB and dC
+    Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
+    _dcb_bwd[(pl.NCB, G, (L // pl.BM) * (L // pl.BK))](
+        dy, x, dtp, cs, Q, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, P, pl.NC, pl.BT, R, G,
+        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
+        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    # dx, direct ddt, per-row dcs
+    nm = triton.cdiv(L, pl.BM)
+    dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
+    ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
+    dcs = torch.empty_like(ddt_dir)
+    qrow = torch.empty_like(ddt_dir)
+    dD_part = torch.zeros(pl.NCB * nm, H, P, dtype=torch.float32, device=dev) if D is not None else None
+    _dx_bwd[(pl.NCB, H, nm)](
+        dy, x, B, C, dtp, cs, dstates, D if D is not None else cs, ypre,
+        dx, ddt_dir, dcs, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, P, N, pl.NC, pl.BT, R,
+        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
+        B.stride(0), B.stride(1), B.stride(2),
+        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
+        D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    # dB, dC
+    dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
+    dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
+    _dbdc_bwd[(pl.NCB, G, nm * triton.cdiv(N, pl.BN))](
+        dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, P, N, pl.NC, pl.BT, R, G,
+        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
+        B.stride(0), B.stride(1), B.stride(2),
+        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    # dt, dA, dt_bias
+    has_limit, lo, hi = _limits(dt_limit)
+    ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev)
+    dA_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev)
+    dbias_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev) if dt_bias is not None else None
+    _dt_bwd[(pl.NCB, triton.cdiv(H, pl.BH))](
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, qrow, passing,
+        ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), lo, hi,
+        L=L, BH=pl.BH, NPN_B=_p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, num_warps=4)
+    dA = dA_part.sum(0).to(A.dtype)
+    ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
+    dD = None
+    if D is not None:
+        dD = dD_part.sum(0)
+        dD = (dD if D.dim() == 2 else dD.sum(-1)).to(D.dtype)
+    dinit = dinit.to(initial_state.dtype) if dinit is not None else None
+    return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
+
+
+class SSDScanFn(torch.autograd.Function):
+    """Autograd wrapper; inputs arrive already checked and laid out by ssd_scan_triton."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus, dt_limit,
+                return_final_state):
+        plan = _Plan(x, B, cu_seqlens, chunk_size)
+        y, final, aux = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit,
+                                 return_final_state, save=True)
+        dtp, cs, states, ypre = aux  # ypre is y itself when there is no gate
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, ypre)
+        ctx.plan, ctx.dt_softplus, ctx.dt_limit = plan, dt_softplus, dt_limit
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, ypre = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, ctx.plan, ctx.dt_softplus,
+                          ctx.dt_limit, (dtp, cs, states, ypre))
+        dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
+        return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit, None, None, None, None, None
+
+
+def _prep(x, dt, B, C, z):
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    dt = dt.contiguous()
+    if B.stride(-1) != 1 or C.stride(-1) != 1 or B.stride() != C.stride():
+        B, C = B.contiguous(), C.contiguous()
+    if z is not None and z.stride(-1) != 1:
+        z = z.contiguous()
+    return x, dt, B, C, z
+
+
+def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
+                    dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None, return_final_state=False):
+    """Triton SSD scan; same contract as lm_kernels.ssd.ssd_scan. Returns (y, final_state or None)."""
+    check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit)
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"ssd (triton backend): chunk_size must be a power of two >= 16, got {chunk_size}")
+    for name, v in (("x", x), ("B", B), ("C", C)):
+        if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"ssd (triton backend): `{name}` must be float32/bfloat16/float16, got {v.dtype}; "
+                             "use backend='reference' for float64")
+    if x.shape[1] == 0:
+        from .reference import ssd_scan_reference  # noqa: PLC0415
+        return ssd_scan_reference(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
+                                  dt_softplus=dt_softplus, dt_limit=dt_limit, initial_state=initial_state,
+                                  cu_seqlens=cu_seqlens, return_final_state=return_final_state)
+    x, dt, B, C, z = _prep(x, dt, B, C, z)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    tensors = (x, dt, A, B, C, D, z, dt_bias, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if needs_grad:
+        return SSDScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus,
+                               tuple(dt_limit), return_final_state)
+    plan = _Plan(x, B, cu_seqlens, chunk_size)
+    y, final, _ = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit,
+                           return_final_state, save=False)
+    return y, final

@@ -1,0 +1,138 @@
+"""SSD Triton kernels (run under TRITON_INTERPRET=1 on CPU) vs the float64 PyTorch reference."""
+import dataclasses
+
+import pytest
+import torch
+
+from lm_kernels.ssd import ssd_scan
+
+triton = pytest.importorskip("triton")
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_interpreter():
+    """The interpreter checks every int32 op for overflow (slow in Python); the kernels' index math is
+    bounded by the tensor sizes, so turn the check off for these tests."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from triton.runtime import interpreter as interp
+    old = interp.interpreter_builder.options
+    interp.interpreter_builder.options = dataclasses.replace(old, sanitize_overflow=False)
+    yield
+    interp.interpreter_builder.options = old
+
+
+def make(b, t, h, p, g, n, *, D="h", z=True, bias=True, init=True, ns=None):
+    d = dict(x=torch.randn(b, t, h, p), dt=torch.randn(b, t, h) - 1.0, A=-(torch.rand(h) * 2 + 0.3),
+             B=torch.randn(b, t, g, n), C=torch.randn(b, t, g, n))
+    if D == "h":
+        d["D"] = torch.randn(h)
+    elif D == "hp":
+        d["D"] = torch.randn(h, p)
+    if z:
+        d["z"] = torch.randn(b, t, h, p)
+    if bias:
+        d["dt_bias"] = torch.randn(h) * 0.5
+    if init:
+        d["initial_state"] = torch.randn(b if ns is None else ns, h, p, n)
+    return d
+
+
+def run(backend, d, dtype, grad=True, **kw):
+    """Forward (+ backward with fixed random cotangents); A stays float32 like a real parameter."""
+    dd = {k: v.to(dtype if (k != "A" or dtype == F64) else torch.float32).detach().requires_grad_(grad)
+          for k, v in d.items()}
+    y, f = ssd_scan(**dd, return_final_state=True, backend=backend, **kw)
+    if not grad:
+        return y, f, {}
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=F64).to(y.dtype)
+    gf = torch.randn(f.shape, generator=torch.Generator().manual_seed(2), dtype=F64).to(f.dtype)
+    ((y * gy).float().sum() + (f * gf).sum()).backward()
+    return y, f, {k: v.grad for k, v in dd.items()}
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def compare(d, dtype, tol, **kw):
+    yt, ft, gt = run("triton", d, dtype, **kw)
+    yr, fr, gr = run("reference", d, F64, **kw)
+    assert yt.dtype == dtype and ft.dtype == torch.float32
+    assert rel(yt, yr) < tol, f"y {rel(yt, yr)}"
+    assert rel(ft, fr) < tol, f"final_state {rel(ft, fr)}"
+    for k in gr:
+        assert gt[k] is not None and gt[k].shape == gr[k].shape, k
+        assert torch.isfinite(gt[k]).all(), k
+        assert rel(gt[k], gr[k]) < tol, f"grad {k}: {rel(gt[k], gr[k])}"
+
+
+def test_triton_fp32_all_options_matches_reference():
+    # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp
+    compare(make(2, 45, 4, 16, 2, 16), torch.float32, 2e-5, chunk_size=16, dt_limit=(0.05, 2.0))
+
+
+def test_triton_fp32_odd_sizes_D_hp_no_gate_no_softplus():
+    d = make(1, 40, 2, 12, 1, 10, D="hp", z=False, bias=False, init=False)
+    d["dt"] = torch.rand(1, 40, 2) * 0.5 + 0.05
+    compare(d, torch.float32, 2e-5, chunk_size=16, dt_softplus=False)
+
+
+def test_triton_varlen_matches_reference_and_separate_runs():
+    lens = [9, 0, 30, 1, 20]  # an empty document, documents across chunk boundaries
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    d = make(1, sum(lens), 2, 16, 1, 16, ns=len(lens))
+    compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu)
+    with torch.no_grad():
+        y, f = ssd_scan(**d, chunk_size=16, cu_seqlens=cu, return_final_state=True, backend="triton")
+        for s, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if e == a:
+                assert torch.allclose(f[s], d["initial_state"][s])
+                continue
+            one = {k: (v[:, a:e] if k in ("x", "dt", "B", "C", "z") else v) for k, v in d.items()}
+            one["initial_state"] = d["initial_state"][s:s + 1]
+            ys, fs = ssd_scan(**one, chunk_size=16, return_final_state=True, backend="triton")
+            assert rel(y[:, a:e], ys.double()) < 1e-5 and rel(f[s:s + 1], fs.double()) < 1e-5
+
+
+def test_triton_bf16_forward_backward():
+    d = make(1, 48, 2, 16, 1, 16)
+    compare(d, torch.bfloat16, 3e-2, chunk_size=16)
+
+
+def test_triton_no_grad_path_matches_and_builds_no_graph():
+    d = make(1, 33, 2, 16, 1, 16)
+    dd = {k: v.clone().requires_grad_() for k, v in d.items()}
+    with torch.no_grad():
+        y0, f0 = ssd_scan(**dd, chunk_size=16, return_final_state=True, backend="triton")
+    assert y0.grad_fn is None and f0.grad_fn is None
+    y1, f1 = ssd_scan(**dd, chunk_size=16, return_final_state=True, backend="triton")
+    assert y1.grad_fn is not None
+    assert torch.equal(y0, y1.detach()) and torch.equal(f0, f1.detach())
+    y2, f2 = ssd_scan(**d, chunk_size=16, backend="triton")  # nothing requires grad
+    assert f2 is None and y2.grad_fn is None and torch.equal(y2, y0)
+
+
+def test_triton_strided_inputs():
+    b, t, h, p, g, n = 1, 20, 2, 16, 1, 16
+    xbc = torch.randn(b, t, h * p + 2 * g * n)  # like Mamba2's in_proj split: views, not copies
+    x = xbc[..., :h * p].view(b, t, h, p)
+    B = xbc[..., h * p:h * p + g * n].view(b, t, g, n)
+    C = xbc[..., h * p + g * n:].view(b, t, g, n)
+    dt, A = torch.randn(b, t, h), -torch.rand(h) - 0.5
+    with torch.no_grad():
+        y, _ = ssd_scan(x, dt, A, B, C, chunk_size=16, backend="triton")
+        yr, _ = ssd_scan(x.double(), dt.double(), A.double(), B.double(), C.double(), chunk_size=16,
+                         backend="reference")
+    assert rel(y, yr) < 1e-5
+
+
+def test_triton_rejects_bad_chunk_and_float64():
+    d = make(1, 8, 2, 16, 1, 16, z=False, init=False)
+    with pytest.raises(ValueError, match="power of two"):
+        ssd_scan(**d, chunk_size=24, backend="triton")
+    with pytest.raises(ValueError, match="float64"):
+        ssd_scan(**{k: v.double() for k, v in d.items()}, chunk_size=16, backend="triton")
