@@ -15,7 +15,7 @@ flushed and ``metadata.json`` records a checkpoint; running the same command aga
 interruption keeps everything up to the last checkpoint and goes on from there. Running it on a
 finished folder does nothing; different settings on an existing folder are refused (``--overwrite``).
 
-Python API: ``prepare(source, output, tokenizer=None, ...) -> metadata`` and ``main(argv) -> int``.
+Python API: ``prepare_data(source, output, tokenizer=None, ...) -> metadata`` and ``main(argv) -> int``.
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
 # ------------------------------------------------------------------------------------------ main
 
 
-def prepare(
+def prepare_data(
     source: SourceSpec | str,
     output: str | os.PathLike,
     tokenizer: str | None = None,
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = SourceSpec(args.input, args.text_field, args.hf_name, args.hf_split, args.streaming,
                       args.data_files, args.max_documents)
     try:
-        prepare(spec, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction, workers=args.workers,
+        prepare_data(spec, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction, workers=args.workers,
                 shard_tokens=args.shard_tokens, dtype=args.dtype, overwrite=args.overwrite,
                 progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as err:
