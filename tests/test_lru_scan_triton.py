@@ -117,3 +117,18 @@ def test_triton_no_grad_path():
     hr, fr = block_scan_reference(A.detach(), x.detach(), initial_state=h0.detach(), chunk_size=4,
                                   return_final_state=True)
     assert rel(h, hr) < 1e-12 and rel(f, fr) < 1e-12
+
+
+def test_triton_strided_inputs_and_small_tiles(monkeypatch):
+    """Non-row-major A (a transposed view), a strided x, and several programs over the blocks (BN < nb)."""
+    from lm_kernels.lru import triton_scan
+    monkeypatch.setitem(triton_scan.CONFIG_OVERRIDE, 3, (2, 1, 1))
+    base = ((0.6 / 3 ** 0.5) * torch.randn(2, 9, 5, 3, 3, dtype=f64, device=DEV))
+    A = base.transpose(-1, -2).requires_grad_()  # sAi = 1, sAj = 3
+    xb = torch.randn(2, 9, 5, 6, dtype=f64, device=DEV)
+    x = xb[..., ::2].requires_grad_()  # last-dim stride 2
+    h0 = torch.randn(2, 5, 3, dtype=f64, device=DEV, requires_grad=True)
+    tri, ref = run_both(A, x, h0)
+    assert rel(tri[0], ref[0]) < 1e-12 and rel(tri[1], ref[1]) < 1e-12
+    for gt, gr in zip(tri[2], ref[2]):
+        assert rel(gt, gr) < 1e-12

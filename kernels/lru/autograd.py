@@ -24,7 +24,7 @@ def _forward(A, x, h0, seq, num_seqs, L, store_final, cd):
     """Returns (h, final or None, CT)."""
     b, t, nb, m = x.shape
     nc = -(-t // L)
-    mp, bn, warps = launch_config(m, nb)
+    mp, bn, bn_chunk, warps = launch_config(m, nb)
     acc = _tl_dtype(cd)
     dev = x.device
     CT = torch.empty(b, nc, nb, m, m, dtype=cd, device=dev)
@@ -37,20 +37,22 @@ def _forward(A, x, h0, seq, num_seqs, L, store_final, cd):
     seq_arg = seq if seq is not None else x  # any pointer; unused when not varlen
     h0_arg = h0 if h0 is not None else x
     grid = (triton_cdiv(nb, bn), nc, b)
-    common = dict(M=m, MP=mp, L=L, BN=bn, IS_VARLEN=seq is not None, HAS_H0=h0 is not None, ACC=acc,
-                  num_warps=warps)
-    _fwd_chunk_kernel[grid](A, x, seq_arg, h0_arg, CT, YT, *A.stride(), *x.stride(), t, nb, nc, **common)
+    rows = A.stride(-2) == m and A.stride(-1) == 1 and x.stride(-1) == 1
+    common = dict(M=m, MP=mp, L=L, IS_VARLEN=seq is not None, A_ROWS=rows, HAS_H0=h0 is not None,
+                  ACC=acc, num_warps=warps)
+    _fwd_chunk_kernel[(triton_cdiv(nb, bn_chunk), nc, b)](A, x, seq_arg, h0_arg, CT, YT, *A.stride(), *x.stride(),
+                                                          t, nb, nc, BN=bn_chunk, **common)
     _fwd_pass_kernel[(triton_cdiv(nb, bn), b)](CT, YT, S, nb, nc, M=m, MP=mp, BN=bn, ACC=acc,
                                                num_warps=warps)
     _fwd_out_kernel[grid](A, x, seq_arg, h0_arg, S, h, fin if fin is not None else S,
-                          *A.stride(), *x.stride(), t, nb, nc, STORE_FINAL=store_final, **common)
+                          *A.stride(), *x.stride(), t, nb, nc, BN=bn, STORE_FINAL=store_final, **common)
     return h, fin, CT
 
 
 def _backward(A, h, h0, seq, CT, dh, dfin, L, need_dA, need_dh0, x_dtype, cd):
     b, t, nb, m = h.shape
     nc = CT.shape[1]
-    mp, bn, warps = launch_config(m, nb)
+    mp, bn, _, warps = launch_config(m, nb)
     acc = _tl_dtype(cd)
     dev = h.device
     dh = dh.contiguous() if dh is not None else torch.zeros_like(h)
@@ -65,7 +67,8 @@ def _backward(A, h, h0, seq, CT, dh, dfin, L, need_dA, need_dh0, x_dtype, cd):
     h0_arg = h0 if h0 is not None else dh
     dfin_arg = dfin.contiguous() if dfin is not None else dh
     grid = (triton_cdiv(nb, bn), nc, b)
-    flags = dict(M=m, MP=mp, L=L, BN=bn, IS_VARLEN=seq is not None, ACC=acc, num_warps=warps)
+    rows = A.stride(-2) == m and A.stride(-1) == 1
+    flags = dict(M=m, MP=mp, L=L, BN=bn, IS_VARLEN=seq is not None, A_ROWS=rows, ACC=acc, num_warps=warps)
     _bwd_chunk_kernel[grid](A, dh, seq_arg, dfin_arg, RT, *A.stride(), t, nb, nc,
                             HAS_DFIN=dfin is not None, **flags)
     _bwd_pass_kernel[(triton_cdiv(nb, bn), b)](CT, RT, U, nb, nc, M=m, MP=mp, BN=bn, ACC=acc,

@@ -41,7 +41,7 @@ def _fwd_chunk_kernel(A, X, SEQ, H0, CT, YT,
                       sAb, sAt, sAn, sAi, sAj, sxb, sxt, sxn, sxi,
                       T, NB, NC,
                       M: tl.constexpr, MP: tl.constexpr, L: tl.constexpr, BN: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr):
+                      IS_VARLEN: tl.constexpr, A_ROWS: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr):
     pid_n = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -50,19 +50,31 @@ def _fwd_chunk_kernel(A, X, SEQ, H0, CT, YT,
     n3 = offs_n[:, None, None]
     i3 = offs_m[None, :, None]
     j3 = offs_m[None, None, :]
-    mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
+    if M == MP:  # no padding inside a block: masks depend on n only, so loads vectorise along j
+        mask_a = (n3 < NB) & (i3 >= 0) & (j3 >= 0)
+    else:
+        mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
     n2 = offs_n[:, None]
     i2 = offs_m[None, :]
-    mask_x = (n2 < NB) & (i2 < M)
-    a_off = n3 * sAn + i3 * sAi + j3 * sAj
-    x_off = n2 * sxn + i2 * sxi
+    if M == MP:
+        mask_x = (n2 < NB) & (i2 >= 0)
+    else:
+        mask_x = (n2 < NB) & (i2 < M)
+    if A_ROWS:  # A's blocks row-major (sAi == M, sAj == 1) and x's last dim contiguous: aligned vector loads
+        a_off = n3 * sAn + i3 * M + j3
+    else:
+        a_off = n3 * sAn + i3 * sAi + j3 * sAj
+    if A_ROWS:
+        x_off = n2 * sxn + i2
+    else:
+        x_off = n2 * sxn + i2 * sxi
     A_b = A + b * sAb
     X_b = X + b * sxb
 
     t0 = c * L
     nsteps = tl.minimum(L, T - t0)
     y = tl.zeros((BN, MP), dtype=ACC)
-    C = tl.zeros((BN, MP, MP), dtype=ACC) + tl.where(i3 == j3, 1.0, 0.0).to(ACC)
+    Ct = tl.zeros((BN, MP, MP), dtype=ACC) + tl.where(i3 == j3, 1.0, 0.0).to(ACC)  # C transposed
     a_nx = tl.load(A_b + t0 * sAt + a_off, mask=mask_a, other=0.0)
     x_nx = tl.load(X_b + t0 * sxt + x_off, mask=mask_x, other=0.0)
     for k in range(0, nsteps):
@@ -78,12 +90,13 @@ def _fwd_chunk_kernel(A, X, SEQ, H0, CT, YT,
             y = tl.where(is_start, h0, y)
         else:
             y = tl.where(is_start, 0.0, y)
-        C = tl.where(is_start, 0.0, C)
+        Ct = tl.where(is_start, 0.0, Ct)
         y = tl.sum(a * y[:, None, :], axis=2) + xv
-        C = tl.sum(a[:, :, :, None] * C[:, None, :, :], axis=2)
+        # Ct[n, k, i] <- sum_j A[n, i, j] Ct[n, k, j]: reduce over the in-thread (contiguous) axis j
+        Ct = tl.sum(a[:, None, :, :] * Ct[:, :, None, :], axis=3)
     base = (b * NC + c) * NB
     tl.store(YT + (base + n2) * M + i2, y, mask=mask_x)
-    tl.store(CT + ((base + n3) * M + i3) * M + j3, C, mask=mask_a)
+    tl.store(CT + ((base + n3) * M + j3) * M + i3, Ct, mask=mask_a)
 
 
 @triton.jit
@@ -96,10 +109,16 @@ def _fwd_pass_kernel(CT, YT, S, NB, NC,
     n3 = offs_n[:, None, None]
     i3 = offs_m[None, :, None]
     j3 = offs_m[None, None, :]
-    mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
+    if M == MP:  # no padding inside a block: masks depend on n only, so loads vectorise along j
+        mask_a = (n3 < NB) & (i3 >= 0) & (j3 >= 0)
+    else:
+        mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
     n2 = offs_n[:, None]
     i2 = offs_m[None, :]
-    mask_x = (n2 < NB) & (i2 < M)
+    if M == MP:
+        mask_x = (n2 < NB) & (i2 >= 0)
+    else:
+        mask_x = (n2 < NB) & (i2 < M)
     s = tl.zeros((BN, MP), dtype=ACC)
     for c in range(0, NC):
         base = (b * NC + c) * NB
@@ -114,7 +133,7 @@ def _fwd_out_kernel(A, X, SEQ, H0, S, H, FIN,
                     sAb, sAt, sAn, sAi, sAj, sxb, sxt, sxn, sxi,
                     T, NB, NC,
                     M: tl.constexpr, MP: tl.constexpr, L: tl.constexpr, BN: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, A_ROWS: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                     ACC: tl.constexpr):
     pid_n = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
@@ -124,12 +143,24 @@ def _fwd_out_kernel(A, X, SEQ, H0, S, H, FIN,
     n3 = offs_n[:, None, None]
     i3 = offs_m[None, :, None]
     j3 = offs_m[None, None, :]
-    mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
+    if M == MP:  # no padding inside a block: masks depend on n only, so loads vectorise along j
+        mask_a = (n3 < NB) & (i3 >= 0) & (j3 >= 0)
+    else:
+        mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
     n2 = offs_n[:, None]
     i2 = offs_m[None, :]
-    mask_x = (n2 < NB) & (i2 < M)
-    a_off = n3 * sAn + i3 * sAi + j3 * sAj
-    x_off = n2 * sxn + i2 * sxi
+    if M == MP:
+        mask_x = (n2 < NB) & (i2 >= 0)
+    else:
+        mask_x = (n2 < NB) & (i2 < M)
+    if A_ROWS:  # A's blocks row-major (sAi == M, sAj == 1) and x's last dim contiguous: aligned vector loads
+        a_off = n3 * sAn + i3 * M + j3
+    else:
+        a_off = n3 * sAn + i3 * sAi + j3 * sAj
+    if A_ROWS:
+        x_off = n2 * sxn + i2
+    else:
+        x_off = n2 * sxn + i2 * sxi
     A_b = A + b * sAb
     X_b = X + b * sxb
     H_b = H + b * T * NB * M
@@ -163,7 +194,7 @@ def _bwd_chunk_kernel(A, DH, SEQ, DFIN, RT,
                       sAb, sAt, sAn, sAi, sAj,
                       T, NB, NC,
                       M: tl.constexpr, MP: tl.constexpr, L: tl.constexpr, BN: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, HAS_DFIN: tl.constexpr, ACC: tl.constexpr):
+                      IS_VARLEN: tl.constexpr, A_ROWS: tl.constexpr, HAS_DFIN: tl.constexpr, ACC: tl.constexpr):
     pid_n = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -172,11 +203,20 @@ def _bwd_chunk_kernel(A, DH, SEQ, DFIN, RT,
     n3 = offs_n[:, None, None]
     i3 = offs_m[None, :, None]
     j3 = offs_m[None, None, :]
-    mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
+    if M == MP:  # no padding inside a block: masks depend on n only, so loads vectorise along j
+        mask_a = (n3 < NB) & (i3 >= 0) & (j3 >= 0)
+    else:
+        mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
     n2 = offs_n[:, None]
     i2 = offs_m[None, :]
-    mask_x = (n2 < NB) & (i2 < M)
-    a_off = n3 * sAn + i3 * sAi + j3 * sAj
+    if M == MP:
+        mask_x = (n2 < NB) & (i2 >= 0)
+    else:
+        mask_x = (n2 < NB) & (i2 < M)
+    if A_ROWS:  # A's blocks row-major (sAi == M, sAj == 1) and x's last dim contiguous: aligned vector loads
+        a_off = n3 * sAn + i3 * M + j3
+    else:
+        a_off = n3 * sAn + i3 * sAi + j3 * sAj
     A_b = A + b * sAb
     DH_b = DH + b * T * NB * M
 
@@ -211,10 +251,16 @@ def _bwd_pass_kernel(CT, RT, U, NB, NC,
     n3 = offs_n[:, None, None]
     i3 = offs_m[None, :, None]
     j3 = offs_m[None, None, :]
-    mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
+    if M == MP:  # no padding inside a block: masks depend on n only, so loads vectorise along j
+        mask_a = (n3 < NB) & (i3 >= 0) & (j3 >= 0)
+    else:
+        mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
     n2 = offs_n[:, None]
     i2 = offs_m[None, :]
-    mask_x = (n2 < NB) & (i2 < M)
+    if M == MP:
+        mask_x = (n2 < NB) & (i2 >= 0)
+    else:
+        mask_x = (n2 < NB) & (i2 < M)
     u = tl.zeros((BN, MP), dtype=ACC)
     for cc in range(0, NC):
         c = NC - 1 - cc
@@ -230,7 +276,7 @@ def _bwd_out_kernel(A, DH, H, SEQ, H0, DFIN, U, DA, DX, DH0,
                     sAb, sAt, sAn, sAi, sAj,
                     T, NB, NC,
                     M: tl.constexpr, MP: tl.constexpr, L: tl.constexpr, BN: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFIN: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, A_ROWS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFIN: tl.constexpr,
                     NEED_DA: tl.constexpr, NEED_DH0: tl.constexpr, ACC: tl.constexpr):
     pid_n = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
@@ -240,11 +286,20 @@ def _bwd_out_kernel(A, DH, H, SEQ, H0, DFIN, U, DA, DX, DH0,
     n3 = offs_n[:, None, None]
     i3 = offs_m[None, :, None]
     j3 = offs_m[None, None, :]
-    mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
+    if M == MP:  # no padding inside a block: masks depend on n only, so loads vectorise along j
+        mask_a = (n3 < NB) & (i3 >= 0) & (j3 >= 0)
+    else:
+        mask_a = (n3 < NB) & (i3 < M) & (j3 < M)
     n2 = offs_n[:, None]
     i2 = offs_m[None, :]
-    mask_x = (n2 < NB) & (i2 < M)
-    a_off = n3 * sAn + i3 * sAi + j3 * sAj
+    if M == MP:
+        mask_x = (n2 < NB) & (i2 >= 0)
+    else:
+        mask_x = (n2 < NB) & (i2 < M)
+    if A_ROWS:  # A's blocks row-major (sAi == M, sAj == 1) and x's last dim contiguous: aligned vector loads
+        a_off = n3 * sAn + i3 * M + j3
+    else:
+        a_off = n3 * sAn + i3 * sAi + j3 * sAj
     A_b = A + b * sAb
     tok = b * T * NB * M  # offset of sequence b in the contiguous (b, t, nb, m) tensors
 
@@ -280,8 +335,20 @@ def _bwd_out_kernel(A, DH, H, SEQ, H0, DFIN, U, DA, DX, DH0,
         carry = tl.where(is_start, 0.0, ag)
 
 
+# Tuning hook for scripts/bench_lru.py: {m: (BN, BN_CHUNK, num_warps)} replaces the heuristic below.
+CONFIG_OVERRIDE: dict = {}
+
+
 def launch_config(m: int, nb: int):
-    """(MP, BN, num_warps) for block size m and nb blocks (a fixed config; no autotuning)."""
+    """(MP, BN, BN_CHUNK, num_warps) for block size m and nb blocks: a fixed config, no autotuning.
+
+    BN blocks per program keeps a (BN, MP, MP) tile at ~1024 elements; the forward chunk kernel, which
+    also carries the chunk transition through a (BN, MP, MP, MP) product, uses BN_CHUNK <= BN.
+    """
     mp = triton.next_power_of_2(m)
-    bn = max(1, min(triton.next_power_of_2(nb), 1024 // (mp * mp)))
-    return mp, bn, 4
+    cap = triton.next_power_of_2(nb)
+    if m in CONFIG_OVERRIDE:
+        bn, bn_chunk, warps = CONFIG_OVERRIDE[m]
+    else:
+        bn, bn_chunk, warps = 1024 // (mp * mp), max(1, 2048 // (mp * mp * mp)), 4
+    return mp, max(1, min(bn, cap)), max(1, min(bn_chunk, bn, cap)), warps
