@@ -112,6 +112,13 @@ class LMPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls) -> bool:  # our own LMCache, made in prepare_inputs_for_generation
         return False
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Also write the `trust_remote_code` shim, so tools that cannot `import lm` first (the lm_eval
+        CLI, vLLM-style loaders) load the folder with `trust_remote_code=True` (lm must be installed)."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_remote_code(save_directory, type(self.config))
+
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -129,6 +136,35 @@ class LMPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
         if isinstance(module, Mixer):
             module.init_weights(self.config)
+
+
+REMOTE_CODE_MODULE = "lm_hf"
+_REMOTE_CODE = '''"""Loads lm's model classes for `trust_remote_code=True`; needs the `lm` package installed."""
+import lm  # noqa: F401  (registers the lm_* model types)
+from lm.models import MODEL_TYPES
+
+globals().update({cls.__name__: cls for classes in MODEL_TYPES.values() for cls in classes})
+'''
+
+
+def write_remote_code(save_directory, config_cls) -> None:
+    """Write lm_hf.py and point config.json's auto_map at it."""
+    import json
+    from pathlib import Path
+
+    from . import MODEL_TYPES
+
+    d = Path(save_directory)
+    (d / f"{REMOTE_CODE_MODULE}.py").write_text(_REMOTE_CODE)
+    cfg_cls, model_cls, lm_cls = MODEL_TYPES[config_cls.model_type]
+    path = d / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["auto_map"] = {
+        "AutoConfig": f"{REMOTE_CODE_MODULE}.{cfg_cls.__name__}",
+        "AutoModel": f"{REMOTE_CODE_MODULE}.{model_cls.__name__}",
+        "AutoModelForCausalLM": f"{REMOTE_CODE_MODULE}.{lm_cls.__name__}",
+    }
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 class LMModel(LMPreTrainedModel):
