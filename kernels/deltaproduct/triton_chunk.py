@@ -95,15 +95,15 @@ def _store_blk(T, r0, eos, i_h, i: tl.constexpr, j: tl.constexpr, X, H: tl.const
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs([2, 4, 8], [1, 2]), key=["H", "K", "V", "BT", "NH"])
+@triton.autotune(configs=_configs([4, 8], [1]), key=["H", "K", "V", "BT", "NH"])
 @triton.jit
 def _prep_kernel(k, v, beta, g, gc, Tm, w, u, chunk_seq, chunk_row, cu_rows,
                  NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
-    r0 = tl.load(chunk_row + i_c)
-    eos = tl.load(cu_rows + n + 1)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
     o_t = tl.arange(0, BT)
     rows = r0 + o_t
     m_t = rows < eos
@@ -169,16 +169,16 @@ def _prep_kernel(k, v, beta, g, gc, Tm, w, u, chunk_seq, chunk_row, cu_rows,
         tl.store(u + (rows[:, None] * H + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
 
 
-@triton.autotune(configs=_configs([4, 8], [1, 2, 3]), key=["H", "K", "V", "BT", "NH", "BV", "SAVE"])
+@triton.autotune(configs=_configs([4, 8], [2]), key=["H", "K", "V", "BT", "NH", "BV", "SAVE"])
 @triton.jit
 def _fwd_h_o_kernel(q, k, w, u, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
                     STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_rows + i_n)
-    eos = tl.load(cu_rows + i_n + 1)
-    c0 = tl.load(chunk_off + i_n)
+    bos = tl.load(cu_rows + i_n).to(tl.int64)
+    eos = tl.load(cu_rows + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mk = o_k < K
@@ -236,16 +236,16 @@ def _fwd_h_o_kernel(q, k, w, u, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs([4, 8], [1, 2, 3]), key=["H", "K", "V", "BT", "NH", "BV"])
+@triton.autotune(configs=_configs([4, 8], [2]), key=["H", "K", "V", "BT", "NH", "BV"])
 @triton.jit
 def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale,
                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
                    STORE_DH0: tl.constexpr, PREC: tl.constexpr):
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_rows + i_n)
-    eos = tl.load(cu_rows + i_n + 1)
-    c0 = tl.load(chunk_off + i_n)
+    bos = tl.load(cu_rows + i_n).to(tl.int64)
+    eos = tl.load(cu_rows + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mk = o_k < K
@@ -297,7 +297,7 @@ def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale
                  mask=mk[:, None] & mv[None, :])
 
 
-@triton.autotune(configs=_configs([4, 8], [1, 2]), key=["H", "K", "V", "BT", "NH", "BV"])
+@triton.autotune(configs=_configs([4, 8], [1]), key=["H", "K", "V", "BT", "NH", "BV"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
@@ -306,10 +306,10 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
                      PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
-    r0 = tl.load(chunk_row + i_c)
-    bos = tl.load(cu_rows + n)
-    eos = tl.load(cu_rows + n + 1)
-    c_glob = tl.load(chunk_off + n) + (r0 - bos) // BT
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    bos = tl.load(cu_rows + n).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
     o_t = tl.arange(0, BT)
     o_q = tl.arange(0, BQ)
     o_k = tl.arange(0, BK)
@@ -430,6 +430,24 @@ def _chunk_tables(cu_rows_list, BT, device):
     return mk(seq), mk(row), mk(off), len(seq)
 
 
+_TABLES: dict = {}
+
+
+def _tables(cu_tok, nh, BT, device):
+    """Chunk tables for these token offsets, cached (fixed-length batches repeat the same key, so the
+    host-to-device copies happen once, not on every call)."""
+    key = (cu_tok, nh, BT, str(device))
+    hit = _TABLES.get(key)
+    if hit is None:
+        cu_rows_list = [c * nh for c in cu_tok]
+        cseq, crow, coff, NT = _chunk_tables(cu_rows_list, BT, device)
+        hit = (cseq, crow, coff, NT, torch.tensor(cu_rows_list, dtype=torch.int32, device=device))
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        _TABLES[key] = hit
+    return hit
+
+
 def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -537,13 +555,12 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
     beta = beta.reshape(1, -1, H).contiguous()
     g = g.reshape(1, -1, H).contiguous() if g is not None else None
     if cu_seqlens is None:
-        cu_tok = [b * T for b in range(B + 1)]
+        cu_tok = tuple(b * T for b in range(B + 1))
     else:
-        cu_tok = [int(x) for x in cu_seqlens.tolist()]
-    cu_rows_list = [c * nh for c in cu_tok]
-    cseq, crow, coff, NT = _chunk_tables(cu_rows_list, chunk_size, q.device)
+        cu_tok = tuple(int(x) for x in cu_seqlens.tolist())
+    cseq, crow, coff, NT, cu_rows = _tables(cu_tok, nh, chunk_size, q.device)
     meta = dict(nh=nh, BT=chunk_size, scale=scale, output_final=output_final_state, cseq=cseq, crow=crow,
-                coff=coff, NT=NT, N=N, cu_rows=torch.tensor(cu_rows_list, dtype=torch.int32, device=q.device))
+                coff=coff, NT=NT, N=N, cu_rows=cu_rows)
     h0 = initial_state.contiguous() if initial_state is not None else None
     if NT == 0:
         o = v.new_zeros(1, 0, H, V)
