@@ -186,6 +186,10 @@ def test_bad_input(tmp_path, capsys):
     write_jsonl(tmp_path / "f.jsonl", ["a", "b"], field="content")
     with pytest.raises(ValueError, match="text-field"):
         prep.prepare_data(str(tmp_path / "f.jsonl"), tmp_path / "o5", workers=0, progress=False)
+    # a run that failed before its first document does not block a corrected command
+    meta = prep.prepare_data(SourceSpec(str(tmp_path / "f.jsonl"), text_field="content"), tmp_path / "o5",
+                             val_fraction=0.0, workers=0, progress=False)
+    assert meta["splits"]["train"]["num_documents"] == 2
     with pytest.raises(ValueError, match="could not load tokenizer"):
         prep.prepare_data(str(tmp_path / "f.jsonl"), tmp_path / "o6", tokenizer=str(tmp_path / "no_such_tokenizer"),
                           workers=0, progress=False)

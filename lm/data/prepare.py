@@ -259,15 +259,20 @@ def prepare_data(
         _remove_prepared_files(out)
     elif meta_path.exists():
         old = read_metadata(out, require_complete=False)
+        started = old.get("complete") or old.get("next_doc", 0) > 0
         diffs = _config_diff(old.get("config", {}), config)
-        if diffs:
+        if diffs and not started:  # an earlier run failed before its first document: start afresh
+            _remove_prepared_files(out)
+            old = None
+        elif diffs:
             raise ValueError(f"{out} already holds data prepared with other settings ({'; '.join(diffs)}); "
                              "use another --output, or --overwrite to replace it")
-        if old.get("complete"):
+        if old and old.get("complete"):
             _log(progress, f"{out} is already prepared ({_summary(old)}); nothing to do")
             return old
-        state = old
-        _log(progress, f"resuming {out} from document {old['next_doc']}")
+        if old:
+            state = old
+            _log(progress, f"resuming {out} from document {old['next_doc']}")
     elif any(_SHARD_RE.match(p.name) for p in out.iterdir()):
         raise ValueError(f"{out} holds shard files but no {METADATA}; use another --output or --overwrite")
 

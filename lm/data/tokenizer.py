@@ -54,7 +54,10 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None):
         if path.is_file():
             if path.suffix != ".json":
                 raise ValueError(f"tokenizer file {path} is not a tokenizer.json; pass its folder instead")
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
+            if (path.parent / "tokenizer_config.json").is_file():  # the config names EOS and friends
+                tok = AutoTokenizer.from_pretrained(str(path.parent))
+            else:
+                tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
         elif path.is_dir():
             tok = AutoTokenizer.from_pretrained(str(path))
         else:
