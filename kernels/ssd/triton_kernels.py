@@ -144,14 +144,42 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
 
 
 @triton.jit
-def chunk_scan_fwd_kernel(x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
+def cb_fwd_kernel(B_ptr, C_ptr, CB_ptr, chunk_t0_ptr, chunk_len_ptr, T, N, NC, G,
+                  s_B_b, s_B_t, s_B_g,
+                  L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """CB[m, l] = C_m . B_l per (chunk, group), lower-triangular tiles only (float32)."""
+    pid_c = tl.program_id(0)
+    g = tl.program_id(1)
+    pid_mk = tl.program_id(2)
+    n_kb = L // BK
+    m0 = (pid_mk // n_kb) * BM
+    k0 = (pid_mk % n_kb) * BK
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if (m0 >= clen) | (k0 >= m0 + BM):
+        return
+    rows_m = m0 + tl.arange(0, BM)
+    rows_k = k0 + tl.arange(0, BK)
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    base = b * s_B_b + g * s_B_g
+    Cm = tl.load(C_ptr + base + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :],
+                 mask=(rows_m[:, None] < clen) & nmask[None, :], other=0.0).to(DOT_DT)
+    Bk = tl.load(B_ptr + base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :],
+                 mask=(rows_k[:, None] < clen) & nmask[None, :], other=0.0).to(DOT_DT)
+    cb = tl.dot(Cm, tl.trans(Bk), input_precision=DOT_PREC)
+    tl.store(CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L + rows_m[:, None] * L + rows_k[None, :], cb)
+
+
+@triton.jit
+def chunk_scan_fwd_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
                           chunk_t0_ptr, chunk_len_ptr,
-                          T, H, P, N, NC, BT, R,
+                          T, H, P, N, NC, BT, R, G,
                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
                           L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                           BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                           STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """Per (chunk, head, m-block x p-block): y = e^{cs} C S^T + causal((C B^T) * decay * dt) x + D x."""
+    """Per (chunk, head, m-block x p-block): y = e^{cs} C S^T + causal(CB * decay * dt) x + D x."""
     pid_c = tl.program_id(0)
     h = tl.program_id(1)
     pid_mp = tl.program_id(2)
@@ -169,9 +197,9 @@ def chunk_scan_fwd_kernel(x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_pt
     offs_n = tl.arange(0, BNF)
     nmask = offs_n < N
     pmask = offs_p < P
-    B_base = B_ptr + b * s_B_b + g * s_B_g
     C_base = C_ptr + b * s_B_b + g * s_B_g
     x_base = x_ptr + b * s_x_b + h * s_x_h
+    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
     Cm = tl.load(C_base + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :], mask=mmask[:, None] & nmask[None, :],
                  other=0.0).to(dtype)
@@ -182,12 +210,10 @@ def chunk_scan_fwd_kernel(x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_pt
     for k in range(0, k_end, BK):
         rows_k = k + tl.arange(0, BK)
         kmask = rows_k < clen
-        Bk = tl.load(B_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
-                     other=0.0).to(dtype)
-        cb = tl.dot(Cm, tl.trans(Bk), input_precision=DOT_PREC)
+        causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :]
+        cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=causal & mmask[:, None], other=0.0)
         cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
         dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
-        causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :]
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
         cb = cb * decay * dt_k[None, :]
         xk = tl.load(x_base + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],
@@ -396,9 +422,9 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
 
 
 @triton.jit
-def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr, ypre_ptr,
+def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr, ypre_ptr,
                   dx_ptr, ddt_ptr, dcs_ptr, q_ptr, dD_ptr, chunk_t0_ptr, chunk_len_ptr,
-                  T, H, P, N, NC, BT, R,
+                  T, H, P, N, NC, BT, R, G,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
@@ -420,7 +446,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_p
     offs_n = tl.arange(0, BNF)
     nmask = offs_n < N
     B_base = B_ptr + b * s_B_b + g * s_B_g
-    C_base = C_ptr + b * s_B_b + g * s_B_g
+    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     dy_base = dy_ptr + b * s_dy_b + h * s_dy_h
     x_base = x_ptr + b * s_x_b + h * s_x_h
     cs_l = tl.load(cs_ptr + tok0 + rows_l, mask=lmask, other=0.0)
@@ -435,11 +461,10 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_p
     for k in range(l0, clen, BK):
         rows_k = k + tl.arange(0, BK)
         kmask = rows_k < clen
-        Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
-                     other=0.0).to(dtype)
-        cbT = tl.dot(Bl, tl.trans(Ck), input_precision=DOT_PREC)  # [l, m] = C_m . B_l
-        cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
         causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
+        cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=causal & lmask[:, None],
+                      other=0.0)  # [l, m] = C_m . B_l
+        cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
         decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
         dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],
                       other=0.0).to(dtype)

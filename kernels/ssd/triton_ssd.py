@@ -41,6 +41,7 @@ def _cfgs(*pairs):
 _dt_fwd = K.dt_fwd_kernel
 _dt_bwd = K.dt_bwd_kernel
 _gate_bwd = K.gate_bwd_kernel
+_cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
 _state_fwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "N", "R"])(K.state_fwd_kernel)
 _scan_fwd = _tune(_cfgs((4, 2), (4, 3), (8, 2), (8, 3)), ["P", "N", "R"])(K.chunk_scan_fwd_kernel)
 _dstate_bwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
@@ -107,6 +108,8 @@ class _Plan:
         self.BP = min(64, self.BPF)
         self.BN = min(64, self.BNF)
         self.BH = 16 if L <= 128 else 8
+        self.BKS = min(L, 256)  # rows per step of the sequential state kernels (whole chunk)
+        self.BN_dbdc = min(self.BNF, 128)
         self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
 
 
@@ -137,28 +140,32 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
         final if final is not None else dtp, pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, pl.R,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        L=L, BP=pl.BP, BN=pl.BN, BK=pl.BK, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+        L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
         IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    CB = torch.empty(pl.NCB, pl.G, L, L, dtype=torch.float32, device=dev)
+    _cb_fwd[(pl.NCB, pl.G, (L // pl.BM) * (L // pl.BK))](
+        B, C, CB, pl.chunk_t0, pl.chunk_len, pl.T, N, pl.NC, pl.G, B.stride(0), B.stride(1), B.stride(2),
+        L=L, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     y = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     zz = z if z is not None else x
     _scan_fwd[(pl.NCB, H, triton.cdiv(L, pl.BM) * triton.cdiv(P, pl.BP))](
-        x, B, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
+        x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
         pl.chunk_t0, pl.chunk_len,
-        pl.T, H, P, N, pl.NC, pl.BT, pl.R,
+        pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
         zz.stride(0), zz.stride(1), zz.stride(2),
         L=L, BM=pl.BM, BK=pl.BK, BP=pl.BP, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
         HAS_Z=z is not None, STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
-    return y, final, (dtp, cs, states, ypre if store_pre else y)
+    return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit, aux):
     pl = plan
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
-    dtp, cs, states, ypre = aux
+    dtp, cs, states, CB, ypre = aux
     prec = _dot_prec(x.dtype)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -183,7 +190,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         passing, pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, R,
         dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        L=L, BP=pl.BP, BN=pl.BN, BK=pl.BK, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
+        L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
         IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     # per-group dy.x^T (decayed), for dB and dC
     Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
@@ -200,9 +207,9 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     qrow = torch.empty_like(ddt_dir)
     dD_part = torch.zeros(pl.NCB * nm, H, P, dtype=torch.float32, device=dev) if D is not None else None
     _dx_bwd[(pl.NCB, H, nm)](
-        dy, x, B, C, dtp, cs, dstates, D if D is not None else cs, ypre,
+        dy, x, B, CB, dtp, cs, dstates, D if D is not None else cs, ypre,
         dx, ddt_dir, dcs, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, P, N, pl.NC, pl.BT, R,
+        pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2),
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
@@ -210,12 +217,12 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
-    _dbdc_bwd[(pl.NCB, G, nm * triton.cdiv(N, pl.BN))](
+    _dbdc_bwd[(pl.NCB, G, nm * triton.cdiv(N, pl.BN_dbdc))](
         dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2),
-        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_dbdc, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     # dt, dA, dt_bias
     has_limit, lo, hi = _limits(dt_limit)
     ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev)
@@ -246,18 +253,18 @@ class SSDScanFn(torch.autograd.Function):
         plan = _Plan(x, B, cu_seqlens, chunk_size)
         y, final, aux = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit,
                                  return_final_state, save=True)
-        dtp, cs, states, ypre = aux  # ypre is y itself when there is no gate
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, ypre)
+        dtp, cs, states, CB, ypre = aux  # ypre is y itself when there is no gate
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, CB, ypre)
         ctx.plan, ctx.dt_softplus, ctx.dt_limit = plan, dt_softplus, dt_limit
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, ypre = ctx.saved_tensors
+        x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, CB, ypre = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
         grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, ctx.plan, ctx.dt_softplus,
-                          ctx.dt_limit, (dtp, cs, states, ypre))
+                          ctx.dt_limit, (dtp, cs, states, CB, ypre))
         dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
         return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit, None, None, None, None, None
 
