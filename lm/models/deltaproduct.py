@@ -172,12 +172,13 @@ class DeltaProductMixer(Mixer):
         q = q.reshape(b, t, H, dk)
         k = k.reshape(b, t * nh, H, dk)  # per token (n_h, H, dk): row i*nh + j is step j of token i
         v = v.reshape(b, t * nh, H, dv)
-        beta = beta.float().sigmoid().reshape(b, t * nh, H)
+        cd = torch.float64 if proj.dtype == torch.float64 else torch.float32  # gates in at least float32
+        beta = beta.to(cd).sigmoid().reshape(b, t * nh, H)
         if self.allow_neg_eigval:
             beta = 2 * beta
         g = None
         if self.use_forget_gate:
-            g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())  # (b, t, H)
+            g = -torch.exp(self.A_log.to(cd)) * F.softplus(a.to(cd) + self.dt_bias.to(cd))  # (b, t, H)
         if cache is not None and t == 1:
             h0 = state.get("state")
             if h0 is None:
