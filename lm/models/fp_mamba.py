@@ -1,0 +1,376 @@
+"""FP-Mamba (paper 000, the Mamba2/SSD variant): a fixed point inside every layer.
+
+One layer iterates its own output y (b, t, d_inner) from y^0 = 0 (paper eq. 12-13, App. C.2):
+
+    y_{t-1}   = shift(y^{l-1})                                       (zero at sequence/document starts)
+    x~_t      = Q_t (x_t - y^{l-1}_t) + y^{l-1}_t,   Q_t = Q([x_t; y_{t-1}])   (channel mixing)
+    B_t, C_t  = l2norm(W_B x_t + W_B^y y_{t-1}),  l2norm(W_C x_t + W_C^y y_{t-1})
+    y^l       = GatedRMSNorm(SSD(x~, dt, A, B, C, D), z)              (the per-iteration normalisation)
+
+until the relative inf-norm residual ||y^l - y^{l-1}||_inf / ||y^l||_inf of a quantile of the batch's
+samples (0.75 in training, 1.0 in evaluation) is below `fp_tol`, with damping that decays after
+`fp_patience` non-improving iterations. dt, A and the gate z depend on x only (App. C.2, as the
+official code). The iteration runs without autograd through `lm.fixed_point.solve`; then `n_backwards`
+steps with autograd from the detached fixed point (`phantom`) give the gradient at the fixed point
+(paper sec. 3.5, k = 0 truncation). The layer output is out_proj(y) (gate inside the loop, the paper's
+"GLU in the loop"); `shifted_output_gate=True` moves the gate outside instead,
+out_proj(silu(z + W_z^y y_{t-1}) * y), the official code's default.
+
+Relation to Mamba2 (lm/models/mamba2.py, same parameter names in_proj, conv1d, dt_bias, A_log, D, norm,
+out_proj): with Q = I (`mixer_type="identity"`), `bc_norm=False` and `shifted_output_gate=False`, one
+iteration from y = 0 IS the Mamba2 layer (the y-dependent terms vanish at y = 0); with also
+`bc_h_dep=False` the map does not depend on y at all and every iteration equals Mamba2. FP-Mamba
+differs from Mamba2 by exactly: Q, the y-dependence of B/C (and Q), the L2 normalisation of B/C, and
+the optional shifted output gate. `d_conv=0` drops the short conv (the official FP-Mamba2 default).
+
+Modes: without a cache all tokens iterate together (parallel; training, evaluation). With a cache
+(generation) tokens are processed one at a time (sequential, paper Fig. 10): each token iterates
+against the committed SSM state and the previous token's output, then `n_backwards` committing steps
+write the state; a prompt is processed the same way, token by token, so cached generation equals the
+sequential mode run from scratch on the whole sequence. The implicit variant (config `implicit={...}`)
+adds the injection to in_proj's output, like Mamba2; the implicit stack then wraps layers that iterate
+themselves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lm_kernels.ssd import ssd_scan, ssd_step
+
+from ..fixed_point import FixedPointStats, phantom, solve
+from .channel_mixers import ACTIVATIONS, KRONECKER_NORMS, MIXER_TYPES, make_channel_mixer
+from .config import LMConfig
+from .layers import GatedRMSNorm, causal_conv1d, dt_init, position_in_document
+from .modeling import LMForCausalLM, LMModel, Mixer, init
+
+MIXER_INPUTS = ("concat", "sum", "x")
+
+
+class LMFPMambaConfig(LMConfig):
+    model_type = "lm_fp_mamba"
+    _fields = {
+        # the Mamba2 layer being iterated (names and meaning as lm_mamba2)
+        "d_state": 128,
+        "d_conv": 4,  # 0 = no short conv (official FP-Mamba2 default)
+        "expand": 2,
+        "headdim": 64,
+        "ngroups": 1,
+        "chunk_size": 256,
+        "dt_min": 0.001,
+        "dt_max": 0.1,
+        "dt_limit": [0.0, None],
+        "A_init_range": [1.0, 16.0],
+        "conv_bias": True,
+        # channel mixer Q_t
+        "mixer_type": "householder",  # householder | dplr | kronecker | identity (Q = I)
+        "mixer_rank": 2,  # Householder reflections / DPLR rank (unused by kronecker)
+        "mixer_activation": "silu",  # on u (H/DPLR) and on the Cholesky parameters (K)
+        "mixer_input": "concat",  # Q's parameter input: [x; y_{t-1}] | x + y_{t-1} | x
+        "mixer_neg_eigval": True,  # factor 2 on alpha / D: eigenvalues of Q in [-1, 1]
+        "mixer_proj_rank": 0,  # 0 = full projection, k = low-rank (in -> k -> out) projection
+        "kronecker_norm": "spectral",  # spectral (paper: power iteration) | row (official default)
+        # iterate dependence and normalisation
+        "bc_h_dep": True,  # B, C += W^y y_{t-1}
+        "bc_norm": True,  # L2-normalise B and C over d_state
+        "shifted_output_gate": False,  # out_proj(silu(z + W_z^y y_{t-1}) * y) instead of the gate in the loop
+        # the fixed point inside each layer
+        "fp_max_iter": 100,  # training cap
+        "fp_eval_max_iter": 1000,  # evaluation / generation cap
+        "fp_tol": 0.1,
+        "fp_train_quantile": 0.75,  # stop once this fraction of the batch converged (training)
+        "fp_eval_quantile": 1.0,
+        "fp_damping": 1.0,  # initial damping (step size) delta: y <- delta f(y) + (1 - delta) y
+        "fp_damping_decay": 0.9,  # delta *= decay after `fp_patience` iterations without improvement
+        "fp_patience": 15,
+        "n_backwards": 1,  # steps with autograd at the fixed point
+        "fp_train_iter_gamma": None,  # [shape, scale]: training cap ~ ceil(Gamma(shape, scale)) <= fp_max_iter
+    }
+
+    def validate(self):
+        super().validate()
+
+        def pos_int(f, minimum=1):
+            v = getattr(self, f)
+            self._check(isinstance(v, int) and not isinstance(v, bool) and v >= minimum, f,
+                        f"must be an integer >= {minimum}")
+
+        for f in ("d_state", "expand", "headdim", "ngroups", "chunk_size", "mixer_rank", "fp_max_iter",
+                  "fp_eval_max_iter", "fp_patience", "n_backwards"):
+            pos_int(f)
+        pos_int("d_conv", 0)
+        pos_int("mixer_proj_rank", 0)
+        self._check(self.d_inner % self.headdim == 0, "headdim",
+                    f"must divide d_inner = expand * hidden_size = {self.d_inner}")
+        self._check(self.nheads % self.ngroups == 0, "ngroups", f"must divide the number of heads {self.nheads}")
+        self._check(0 < self.dt_min <= self.dt_max, "dt_min", "need 0 < dt_min <= dt_max")
+        lim = self.dt_limit
+        self._check(isinstance(lim, (list, tuple)) and len(lim) == 2 and lim[0] >= 0
+                    and (lim[1] is None or lim[1] > lim[0]), "dt_limit", "need [low >= 0, high > low or None]")
+        r = self.A_init_range
+        self._check(isinstance(r, (list, tuple)) and len(r) == 2 and 0 < r[0] <= r[1], "A_init_range",
+                    "need [low, high] with 0 < low <= high")
+        self._check(self.mixer_type in MIXER_TYPES, "mixer_type", f"must be one of {MIXER_TYPES}")
+        self._check(self.mixer_activation in ACTIVATIONS, "mixer_activation", f"must be one of {ACTIVATIONS}")
+        self._check(self.mixer_input in MIXER_INPUTS, "mixer_input", f"must be one of {MIXER_INPUTS}")
+        self._check(self.kronecker_norm in KRONECKER_NORMS, "kronecker_norm", f"must be one of {KRONECKER_NORMS}")
+        for f in ("conv_bias", "mixer_neg_eigval", "bc_h_dep", "bc_norm", "shifted_output_gate"):
+            self._check(isinstance(getattr(self, f), bool), f, "must be true or false")
+        self._check(isinstance(self.fp_tol, (int, float)) and 0 < self.fp_tol < 1, "fp_tol", "must be in (0, 1)")
+        for f in ("fp_train_quantile", "fp_eval_quantile", "fp_damping", "fp_damping_decay"):
+            v = getattr(self, f)
+            self._check(isinstance(v, (int, float)) and 0 < v <= 1, f, "must be in (0, 1]")
+        g = self.fp_train_iter_gamma
+        self._check(g is None or (isinstance(g, (list, tuple)) and len(g) == 2 and all(
+            isinstance(v, (int, float)) and v > 0 for v in g)), "fp_train_iter_gamma",
+            "must be null or [shape > 0, scale > 0]")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.hidden_size
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """The iterate-independent parts of one layer call (from in_proj and the conv)."""
+
+    z: torch.Tensor  # (b, t, d_inner) gate
+    x: torch.Tensor  # (b, t, d_inner) SSM input
+    B: torch.Tensor  # (b, t, g*n) x-part of B
+    C: torch.Tensor  # (b, t, g*n)
+    dt: torch.Tensor  # (b, t, nheads) raw (before dt_bias / softplus)
+
+    def token(self, i: int) -> "_Inputs":
+        return _Inputs(*(getattr(self, f.name)[:, i: i + 1] for f in dataclasses.fields(self)))
+
+
+def shift_right(y: torch.Tensor, first: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """y_{t-1}: (b, t, d) shifted by one step along t, `first` (b, d) (or zeros) at t = 0; positions where
+    `keep` (t,) is False (document starts of a packed row) are zeroed."""
+    head = first.unsqueeze(1).to(y.dtype) if first is not None else y.new_zeros(y.shape[0], 1, y.shape[2])
+    ys = torch.cat([head, y[:, :-1]], dim=1)
+    if keep is not None:
+        ys = ys * keep.view(1, -1, 1).to(ys.dtype)
+    return ys
+
+
+class FPMambaMixer(Mixer):
+    def __init__(self, config: LMFPMambaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.fp_config = config
+        self.d_inner, self.nheads, self.headdim = config.d_inner, config.nheads, config.headdim
+        self.d_state, self.ngroups, self.chunk_size = config.d_state, config.ngroups, config.chunk_size
+        self.eps = config.rms_norm_eps
+        lo, hi = config.dt_limit
+        self.dt_limit = (float(lo), float("inf") if hi is None else float(hi))
+        gn = self.ngroups * self.d_state
+        self.conv_dim = self.d_inner + 2 * gn
+        self.in_proj = nn.Linear(config.hidden_size, self.injection_dim(config), bias=False)
+        if config.d_conv > 0:
+            self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, config.d_conv, groups=self.conv_dim,
+                                    padding=config.d_conv - 1, bias=config.conv_bias)
+        else:
+            self.conv1d = None
+        self.dt_bias = nn.Parameter(torch.zeros(self.nheads))
+        self.A_log = nn.Parameter(torch.zeros(self.nheads))
+        self.D = nn.Parameter(torch.ones(self.nheads))
+        self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.ngroups, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=False)
+        self.bc_y_proj = nn.Linear(self.d_inner, 2 * gn, bias=False) if config.bc_h_dep else None
+        self.z_y_proj = nn.Linear(self.d_inner, self.d_inner, bias=False) if config.shifted_output_gate else None
+        mixer_in = 2 * self.d_inner if config.mixer_input == "concat" else self.d_inner
+        self.q_mixer = make_channel_mixer(
+            config.mixer_type, mixer_in, self.d_inner, rank=config.mixer_rank, activation=config.mixer_activation,
+            neg_eigval=config.mixer_neg_eigval, kronecker_norm=config.kronecker_norm,
+            proj_rank=config.mixer_proj_rank, eps=self.eps,
+        )
+        for p in (self.dt_bias, self.A_log, self.D):
+            p._no_weight_decay = True
+        self._stats: list[FixedPointStats] = []
+        self.init_weights(config)
+
+    @staticmethod
+    def injection_dim(config) -> int:
+        return 2 * config.d_inner + 2 * config.ngroups * config.d_state + config.nheads
+
+    def init_weights(self, config) -> None:
+        """Mamba2's dt/A/D init, plus an O(1) scale for x. Unlike Mamba2, the layer map is not invariant to
+        the scale of x: x~ = Q(x - y) + y mixes x with the unit-RMS iterate y, and with x ~ 0.01 (the
+        shared std-0.02 init of in_proj and conv1d) y dominates, the map is close to a normalised linear
+        map of y and the iteration does not converge at init. So in_proj gets std 1/sqrt(hidden_size)
+        (unit-RMS outputs on the normalised residual stream) and conv1d PyTorch's default uniform init
+        (+-1/sqrt(d_conv)), as mamba_ssm leaves them; x then has RMS ~0.35 and the iteration converges
+        at init (about 10 iterations at tol 0.1, see the tests)."""
+        init.normal_(self.in_proj.weight, mean=0.0, std=config.hidden_size ** -0.5)
+        if self.conv1d is not None:
+            bound = config.d_conv ** -0.5
+            init.uniform_(self.conv1d.weight, -bound, bound)
+            if self.conv1d.bias is not None:
+                init.uniform_(self.conv1d.bias, -bound, bound)
+        lo, hi = config.A_init_range
+        init.copy_(self.dt_bias, dt_init(self.nheads, config.dt_min, config.dt_max))
+        init.copy_(self.A_log, torch.log(torch.empty(self.nheads).uniform_(lo, hi)))
+        init.ones_(self.D)
+
+    def pop_stats(self) -> list[FixedPointStats]:
+        out, self._stats = self._stats, []
+        return out
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """One application of the layer map (scan + Q); a forward runs it (iterations + n_backwards) times,
+        and the per-iteration Linear layers (bc_y_proj, Q's projections) likewise."""
+        c = min(self.chunk_size, seq_len)
+        h, p, n = self.nheads, self.headdim, self.d_state
+        scan = 2 * h * (c / 2) * (n + p) + 2 * 2 * h * p * n
+        return scan + (self.q_mixer.flops_per_token() if self.q_mixer is not None else 0.0)
+
+    # --- pieces -------------------------------------------------------------------------------------
+    def _inputs(self, x, injection, conv_state, cu_seqlens):
+        zxbcdt = self.in_proj(x)
+        if injection is not None:
+            zxbcdt = zxbcdt + injection
+        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        new_conv = None
+        if self.conv1d is not None:
+            xbc, new_conv = causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
+                                          conv_state=conv_state, activation="silu")
+        gn = self.ngroups * self.d_state
+        xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
+        return _Inputs(z, xs, B, C, dt), new_conv
+
+    def _mixer_param(self, x, ys):
+        kind = self.fp_config.mixer_input
+        if kind == "concat":
+            return torch.cat([x, ys], dim=-1)
+        return x + ys if kind == "sum" else x
+
+    def layer_map(self, inp: _Inputs, y, *, y_first=None, state=None, keep=None, cu_seqlens=None,
+                  token=False, return_state=False):
+        """One application of the layer map y^{l-1} -> y^l (module docstring). Returns (y^l, SSM final state
+        or None). `token=True`: a single token (t == 1) through ssd_step from `state` (zeros if None)."""
+        b, t, _ = y.shape
+        ys = shift_right(y, y_first, keep)
+        xt = inp.x
+        if self.q_mixer is not None:
+            xt = self.q_mixer(self._mixer_param(inp.x, ys), inp.x - y) + y
+        B, C = inp.B, inp.C
+        if self.bc_y_proj is not None:
+            By, Cy = self.bc_y_proj(ys).chunk(2, dim=-1)
+            B, C = B + By, C + Cy
+        B = B.reshape(b, t, self.ngroups, self.d_state)
+        C = C.reshape(b, t, self.ngroups, self.d_state)
+        if self.fp_config.bc_norm:
+            B = F.normalize(B, dim=-1, eps=self.eps)
+            C = F.normalize(C, dim=-1, eps=self.eps)
+        xh = xt.reshape(b, t, self.nheads, self.headdim)
+        A = -torch.exp(self.A_log.float())
+        if token:
+            if state is None:
+                sdt = torch.float64 if xh.dtype == torch.float64 else torch.float32
+                state = xh.new_zeros(b, self.nheads, self.headdim, self.d_state, dtype=sdt)
+            out, new_state = ssd_step(state, xh[:, 0], inp.dt[:, 0], A, B[:, 0], C[:, 0], D=self.D,
+                                      dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+            out = out.unsqueeze(1)
+        else:
+            out, new_state = ssd_scan(xh, inp.dt, A, B, C, chunk_size=self.chunk_size, D=self.D,
+                                      dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+                                      initial_state=state, cu_seqlens=cu_seqlens, return_final_state=return_state)
+        gate = None if self.z_y_proj is not None else inp.z
+        return self.norm(out.reshape(b, t, self.d_inner), gate), new_state
+
+    def _output(self, y, inp, y_first=None, keep=None):
+        if self.z_y_proj is not None:
+            y = y * F.silu(inp.z + self.z_y_proj(shift_right(y, y_first, keep)))
+        return self.out_proj(y)
+
+    def _solver_args(self) -> dict:
+        c = self.fp_config
+        if self.training:
+            cap = c.fp_max_iter
+            if c.fp_train_iter_gamma is not None:
+                shape, scale = c.fp_train_iter_gamma
+                sample = torch.distributions.Gamma(float(shape), 1.0 / float(scale)).sample()
+                cap = min(cap, max(1, int(math.ceil(float(sample)))))
+            q = c.fp_train_quantile
+        else:
+            cap, q = c.fp_eval_max_iter, c.fp_eval_quantile
+        return dict(max_iter=cap, tol=c.fp_tol, damping=c.fp_damping, stop_quantile=q, norm="inf",
+                    patience=c.fp_patience, damping_decay=c.fp_damping_decay)
+
+    def _record(self, st: FixedPointStats) -> None:
+        self._stats.append(st)
+        if len(self._stats) > 4096:  # nobody popped (mixer used outside LMModel): keep the newest
+            del self._stats[0]
+
+    # --- modes --------------------------------------------------------------------------------------
+    def iterate(self, x, *, injection=None, cu_seqlens=None):
+        """Parallel mode on the normalised layer input x (b, t, hidden). Returns (y after the n_backwards
+        steps, the detached fixed point y*, stats, the layer's x-only inputs, the document mask or None);
+        y and y* are (b, t, d_inner), before the output gate / out_proj."""
+        inp, _ = self._inputs(x, injection, None, cu_seqlens)
+        keep = None
+        if cu_seqlens is not None:
+            keep = position_in_document(x.shape[1], cu_seqlens, x.device) > 0
+
+        def f(y):
+            return self.layer_map(inp, y, keep=keep, cu_seqlens=cu_seqlens)[0]
+
+        y0 = inp.x.new_zeros(inp.x.shape)
+        y_star, st = solve(f, y0, **self._solver_args())
+        y = phantom(f, y_star, steps=self.fp_config.n_backwards)
+        return y, y_star, st, inp, keep
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+        if cache is not None:
+            return self._sequential(x, injection, cache, cu_seqlens)
+        y, _, st, inp, keep = self.iterate(x, injection=injection, cu_seqlens=cu_seqlens)
+        self._record(st)
+        return self._output(y, inp, keep=keep)
+
+    def _sequential(self, x, injection, cache, cu_seqlens):
+        """Token by token against the committed state (generation); see the module docstring."""
+        if cu_seqlens is not None:
+            raise ValueError("FP-Mamba: cu_seqlens (packed documents) is not supported with a generation cache")
+        state = cache.get(self.layer_idx)
+        inp, conv = self._inputs(x, injection, state.get("conv"), None)
+        ssm, y_prev = state.get("ssm"), state.get("y")
+        args = self._solver_args()
+        outs = []
+        for i in range(x.shape[1]):
+            tok = inp.token(i)
+            last = {}
+
+            def f(y, tok=tok, y_prev=y_prev, ssm=ssm, last=last):
+                y_new, last["ssm"] = self.layer_map(tok, y, y_first=y_prev, state=ssm, token=True)
+                return y_new
+
+            y_star, st = solve(f, tok.x.new_zeros(tok.x.shape), **args)
+            self._record(st)
+            y = phantom(f, y_star, steps=self.fp_config.n_backwards)  # the committing step(s)
+            outs.append(self._output(y, tok, y_first=y_prev))
+            ssm, y_prev = last["ssm"], y[:, 0]
+        cache.update(self.layer_idx, ssm=ssm, y=y_prev, **({"conv": conv} if conv is not None else {}))
+        return torch.cat(outs, dim=1)
+
+
+class LMFPMambaModel(LMModel):
+    config_class = LMFPMambaConfig
+    mixer_class = FPMambaMixer
+
+
+class LMFPMambaForCausalLM(LMForCausalLM):
+    config_class = LMFPMambaConfig
+    mixer_class = FPMambaMixer
+    model_class = LMFPMambaModel
+
+
+MODEL_CLASSES = (LMFPMambaConfig, LMFPMambaModel, LMFPMambaForCausalLM)
