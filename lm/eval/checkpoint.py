@@ -1,0 +1,42 @@
+"""Load an exported checkpoint (a Hugging Face folder written by `lm export` / save_pretrained)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A folder with config.json; a training run folder resolves to its `hf` export."""
+    p = Path(path)
+    for cand in (p, p / "hf", p / "export"):
+        if (cand / "config.json").is_file():
+            return cand
+    raise ValueError(
+        f"{path} is not a model folder (no config.json there or in {path}/hf). Pass the folder written by "
+        "`lm export RUN_DIR` (or by save_pretrained)."
+    )
+
+
+def load_checkpoint(path, *, device: str | None = None, dtype: str | torch.dtype | None = None):
+    """(model in eval mode, tokenizer). The tokenizer is the one saved with the model; the shipped default
+    tokenizer is used (with a check of the vocabulary size) when the folder has none."""
+    import lm  # noqa: F401  (registers the model types)
+    from transformers import AutoModelForCausalLM
+
+    from lm.data.tokenizer import load_tokenizer
+
+    folder = resolve_checkpoint(path)
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    has_tok = (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+    tok = load_tokenizer(str(folder) if has_tok else None)
+    if len(tok) > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tok)} tokens but the model's vocab_size is {model.config.vocab_size}: "
+            f"{folder} was trained with another tokenizer; save it into the folder (lm export does)"
+        )
+    return model, tok

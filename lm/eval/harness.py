@@ -1,0 +1,124 @@
+"""lm-eval-harness in process, on our model object and tokenizer, with the papers' table.
+
+    lm eval CKPT --tasks lambada_openai,hellaswag,piqa,arc_easy,arc_challenge,winogrande,openbookqa
+    lm eval CKPT --tasks lm_local_lastword,lm_local_continuation --include-path data/lm_tasks
+
+Implicit models evaluate in simultaneous mode at the evaluation cap (eval_factor x max_iter). The
+training hook calls `run_lm_eval` on the live model.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+PAPER_TASKS = ["lambada_openai", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande", "openbookqa"]
+# Which accuracy the papers report per task (acc_norm where the Mamba/GLA tables use it).
+REPORTED_METRIC = {"hellaswag": "acc_norm", "arc_challenge": "acc_norm", "lm_local_continuation": "acc_norm"}
+LOCAL_TASKS_HINT = ("the local tasks need their data: run `python -m lm.eval.local_tasks --data data/shakespeare "
+                    "--out data/lm_tasks` and pass --include-path data/lm_tasks")
+
+
+def _import_lm_eval():
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as e:
+        raise SystemExit(f"lm eval needs lm-eval-harness: pip install -e '.[eval]' ({e})") from e
+    return lm_eval, HFLM, TaskManager
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(include_path: str | None = None):
+    """lm-eval's TaskManager (indexing every task YAML takes seconds: built once per include path)."""
+    _, _, TaskManager = _import_lm_eval()
+    return TaskManager(include_path=include_path)
+
+
+def run_lm_eval(model, tokenizer, tasks: list[str], *, num_fewshot: int = 0, batch_size: int = 16,
+                limit: int | float | None = None, include_path: str | None = None,
+                max_length: int | None = None) -> dict:
+    """Run lm-eval on an in-memory model; returns {"results": {task: {metric: value}}, "table": [...]}."""
+    lm_eval, HFLM, _ = _import_lm_eval()
+    was_training = model.training
+    model.eval()
+    try:
+        hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                    max_length=max_length or getattr(model.config, "max_position_embeddings", None) or 2048,
+                    device=str(next(model.parameters()).device))
+        tm = task_manager(str(include_path) if include_path else None)
+        missing = [t for t in tasks if t not in tm.all_tasks]
+        if missing:
+            hint = LOCAL_TASKS_HINT if any(t.startswith("lm_local_") for t in missing) else \
+                "check the task names (lm_eval --tasks list) or pass --include-path"
+            raise ValueError(f"unknown lm-eval task(s) {missing}: {hint}")
+        with torch.no_grad():
+            out = lm_eval.simple_evaluate(model=hflm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                          task_manager=tm, log_samples=False, bootstrap_iters=0)
+    finally:
+        model.train(was_training)
+    results = {t: {k.split(",")[0]: v for k, v in r.items() if isinstance(v, (int, float)) and "stderr" not in k}
+               for t, r in out["results"].items()}
+    return {"results": results, "table": paper_table(results)}
+
+
+def paper_table(results: dict) -> list[tuple[str, str, float]]:
+    """(task, metric, value) rows in the papers' order: LAMBADA ppl and acc, then the accuracies."""
+    rows = []
+    order = [t for t in PAPER_TASKS if t in results] + sorted(t for t in results if t not in PAPER_TASKS)
+    for t in order:
+        r = results[t]
+        if "perplexity" in r:
+            rows.append((t, "ppl", r["perplexity"]))
+        metric = REPORTED_METRIC.get(t, "acc")
+        if metric not in r and "acc" in r:
+            metric = "acc"
+        if metric in r:
+            rows.append((t, metric, r[metric]))
+    accs = [v for t, m, v in rows if m != "ppl"]
+    if accs:
+        rows.append(("average", "acc", sum(accs) / len(accs)))
+    return rows
+
+
+def format_table(rows) -> str:
+    lines = [f"{'task':28s} {'metric':9s} {'value':>10s}", "-" * 49]
+    lines += [f"{t:28s} {m:9s} {v:10.4f}" for t, m, v in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="lm eval", description="lm-eval-harness on an exported checkpoint")
+    ap.add_argument("checkpoint", help="model folder (lm export output)")
+    ap.add_argument("--tasks", default=",".join(PAPER_TASKS))
+    ap.add_argument("--num-fewshot", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--limit", type=float, default=None, help="examples per task (debugging)")
+    ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs (local tasks)")
+    ap.add_argument("--max-length", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    ap.add_argument("--output", default=None, help="results JSON (default: CKPT/eval_results.json)")
+    args = ap.parse_args(argv)
+
+    from .checkpoint import load_checkpoint, resolve_checkpoint
+
+    model, tok = load_checkpoint(args.checkpoint, device=args.device, dtype=args.dtype)
+    limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+    t0 = time.time()
+    res = run_lm_eval(model, tok, [t for t in args.tasks.split(",") if t], num_fewshot=args.num_fewshot,
+                      batch_size=args.batch_size, limit=limit, include_path=args.include_path,
+                      max_length=args.max_length)
+    res.update(checkpoint=str(resolve_checkpoint(args.checkpoint)), seconds=time.time() - t0,
+               implicit=model.config.implicit)
+    out = Path(args.output) if args.output else resolve_checkpoint(args.checkpoint) / "eval_results.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(format_table(res["table"]))
+    print(f"results written to {out}")
+    return 0
