@@ -221,3 +221,14 @@ def test_errors_name_the_field(monkeypatch):
     monkeypatch.setenv("LM_LRU_BACKEND", "reference")
     h, _ = block_scan(A, x)
     assert torch.allclose(h, block_scan_naive(A, x)[0])
+
+
+def test_reference_and_step_ignore_autocast():
+    A, x = rand_inputs(1, 20, 2, 3, dtype=torch.float32, requires_grad=False)
+    h0 = torch.randn(1, 2, 3)
+    plain = block_scan_reference(A, x, initial_state=h0, chunk_size=4, return_final_state=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = block_scan_reference(A, x, initial_state=h0, chunk_size=4, return_final_state=True)
+        step = block_scan_step(h0, A[:, 0], x[:, 0])
+    assert auto[0].dtype == torch.float32 and torch.allclose(auto[0], plain[0], rtol=1e-6, atol=1e-6)
+    assert step.dtype == torch.float32 and torch.allclose(step, plain[0][:, 0], rtol=1e-6, atol=1e-6)

@@ -16,7 +16,8 @@ def block_scan_step(state: torch.Tensor, A: torch.Tensor, x: torch.Tensor) -> to
         raise ValueError(f"block_scan_step expects state (b, nb, m), A (b, nb, m, m), x (b, nb, m); got "
                          f"{tuple(state.shape)}, {tuple(A.shape)}, {tuple(x.shape)}")
     cd = compute_dtype(state, A, x)
-    return torch.einsum("bnij,bnj->bni", A.to(cd), state.to(cd)) + x.to(cd)
+    with torch.autocast(state.device.type, enabled=False):  # float32/float64 also under autocast
+        return torch.einsum("bnij,bnj->bni", A.to(cd), state.to(cd)) + x.to(cd)
 
 
 def block_scan_naive(A, x, *, initial_state=None, cu_seqlens=None, chunk_size=None,

@@ -38,6 +38,12 @@ def _fold_starts(A, x, initial_state, cu_seqlens):
 
 def block_scan_reference(A, x, *, initial_state=None, cu_seqlens=None, chunk_size=64,
                          return_final_state=False):
+    check_args(A, x, initial_state, cu_seqlens)
+    with torch.autocast(x.device.type, enabled=False):  # keep the float32/float64 accumulation under autocast
+        return _scan(A, x, initial_state, cu_seqlens, chunk_size, return_final_state)
+
+
+def _scan(A, x, initial_state, cu_seqlens, chunk_size, return_final_state):
     b, t, nb, m, num_seqs = check_args(A, x, initial_state, cu_seqlens)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
