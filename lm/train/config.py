@@ -1,0 +1,302 @@
+"""The training config: one typed, validated tree read from YAML plus `key=value` overrides.
+
+    cfg = load_train_config("configs/train/default.yaml", ["train.tokens=2e6", "optim.lr=1e-3"])
+
+Sections: model, data, optim, schedule, curriculum, train, checkpoint, log, eval (+ run_dir). Every key
+is declared below with its type and default; an unknown key, a wrong type or an out-of-range value is
+a ValueError naming the dotted field (e.g. `train.micro_batch_size`). Overrides use dotted paths and
+YAML values (`curriculum=paper`, `model.overrides={hidden_size: 256}`, `train.tokens=1e6`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+
+@dataclasses.dataclass
+class ModelSection:
+    preset: str = "lm_mamba2-tiny"          # preset name (configs/models) or a config.json path / HF folder
+    overrides: dict = dataclasses.field(default_factory=dict)  # model config fields, e.g. {hidden_size: 256}
+    implicit: Union[dict, None] = None       # solver settings when there is no curriculum (None: explicit)
+    init_from: Union[str, None] = None       # an HF folder (lm export output) to start from
+    activation_checkpointing: bool = False   # model.gradient_checkpointing_enable()
+
+
+@dataclasses.dataclass
+class DataSection:
+    source: str = "shards"                   # "shards" (lm prepare-data output) or "synthetic" (benchmarks)
+    path: str = "data/shakespeare"
+    seq_len: int = 256
+    tokenizer: Union[str, None] = None       # None: the shipped default (must match the shards)
+    cu_seqlens: bool = False                 # pass document boundaries (packed varlen) to the model
+    synthetic_vocab: int = 256               # synthetic source: token ids drawn from [0, synthetic_vocab)
+
+
+@dataclasses.dataclass
+class OptimSection:
+    lr: float = 3e-3
+    betas: list = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1                # none on norms, biases and params marked _no_weight_decay
+    grad_clip: float = 1.0                   # 0 = off
+
+
+@dataclasses.dataclass
+class ScheduleSection:
+    kind: str = "cosine"                     # cosine | wsd | constant_sqrt | constant
+    warmup: float = 0.01                     # < 1: fraction of the steps; >= 1: steps
+    min_lr: float = 1e-5
+    decay_start: Union[float, str] = 0.8     # wsd/constant_sqrt: fraction where the cooldown starts, or "last_phase"
+
+
+@dataclasses.dataclass
+class TrainSection:
+    tokens: Union[int, float, None] = None   # training tokens (steps = ceil(tokens / global_batch_tokens))
+    steps: Union[int, None] = None           # or the number of optimizer steps
+    global_batch_tokens: int = 8192          # = micro_batch_size * seq_len * world_size * accumulation
+    micro_batch_size: int = 8
+    precision: str = "fp32"                  # bf16 | fp32
+    engine: str = "auto"                     # auto (deepspeed if installed, else torch) | deepspeed | torch
+    zero_stage: int = 2
+    deepspeed_config: Union[str, None] = None  # a base DeepSpeed json; batch/clip/precision/zero are set from here
+    device: str = "auto"                     # auto | cpu | cuda
+    seed: int = 0
+    max_bad_steps: int = 5                   # stop after this many non-finite steps in a row
+    stop_after_steps: Union[int, None] = None  # stop early (the schedule still spans all steps)
+    num_threads: Union[int, None] = None     # torch.set_num_threads on CPU
+
+
+@dataclasses.dataclass
+class CheckpointSection:
+    every_steps: int = 0                     # 0: only at the end
+    keep_last: int = 2
+    resume: Union[bool, str] = False         # true: the run's latest checkpoint; or a checkpoint path
+    export: bool = True                      # HF export (run_dir/hf) at the end
+
+
+@dataclasses.dataclass
+class LogSection:
+    every_steps: int = 1
+    progress: bool = True                    # tqdm bar on rank 0
+    wandb: bool = False                      # optional; offline unless WANDB_MODE says otherwise
+    wandb_project: str = "lm"
+    peak_flops: float = 989e12               # per device, for MFU (H100 bf16 dense)
+
+
+@dataclasses.dataclass
+class EvalSection:
+    every_steps: int = 0                     # held-out loss every N steps (0: only at the end)
+    batches: int = 8                         # validation batches per evaluation (per rank)
+    at_end: bool = True
+    sample_prompt: str = "ROMEO:"
+    sample_tokens: int = 48                  # 0: no sample
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    schedule: ScheduleSection = dataclasses.field(default_factory=ScheduleSection)
+    curriculum: Union[str, list, None] = None  # None, "paper", or a list of phases {name, until, implicit}
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    log: LogSection = dataclasses.field(default_factory=LogSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        validate(self)
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+
+def _type_ok(value: Any, tp) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp in (list, dict, str):
+        return isinstance(value, tp)
+    return True
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _build(cls, data: Any, prefix: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(f"unknown config key(s) {[where + k for k in unknown]}; valid keys{' in ' + prefix if prefix else ''}: "
+                         f"{sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, path)
+            continue
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not _type_ok(value, tp):
+            raise ValueError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    v = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(v, str):  # YAML reads 1e6 as a string
+        try:
+            f = float(v)
+            return int(f) if f.is_integer() and "e" in v.lower() else f
+        except ValueError:
+            pass
+    return v
+
+
+def apply_override(tree: dict, item: str) -> None:
+    """Set `a.b.c=value` in a nested dict (value parsed as YAML)."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r}: expected key=value (e.g. train.tokens=1e6)")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for p in parts[:-1]:
+        if not isinstance(node.get(p), dict):
+            node[p] = {} if node.get(p) is None else node[p]
+            if not isinstance(node[p], dict):
+                raise ValueError(f"override {item!r}: {p} is not a section")
+        node = node[p]
+    node[parts[-1]] = _parse_value(text)
+
+
+def _numbers(tree: Any) -> Any:
+    """YAML 1.1 reads `1e6` as a string: turn such strings into numbers."""
+    if isinstance(tree, dict):
+        return {k: _numbers(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_numbers(v) for v in tree]
+    if isinstance(tree, str):
+        return _parse_value(tree) if _looks_numeric(tree) else tree
+    return tree
+
+
+def _looks_numeric(s: str) -> bool:
+    try:
+        float(s)
+        return s.strip().lower() not in ("nan", "inf", "-inf", "infinity")
+    except ValueError:
+        return False
+
+
+def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"training config {p} not found (pass a YAML file, e.g. configs/train/default.yaml)")
+        tree = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"{p}: expected a mapping at the top level")
+    tree = _numbers(tree)
+    for item in overrides or []:
+        apply_override(tree, item)
+    cfg = _build(TrainConfig, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict) -> TrainConfig:
+    cfg = _build(TrainConfig, _numbers(tree), "")
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def _need(cond: bool, field: str, why: str, value: Any) -> None:
+    if not cond:
+        raise ValueError(f"{field}: {why} (got {value!r})")
+
+
+def validate(cfg: TrainConfig) -> None:
+    d, o, s, t, c, lg, e = cfg.data, cfg.optim, cfg.schedule, cfg.train, cfg.checkpoint, cfg.log, cfg.eval
+    _need(d.source in ("shards", "synthetic"), "data.source", "must be 'shards' or 'synthetic'", d.source)
+    _need(d.seq_len >= 1, "data.seq_len", "must be >= 1", d.seq_len)
+    _need(d.synthetic_vocab >= 2, "data.synthetic_vocab", "must be >= 2", d.synthetic_vocab)
+    _need(o.lr > 0, "optim.lr", "must be > 0", o.lr)
+    _need(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
+          "optim.betas", "must be two numbers in [0, 1)", o.betas)
+    _need(o.eps > 0, "optim.eps", "must be > 0", o.eps)
+    _need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
+    _need(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = off)", o.grad_clip)
+    _need(s.kind in ("cosine", "wsd", "constant_sqrt", "constant"), "schedule.kind",
+          "must be cosine, wsd, constant_sqrt or constant", s.kind)
+    _need(s.warmup >= 0, "schedule.warmup", "must be >= 0 (a fraction < 1 or a number of steps)", s.warmup)
+    _need(0 <= s.min_lr <= o.lr, "schedule.min_lr", f"must be in [0, optim.lr={o.lr}]", s.min_lr)
+    if isinstance(s.decay_start, str):
+        _need(s.decay_start == "last_phase", "schedule.decay_start", "must be a fraction in [0, 1] or 'last_phase'",
+              s.decay_start)
+        _need(cfg.curriculum is not None, "schedule.decay_start", "'last_phase' needs a curriculum", s.decay_start)
+    else:
+        _need(0 <= s.decay_start <= 1, "schedule.decay_start", "must be a fraction in [0, 1] or 'last_phase'",
+              s.decay_start)
+    _need((t.tokens is None) != (t.steps is None), "train.tokens",
+          "set exactly one of train.tokens and train.steps", (t.tokens, t.steps))
+    if t.tokens is not None:
+        _need(t.tokens > 0 and math.isfinite(t.tokens), "train.tokens", "must be > 0", t.tokens)
+    if t.steps is not None:
+        _need(t.steps >= 1, "train.steps", "must be >= 1", t.steps)
+    _need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1", t.micro_batch_size)
+    _need(t.global_batch_tokens >= 1, "train.global_batch_tokens", "must be >= 1", t.global_batch_tokens)
+    _need(t.precision in ("bf16", "fp32"), "train.precision", "must be bf16 or fp32", t.precision)
+    _need(t.engine in ("auto", "deepspeed", "torch"), "train.engine", "must be auto, deepspeed or torch", t.engine)
+    _need(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3", t.zero_stage)
+    _need(t.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda", t.device)
+    _need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1", t.max_bad_steps)
+    if t.stop_after_steps is not None:
+        _need(t.stop_after_steps >= 1, "train.stop_after_steps", "must be >= 1", t.stop_after_steps)
+    if t.num_threads is not None:
+        _need(t.num_threads >= 1, "train.num_threads", "must be >= 1", t.num_threads)
+    _need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = only at the end)", c.every_steps)
+    _need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.keep_last)
+    _need(lg.every_steps >= 1, "log.every_steps", "must be >= 1", lg.every_steps)
+    _need(lg.peak_flops > 0, "log.peak_flops", "must be > 0", lg.peak_flops)
+    _need(e.every_steps >= 0, "eval.every_steps", "must be >= 0", e.every_steps)
+    _need(e.batches >= 1, "eval.batches", "must be >= 1", e.batches)
+    _need(e.sample_tokens >= 0, "eval.sample_tokens", "must be >= 0", e.sample_tokens)
+    if cfg.curriculum is not None:
+        from .curriculum import parse_curriculum  # validates the phases
+
+        parse_curriculum(cfg.curriculum, "lm_mamba2")
+        _need(cfg.model.implicit is None, "model.implicit",
+              "set either model.implicit (fixed settings) or curriculum (phases), not both", cfg.model.implicit)

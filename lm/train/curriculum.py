@@ -1,0 +1,92 @@
+"""The implicit models' solver curriculum: phases by fraction of the training tokens (paper 003, sec. 3).
+
+    phases = parse_curriculum("paper", "lm_mamba2")
+    #  bounded: until 0.8, (4+1), no tolerance       free: until 1.0, (24+4), tol 0.05 (Llama: 32+4)
+    i = phase_index(phases, tokens_seen / total_tokens)
+    apply_phase(model.config, phases[i])    # the model reads config.implicit_settings at every forward
+
+A phase is {name, until, implicit}: it runs while the fraction of training tokens already seen is
+< `until`; `implicit` are the solver settings (lm.models.config.ImplicitSettings keys) of the phase.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from lm.models.config import ImplicitSettings
+
+PAPER_FREE = {
+    "lm_mamba2": {"max_iter": 24, "tol": 0.05, "phantom_steps": 4},
+    "lm_llama": {"max_iter": 32, "tol": 0.05, "phantom_steps": 4},
+}
+PAPER_BOUNDED = {"max_iter": 4, "tol": None, "phantom_steps": 1}
+PAPER_SWITCH = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    until: float
+    implicit: dict  # full ImplicitSettings dict
+
+    def describe(self) -> str:
+        s = ImplicitSettings.from_value(self.implicit)
+        tol = "no tol" if s.tol is None else f"tol {s.tol:g}"
+        return f"{self.name} ({s.max_iter}+{s.phantom_steps}, {tol}) until {self.until:.0%} of tokens"
+
+
+def paper_curriculum(model_type: str) -> list[Phase]:
+    """(4+1) bounded for 80% of the tokens, then free: (24+4) Mamba2 / (32+4) Llama, tol 0.05."""
+    free = PAPER_FREE.get(model_type, PAPER_FREE["lm_mamba2"])
+    return [
+        Phase("bounded", PAPER_SWITCH, ImplicitSettings.from_value(dict(PAPER_BOUNDED)).to_dict()),
+        Phase("free", 1.0, ImplicitSettings.from_value(dict(free)).to_dict()),
+    ]
+
+
+def parse_curriculum(value, model_type: str) -> list[Phase] | None:
+    """None, "paper", or a list of {name, until, implicit} with increasing `until`, the last = 1.0."""
+    if value is None:
+        return None
+    if value == "paper":
+        return paper_curriculum(model_type)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"curriculum: expected null, 'paper' or a non-empty list of phases, got {value!r}")
+    phases, prev = [], 0.0
+    for i, item in enumerate(value):
+        where = f"curriculum[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected a mapping {{name, until, implicit}}, got {item!r}")
+        unknown = sorted(set(item) - {"name", "until", "implicit"})
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys: ['implicit', 'name', 'until']")
+        until = item.get("until")
+        if not isinstance(until, (int, float)) or isinstance(until, bool) or not (prev < until <= 1.0):
+            raise ValueError(f"{where}.until: must be a fraction in ({prev}, 1] and increase (got {until!r})")
+        if not isinstance(item.get("implicit"), dict):
+            raise ValueError(f"{where}.implicit: expected a mapping of solver settings (got {item.get('implicit')!r})")
+        try:
+            settings = ImplicitSettings.from_value(dict(item["implicit"]))
+        except ValueError as err:
+            raise ValueError(f"{where}.{err}") from None
+        phases.append(Phase(str(item.get("name", f"phase{i}")), float(until), settings.to_dict()))
+        prev = until
+    if phases[-1].until != 1.0:
+        raise ValueError(f"curriculum[{len(phases) - 1}].until: the last phase must end at 1.0 (got {phases[-1].until})")
+    return phases
+
+
+def phase_index(phases: list[Phase], fraction: float) -> int:
+    """The phase that runs when `fraction` of the training tokens has been seen."""
+    for i, p in enumerate(phases):
+        if fraction < p.until:
+            return i
+    return len(phases) - 1
+
+
+def phase_start(phases: list[Phase], index: int) -> float:
+    return 0.0 if index == 0 else phases[index - 1].until
+
+
+def apply_phase(config, phase: Phase) -> None:
+    """Switch the model's solver settings (the model reads config.implicit_settings at every forward)."""
+    config.implicit = ImplicitSettings.from_value(dict(phase.implicit)).to_dict()

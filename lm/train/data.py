@@ -1,0 +1,98 @@
+"""The trainer's data: lm.data's TrainReader/ValReader over prepared shards, or synthetic tokens.
+
+    train_reader, val_reader_fn, tokenizer = build_data(cfg.data, seed, micro_batch_size, rank, world_size)
+
+The synthetic source (benchmarks, smoke tests) is a random walk over token ids: each next id is the
+previous one plus 1, 2 or 3 (mod synthetic_vocab), so the loss falls towards ln 3. It resumes exactly
+(its state is the number of windows consumed, as the shard reader's).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def prepare_command(path: str) -> str:
+    source = "shakespeare" if Path(path).name == "shakespeare" else "SOURCE"
+    return f"lm prepare-data --input {source} --output {path}"
+
+
+class SyntheticReader:
+    def __init__(self, vocab: int, seq_len: int, micro_batch_size: int, seed: int, rank: int, world_size: int,
+                 split: str = "train"):
+        self.vocab, self.seq_len, self.micro_batch_size = vocab, seq_len, micro_batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.salt = 0 if split == "train" else 1
+        self.consumed = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        b, t = self.micro_batch_size, self.seq_len
+        first = self.consumed + self.rank * b
+        rows = []
+        for w in range(first, first + b):
+            g = np.random.default_rng([self.seed, self.salt, w])
+            steps = g.integers(1, 4, size=t)
+            start = g.integers(0, self.vocab)
+            rows.append((start + np.concatenate([[0], np.cumsum(steps)])) % self.vocab)
+        buf = np.stack(rows).astype(np.int64)
+        self.consumed += b * self.world_size
+        return {"input_ids": torch.from_numpy(buf[:, :-1].copy()), "targets": torch.from_numpy(buf[:, 1:].copy())}
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "seed": self.seed, "seq_len": self.seq_len, "synthetic": self.vocab}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "seq_len", "synthetic"):
+            if state.get(k) != self.state_dict()[k]:
+                raise ValueError(f"cannot resume the synthetic data: checkpoint has {k}={state.get(k)!r}, "
+                                 f"this run has {self.state_dict()[k]!r}")
+        self.consumed = int(state["consumed"])
+
+
+def build_data(data_cfg, *, seed: int, micro_batch_size: int, rank: int, world_size: int):
+    """(train reader, make_val(max_batches) -> iterable of batches, tokenizer or None, vocab size of the data)."""
+    if data_cfg.source == "synthetic":
+        train = SyntheticReader(data_cfg.synthetic_vocab, data_cfg.seq_len, micro_batch_size, seed, rank, world_size)
+
+        def make_val(max_batches):
+            r = SyntheticReader(data_cfg.synthetic_vocab, data_cfg.seq_len, micro_batch_size, seed, rank,
+                                world_size, split="val")
+            return [next(r) for _ in range(max_batches)]
+
+        return train, make_val, None, data_cfg.synthetic_vocab
+
+    from lm.data import TokenDataset, TrainReader, ValReader, load_tokenizer
+
+    path = Path(data_cfg.path)
+    if not (path / "metadata.json").is_file():
+        raise ValueError(f"data.path: no prepared data in {path}. Prepare it first with:\n"
+                         f"    {prepare_command(str(path))}\n"
+                         "or point data.path at a folder made by `lm prepare-data`.")
+    ds = TokenDataset(path, "train")
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    ds.check_tokenizer(tokenizer)
+    train = TrainReader(ds, data_cfg.seq_len, micro_batch_size, seed=seed, rank=rank, world_size=world_size,
+                        cu_seqlens=data_cfg.cu_seqlens)
+    val_ds = TokenDataset(path, "val") if "val" in ds.metadata["splits"] else None
+
+    def make_val(max_batches):
+        if val_ds is None or val_ds.num_tokens < 2:
+            return []
+        return ValReader(val_ds, data_cfg.seq_len, micro_batch_size, rank=rank, world_size=world_size,
+                         cu_seqlens=data_cfg.cu_seqlens, max_batches=max_batches)
+
+    return train, make_val, tokenizer, ds.vocab_size
+
+
+def to_model_inputs(batch: dict, device: torch.device) -> dict:
+    """Reader batch -> model kwargs; packed documents (cu_seqlens) are laid out as one (1, B*T) row."""
+    ids, tgt = batch["input_ids"].to(device, non_blocking=True), batch["targets"].to(device, non_blocking=True)
+    if "cu_seqlens" in batch:
+        return {"input_ids": ids.reshape(1, -1), "targets": tgt.reshape(1, -1),
+                "cu_seqlens": batch["cu_seqlens"].to(device)}
+    return {"input_ids": ids, "targets": tgt}

@@ -1,0 +1,157 @@
+"""Two engines with one interface: DeepSpeed (ZeRO 0/1/2, any number of ranks) and plain PyTorch
+(one process, no DeepSpeed needed: the README's CPU main job).
+
+    engine.forward(batch) -> model output          (autocast for bf16 in the torch engine)
+    engine.backward(loss)                           (scaled by 1/accumulation)
+    engine.micro_end(boundary, lr) -> None | (applied, grad_norm)   at the accumulation boundary:
+        set lr, clip, step; a step whose gradients are not finite is skipped (applied=False)
+    engine.save(staging_root, tag) / engine.load(ckpt_dir)
+    engine.module                                   (the model)
+
+AdamW: weight decay on matrices only; none on norms, biases and parameters marked
+`p._no_weight_decay = True` (A_log, dt_bias, D).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or getattr(p, "_no_weight_decay", False):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(model, *, lr, betas, eps, weight_decay, device) -> torch.optim.Optimizer:
+    kw = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps, **kw)
+
+
+def _set_lr(optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, model, optimizer, *, accumulation: int, grad_clip: float, precision: str, device):
+        self.module, self.optimizer = model, optimizer
+        self.accumulation, self.grad_clip = accumulation, grad_clip
+        self.precision, self.device = precision, device
+
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward(self, batch: dict):
+        with self._autocast():
+            return self.module(**batch)
+
+    def backward(self, loss):
+        (loss / self.accumulation).backward()
+
+    def micro_end(self, boundary: bool, lr: float):
+        if not boundary:
+            return None
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        applied = math.isfinite(norm)
+        if applied:
+            _set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return applied, norm
+
+    def save(self, staging_root: Path, tag: str) -> None:
+        d = staging_root / tag
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, d / "model_optim.pt")
+
+    def load(self, ckpt: Path) -> None:
+        path = ckpt / "model_optim.pt"
+        if not path.is_file():
+            raise ValueError(f"checkpoint {ckpt} has no model_optim.pt: it was not written by the torch engine "
+                             "(use train.engine=deepspeed to resume a DeepSpeed checkpoint)")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: int, world_size: int,
+                     grad_clip: float, precision: str, zero_stage: int) -> dict:
+    cfg: dict = {}
+    if base:
+        p = Path(base)
+        if not p.is_file():
+            raise ValueError(f"train.deepspeed_config: {p} not found")
+        cfg = json.loads(p.read_text())
+    cfg.update({
+        "train_batch_size": micro_batch_size * accumulation * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": grad_clip,
+        "bf16": {**cfg.get("bf16", {}), "enabled": precision == "bf16", "check_grad_overflow": True},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    })
+    cfg.setdefault("steps_per_print", 10**12)
+    cfg.setdefault("wall_clock_breakdown", False)
+    cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": zero_stage}
+    for k in ("optimizer", "scheduler"):  # ours are built in code
+        cfg.pop(k, None)
+    return cfg
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, model, optimizer, ds_config: dict):
+        import deepspeed
+
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.base_optimizer = optimizer  # ZeRO keeps its param_groups (and their lr) in this object
+        self.module = self.engine.module
+
+    def forward(self, batch: dict):
+        return self.engine(**batch)
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def micro_end(self, boundary: bool, lr: float):
+        if boundary:
+            _set_lr(self.base_optimizer, lr)
+        self.engine.step()
+        if not boundary:
+            return None
+        applied = bool(self.engine.was_step_applied())
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return applied and math.isfinite(norm), norm
+
+    def save(self, staging_root: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
+
+    def load(self, ckpt: Path) -> None:
+        if not any(ckpt.glob("mp_rank_*_model_states.pt")):
+            raise ValueError(f"checkpoint {ckpt} has no DeepSpeed model states: it was not written by the "
+                             "DeepSpeed engine (use train.engine=torch to resume it)")
+        path, _ = self.engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise ValueError(f"DeepSpeed could not load checkpoint {ckpt}")

@@ -1,0 +1,88 @@
+"""`lm export CHECKPOINT_OR_RUN [--output DIR]`: a training checkpoint -> a Hugging Face model folder
+(safetensors + config.json + tokenizer) that `AutoModelForCausalLM.from_pretrained(DIR)` loads after
+`import lm`. DeepSpeed ZeRO checkpoints are consolidated to fp32 (DeepSpeed's zero_to_fp32); the
+torch engine's checkpoints hold fp32 weights already. The exported config carries the solver
+settings of the curriculum phase the checkpoint was in.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt_lib
+
+
+def _state_dict(ckpt: Path) -> dict:
+    if (ckpt / "model_optim.pt").is_file():
+        return torch.load(ckpt / "model_optim.pt", map_location="cpu", weights_only=False)["model"]
+    if any(ckpt.glob("zero_pp_rank_*_optim_states.pt")) or any(ckpt.glob("*zero_pp_rank_*")):
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        except Exception:  # noqa: BLE001 - ZeRO-0 checkpoints carry the full module instead
+            pass
+    states = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
+    if not states:
+        raise ValueError(f"{ckpt}: no model weights found (model_optim.pt or DeepSpeed mp_rank_*_model_states.pt)")
+    sd = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "float32",
+                      tokenizer: str | None = None) -> Path:
+    """Write the HF folder for a checkpoint (or a run folder's latest checkpoint); returns its path."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import lm  # noqa: F401  (registers the model types)
+
+    ckpt = ckpt_lib.resolve(checkpoint)
+    config = AutoConfig.from_pretrained(str(ckpt))
+    model = AutoModelForCausalLM.from_config(config)
+    sd = _state_dict(ckpt)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise ValueError(f"{ckpt}: weights do not match the model config (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    model.tie_weights()
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype: must be float32, bfloat16 or float16 (got {dtype!r})")
+    model = model.to(getattr(torch, dtype))
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    client = json.loads((ckpt / "client.json").read_text()) if (ckpt / "client.json").is_file() else {}
+    data_cfg = client.get("train_config", {}).get("data", {})
+    if tokenizer is None and data_cfg.get("source", "shards") == "shards":
+        tokenizer = data_cfg.get("tokenizer") or "default"
+    if tokenizer is not None:
+        from lm.data import load_tokenizer
+
+        load_tokenizer(tokenizer).save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lm export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", help="a checkpoint folder (…/checkpoints/step_N) or a run folder (its latest)")
+    ap.add_argument("--output", "-o", default=None, help="output folder (default: RUN/hf)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--tokenizer", default=None, help="tokenizer to save with it (default: the run's)")
+    args = ap.parse_args(argv)
+    try:
+        ckpt = ckpt_lib.resolve(args.checkpoint)
+        output = args.output or str(ckpt.parent.parent / "hf")
+        out = export_checkpoint(ckpt, output, dtype=args.dtype, tokenizer=args.tokenizer)
+    except ValueError as err:
+        print(f"lm export: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {ckpt} -> {out}")
+    return 0

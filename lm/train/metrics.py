@@ -1,0 +1,117 @@
+"""Run logging on rank 0: a JSONL metrics file, an optional wandb run, a tqdm bar, MFU and memory.
+
+Every line of RUN/metrics.jsonl is one JSON object: a step record ({"step", "tokens", "loss", "lr",
+"grad_norm", "tokens_per_s", "mfu", "step_time", "mem_gb", "phase", "fp/<stat>", "skipped"}) or an
+event ({"event": "phase_switch" | "eval" | "checkpoint" | "skip" | "start" | "end", ...}).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world_size: int = 1) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the devices' peak."""
+    return tokens_per_s * flops_per_token / (peak_flops * world_size)
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA max allocated, or the max resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
+
+
+def _clean(v):
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf
+    return v
+
+
+class MetricsLogger:
+    """Writes records (rank 0 only; other ranks get a no-op logger)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, wandb_cfg: dict | None = None, config: dict | None = None):
+        self.enabled = enabled
+        self.file = None
+        self.wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        if wandb_cfg:
+            try:
+                import wandb
+            except ImportError:
+                print("warning: log.wandb is true but wandb is not installed (pip install wandb); "
+                      "logging to metrics.jsonl only", file=sys.stderr)
+            else:
+                os.environ.setdefault("WANDB_MODE", "offline")
+                self.wandb = wandb.init(project=wandb_cfg.get("project", "lm"), dir=str(run_dir),
+                                        name=run_dir.name, config=config, resume="allow")
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        rec = {"time": round(time.time(), 3), **{k: _clean(v) for k, v in record.items()}}
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            nums = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k not in ("time",)}
+            self.wandb.log(nums, step=rec.get("step"))
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} not found: is {run_dir} a training run folder (lm train run_dir=...)?")
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+class Progress:
+    """A tqdm bar over optimizer steps (rank 0, when enabled): loss, lr, tokens/s; tqdm shows the ETA."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+
+    def update(self, n: int = 1, **postfix) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({k: v for k, v in postfix.items()}, refresh=False)
+            self.bar.update(n)
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
