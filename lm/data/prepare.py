@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,9 +60,10 @@ _WORKER: dict = {}
 
 def _init_worker(tokenizer_json: str, eos_id: int, dtype: str, single_thread: bool) -> None:
     """Build the Rust tokenizer once per worker (from its JSON: no transformers import needed)."""
-    if single_thread:  # one core per worker process; parallelism comes from the processes
+    if single_thread:  # a worker process: one core each, and Ctrl-C is the main process's business
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         os.environ["RAYON_NUM_THREADS"] = "1"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(tokenizer_json)
@@ -297,11 +300,13 @@ def prepare_data(
 
     checkpoint()
     done = sum(meta["splits"][s]["num_tokens"] for s in SPLITS)
-    pbar = _progress_bar(progress, done, out.name)
     initargs = (tok.backend_tokenizer.to_str(), identity["eos_token_id"], dtype, True)
+    results = _run_pool(_chunks(spec, meta["next_doc"], val_fraction), workers, initargs)
+    first = next(results, None)  # starts the workers (fork) before the progress bar starts its thread
+    pbar = _progress_bar(progress, done, out.name)
     shards_closed = 0
     try:
-        for indices, splits, lengths, tokens in _run_pool(_chunks(spec, meta["next_doc"], val_fraction), workers, initargs):
+        for indices, splits, lengths, tokens in itertools.chain([first] if first else [], results):
             offset = 0
             for index, split, n in zip(indices, splits, lengths):
                 meta["next_doc"] = index + 1
@@ -318,6 +323,7 @@ def prepare_data(
             pbar.set_postfix(docs=meta["next_doc"], refresh=False)
     finally:
         pbar.close()
+        results.close()  # stops the worker pool now, also on errors and Ctrl-C
     if writers["train"].state()["num_tokens"] == 0:
         _remove_prepared_files(out)
         what = "no documents" if meta["next_doc"] == 0 else f"{meta['next_doc']} documents, none with text in the train split"
