@@ -148,7 +148,7 @@ def cb_fwd_kernel(B_ptr, C_ptr, CB_ptr, chunk_t0_ptr, chunk_len_ptr, T, N, NC, G
                   s_B_b, s_B_t, s_B_g,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,
                   IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """CB[m, l] = C_m . B_l per (chunk, group), lower-triangular tiles only (float32)."""
+    """CB[m, l] = C_m . B_l per (chunk, group), lower-triangular tiles only (stored in CB's dtype)."""
     pid_c = tl.program_id(0)
     g = tl.program_id(1)
     pid_mk = tl.program_id(2)
@@ -168,7 +168,8 @@ def cb_fwd_kernel(B_ptr, C_ptr, CB_ptr, chunk_t0_ptr, chunk_len_ptr, T, N, NC, G
     Bk = tl.load(B_ptr + base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :],
                  mask=(rows_k[:, None] < clen) & nmask[None, :], other=0.0).to(DOT_DT)
     cb = tl.dot(Cm, tl.trans(Bk), input_precision=DOT_PREC)
-    tl.store(CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L + rows_m[:, None] * L + rows_k[None, :], cb)
+    tl.store(CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L + rows_m[:, None] * L + rows_k[None, :],
+             cb.to(CB_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -211,7 +212,8 @@ def chunk_scan_fwd_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_p
         rows_k = k + tl.arange(0, BK)
         kmask = rows_k < clen
         causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :]
-        cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=causal & mmask[:, None], other=0.0)
+        cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=causal & mmask[:, None],
+                     other=0.0).to(tl.float32)
         cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
         dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
@@ -463,7 +465,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
         kmask = rows_k < clen
         causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
         cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=causal & lmask[:, None],
-                      other=0.0)  # [l, m] = C_m . B_l
+                      other=0.0).to(tl.float32)  # [l, m] = C_m . B_l
         cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
         decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
         dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],

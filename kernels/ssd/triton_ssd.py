@@ -10,7 +10,7 @@ When no gradient is needed (torch.is_grad_enabled() False or no input requires g
 outside autograd: nothing is saved and the pre-gate output is not stored.
 The chunk size must be a power of two >= 16. Accumulation is float32; chunk start states are kept
 in bfloat16 for bfloat16 inputs (they enter the tensor-core products in that dtype anyway), else in
-float32. float32 inputs use tf32 products unless torch.get_float32_matmul_precision() == "highest".
+float32; so is C.B (per chunk and group, read by every head). float32 inputs use tf32 products unless torch.get_float32_matmul_precision() == "highest".
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _tune(configs, key):
-    """Autotune over `configs` on GPU; a single fixed config under the interpreter."""
-    if _INTERPRET:
+    """Autotune over `configs` on GPU; a single fixed config under the interpreter or with
+    LM_SSD_AUTOTUNE=0 (saves compile time, e.g. in tests)."""
+    if _INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0":
         configs = configs[:1]
     return lambda fn: triton.autotune(configs=configs, key=key)(fn)
 
@@ -42,12 +43,12 @@ _dt_fwd = K.dt_fwd_kernel
 _dt_bwd = K.dt_bwd_kernel
 _gate_bwd = K.gate_bwd_kernel
 _cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
-_state_fwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "N", "R"])(K.state_fwd_kernel)
-_scan_fwd = _tune(_cfgs((4, 2), (4, 3), (8, 2), (8, 3)), ["P", "N", "R"])(K.chunk_scan_fwd_kernel)
-_dstate_bwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "R"])(K.dcb_bwd_kernel)
-_dbdc_bwd = _tune(_cfgs((4, 2), (8, 2), (4, 3)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 2), (8, 2), (4, 3)), ["P", "N", "R"])(K.dx_bwd_kernel)
+_state_fwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.state_fwd_kernel)
+_scan_fwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "N", "R"])(K.chunk_scan_fwd_kernel)
+_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R"])(K.dcb_bwd_kernel)
+_dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R"])(K.dx_bwd_kernel)
 
 
 def _p2(v, lo=16):
@@ -142,7 +143,8 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
         L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
         IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
-    CB = torch.empty(pl.NCB, pl.G, L, L, dtype=torch.float32, device=dev)
+    cb_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype, device=dev)
     _cb_fwd[(pl.NCB, pl.G, (L // pl.BM) * (L // pl.BK))](
         B, C, CB, pl.chunk_t0, pl.chunk_len, pl.T, N, pl.NC, pl.G, B.stride(0), B.stride(1), B.stride(2),
         L=L, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))

@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Benchmark the SSD chunk scan: ours (lm_kernels.ssd, Triton) vs mamba_ssm's mamba_chunk_scan_combined.
+
+Times (triton.testing.do_bench, median, bf16, random non-zero inputs, same run) per shape:
+  fwd          forward with inputs requiring grad (what training runs)
+  fwd+bwd      forward + backward
+  nograd fwd   our forward under torch.no_grad (the fixed-point iterations), against mamba's fwd
+and prints ratios ours/mamba_ssm, the accuracy of both against each other, and a per-kernel time
+breakdown from torch.profiler. mamba_ssm is optional (PYTHONPATH to its ops/triton sources).
+
+    python scripts/bench_ssd.py --json out.json
+    python scripts/bench_ssd.py --tiny --no-peer        # CPU smoke test under TRITON_INTERPRET=1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
+    "B8_T2048": (8, 2048, 64, 64, 128, 1, 256),
+    "B2_T8192": (2, 8192, 64, 64, 128, 1, 256),
+}
+TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
+TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
+
+
+def make_inputs(shape, device, dtype, seed=0):
+    b, t, h, p, n, g, _ = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=gen) * scale).to(device)
+
+    return dict(
+        x=r(b, t, h, p).to(dtype), dt=r(b, t, h, scale=0.5).to(dtype),
+        A=-torch.exp(r(h, scale=0.5)), B=r(b, t, g, n).to(dtype), C=r(b, t, g, n).to(dtype),
+        D=r(h), dt_bias=r(h, scale=0.5) - 2.0,
+    )
+
+
+def ours_fn(inp, chunk):
+    from lm_kernels.ssd import ssd_scan
+
+    def f():
+        return ssd_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=chunk, D=inp["D"],
+                        dt_bias=inp["dt_bias"], dt_softplus=True, backend="triton")[0]
+    return f
+
+
+def peer_fn(inp, chunk):
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    def f():
+        return mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, D=inp["D"],
+                                         dt_bias=inp["dt_bias"], dt_softplus=True)
+    return f
+
+
+def bench(fn, warmup, rep, grad_to_none=None):
+    if torch.cuda.is_available():
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+    fn()  # CPU smoke: one timed call
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def with_grad(inp):
+    return {k: v.detach().clone().requires_grad_() for k, v in inp.items()}
+
+
+def fwd_bwd(f, gy):
+    def run():
+        f().backward(gy)
+    return run
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def profile_kernels(fns, iters=5):
+    """{label: [(kernel name, mean ms per call of fn), ...]} for each (label, fn)."""
+    from torch.profiler import ProfilerActivity, profile
+    out = {}
+    for label, fn in fns:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        acc = defaultdict(float)
+        for ev in prof.key_averages():
+            t = getattr(ev, "self_device_time_total", None)
+            if t is None:
+                t = getattr(ev, "self_cuda_time_total", 0.0)
+            if t > 0:
+                acc[ev.key] += t / 1e3 / iters
+        out[label] = sorted(acc.items(), key=lambda kv: -kv[1])
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write results to this JSON file")
+    ap.add_argument("--shapes", nargs="*", default=None, help=f"subset of {list(SHAPES)}")
+    ap.add_argument("--tiny", action="store_true", help="tiny shape (CPU smoke test)")
+    ap.add_argument("--no-peer", action="store_true", help="skip mamba_ssm")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--rep", type=int, default=300)
+    args = ap.parse_args(argv)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    shapes = TINY if args.tiny else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
+    peer = not args.no_peer
+    if peer:
+        try:
+            peer_fn(make_inputs(next(iter(shapes.values())), device, dtype), 256)
+        except ImportError as e:
+            print(f"mamba_ssm not importable ({e}); timing ours only", file=sys.stderr)
+            peer = False
+    import triton
+    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+                  torch=torch.__version__, triton=triton.__version__, dtype="bfloat16", targets=TARGETS,
+                  shapes={})
+    for name, shape in shapes.items():
+        chunk = shape[-1]
+        inp = make_inputs(shape, device, dtype)
+        gin = with_grad(inp)
+        gy = torch.randn(shape[0], shape[1], shape[2], shape[3], device=device, dtype=dtype)
+        row = dict(shape=dict(zip(["batch", "seqlen", "nheads", "headdim", "dstate", "ngroups", "chunk"], shape)))
+        ours = ours_fn(gin, chunk)
+        ours_ng = ours_fn(inp, chunk)
+        t0 = time.time()
+        ours()  # compile / autotune outside the timings
+        fwd_bwd(ours, gy)()
+        row["ours_first_call_s"] = round(time.time() - t0, 2)
+        with torch.no_grad():
+            row["ours_nograd_fwd_ms"] = bench(ours_ng, args.warmup, args.rep)
+        row["ours_fwd_ms"] = bench(ours, args.warmup, args.rep)
+        row["ours_fwd_bwd_ms"] = bench(fwd_bwd(ours, gy), args.warmup, args.rep, grad_to_none=list(gin.values()))
+        if peer:
+            pin = with_grad(inp)
+            theirs = peer_fn(pin, chunk)
+            t0 = time.time()
+            theirs()
+            fwd_bwd(theirs, gy)()
+            row["mamba_first_call_s"] = round(time.time() - t0, 2)
+            row["mamba_fwd_ms"] = bench(theirs, args.warmup, args.rep)
+            row["mamba_fwd_bwd_ms"] = bench(fwd_bwd(theirs, gy), args.warmup, args.rep,
+                                            grad_to_none=list(pin.values()))
+            with torch.no_grad():
+                row["mamba_nograd_fwd_ms"] = bench(peer_fn(inp, chunk), args.warmup, args.rep)
+            row["ratio_fwd"] = row["ours_fwd_ms"] / row["mamba_fwd_ms"]
+            row["ratio_fwd_bwd"] = row["ours_fwd_bwd_ms"] / row["mamba_fwd_bwd_ms"]
+            row["ratio_nograd_fwd"] = row["ours_nograd_fwd_ms"] / row["mamba_fwd_ms"]
+            # agreement of the two implementations (both bf16 outputs, fp32 accumulation)
+            for d in (gin, pin):
+                for v in d.values():
+                    v.grad = None
+            yo, yp = ours(), theirs()
+            yo.backward(gy)
+            yp.backward(gy)
+            row["ours_vs_mamba_rel"] = {"y": rel(yo, yp), **{f"d{k}": rel(gin[k].grad, pin[k].grad) for k in gin}}
+        if device == "cuda" and not args.no_profile:
+            fns = [("ours fwd", ours), ("ours fwd+bwd", fwd_bwd(ours, gy))]
+            if peer:
+                fns += [("mamba fwd", theirs), ("mamba fwd+bwd", fwd_bwd(theirs, gy))]
+            row["kernels_ms"] = {k: [(n, round(t, 4)) for n, t in v[:14]] for k, v in profile_kernels(fns).items()}
+        result["shapes"][name] = row
+        print_row(name, row)
+        del inp, gin
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return result
+
+
+def print_row(name, row):
+    print(f"\n== {name} {row['shape']}")
+    print(f"{'':14s}{'ours ms':>10s}{'mamba ms':>10s}{'ratio':>8s}{'target':>8s}")
+    for key, label, tkey in (("fwd", "fwd", "fwd"), ("fwd_bwd", "fwd+bwd", "fwd+bwd"),
+                             ("nograd_fwd", "nograd fwd", "nograd_fwd")):
+        ours = row[f"ours_{key}_ms"]
+        theirs = row.get("mamba_fwd_ms" if key == "nograd_fwd" else f"mamba_{key}_ms")
+        ratio = row.get(f"ratio_{key}")
+        print(f"{label:14s}{ours:10.3f}{theirs if theirs is not None else float('nan'):10.3f}"
+              f"{ratio if ratio is not None else float('nan'):8.3f}{TARGETS[tkey]:8.2f}")
+    if "ours_vs_mamba_rel" in row:
+        print("ours vs mamba_ssm (relative L2):", {k: f"{v:.2e}" for k, v in row["ours_vs_mamba_rel"].items()})
+    for label, ks in row.get("kernels_ms", {}).items():
+        print(f"  [{label}] " + ", ".join(f"{n[:40]}={t:.3f}" for n, t in ks[:10]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""SSD Triton kernels on a GPU at real shapes vs the float64 PyTorch reference (and mamba_ssm if present)."""
+import pytest
+import torch
+
+from lm_kernels.ssd import ssd_scan
+
+pytestmark = pytest.mark.gpu
+
+F64 = torch.float64
+
+
+def make(b, t, h, p, g, n, *, ns=None, z=True, init=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0, shift=0.0):
+        return (torch.randn(*s, generator=gen) * scale + shift).cuda()
+
+    d = dict(x=r(b, t, h, p), dt=r(b, t, h, scale=0.5), A=-torch.exp(r(h, scale=0.5)), B=r(b, t, g, n),
+             C=r(b, t, g, n), D=r(h), dt_bias=r(h, scale=0.5, shift=-2.0))
+    if z:
+        d["z"] = r(b, t, h, p)
+    if init:
+        d["initial_state"] = r(b if ns is None else ns, h, p, n, scale=0.3)
+    return d
+
+
+LOW = ("x", "dt", "B", "C", "z")  # activations: cast to the tested dtype; parameters/states stay float32
+
+
+def run(backend, d, dtype, **kw):
+    dd = {k: (v.to(dtype) if k in LOW else (v.double() if dtype == F64 else v)).detach().requires_grad_()
+          for k, v in d.items()}
+    y, f = ssd_scan(**dd, return_final_state=True, backend=backend, **kw)
+    gen = torch.Generator().manual_seed(7)
+    gy = torch.randn(y.shape, generator=gen).cuda().to(y.dtype)
+    gf = torch.randn(f.shape, generator=gen).cuda().to(f.dtype)
+    ((y.float() * gy.float()).sum() + (f * gf).sum()).backward()
+    return y, f, {k: v.grad for k, v in dd.items()}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check(d, dtype, tol, **kw):
+    yt, ft, gt = run("triton", d, dtype, **kw)
+    yr, fr, gr = run("reference", d, F64, **kw)
+    errs = {"y": rel(yt, yr), "final": rel(ft, fr), **{f"d{k}": rel(gt[k], gr[k]) for k in gr}}
+    print(dtype, {k: f"{v:.1e}" for k, v in errs.items()})
+    bad = {k: v for k, v in errs.items() if not v < tol}
+    assert not bad, f"{dtype}: errors above {tol}: {bad}"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 1e-2), (torch.float32, 5e-3)])
+def test_gpu_real_shape_vs_float64_reference(dtype, tol):
+    # 1100 tokens: not a multiple of the chunk; 2 groups of 8 heads; all options on
+    check(make(2, 1100, 16, 64, 2, 128), dtype, tol, chunk_size=256, dt_limit=(0.0, 4.0))
+
+
+def test_gpu_float32_highest_precision():
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        check(make(1, 700, 4, 64, 1, 128), torch.float32, 1e-4, chunk_size=128)
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def test_gpu_varlen_vs_reference():
+    lens = [300, 0, 513, 1, 211]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    check(make(1, sum(lens), 8, 64, 1, 128, ns=len(lens)), torch.bfloat16, 3e-2, chunk_size=256, cu_seqlens=cu)
+
+
+def test_gpu_nograd_equals_grad_path_and_headdim_128():
+    d = make(1, 600, 4, 128, 1, 64, z=False, init=False)
+    x = {k: (v.bfloat16() if k in LOW else v) for k, v in d.items()}
+    with torch.no_grad():
+        y0, _ = ssd_scan(**x, chunk_size=256, backend="triton")
+    xg = {k: v.clone().requires_grad_() for k, v in x.items()}
+    y1, _ = ssd_scan(**xg, chunk_size=256, backend="triton")
+    assert torch.equal(y0, y1.detach())
+    yr, _ = ssd_scan(**{k: v.double() for k, v in d.items()}, chunk_size=256, backend="reference")
+    assert rel(y0, yr) < 3e-2
+
+
+def test_gpu_matches_mamba_ssm_if_available():
+    mc = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
+    d = make(2, 1024, 16, 64, 1, 128, z=False, init=False)
+    x = {k: (v.bfloat16() if k in LOW else v) for k, v in d.items()}
+    y, _ = ssd_scan(**x, chunk_size=256, dt_softplus=True, backend="triton")
+    ym = mc.mamba_chunk_scan_combined(x["x"], x["dt"], x["A"], x["B"], x["C"], 256, D=x["D"], dt_bias=x["dt_bias"],
+                                      dt_softplus=True)
+    yr, _ = ssd_scan(**{k: v.double() for k, v in d.items()}, chunk_size=256, backend="reference")
+    e_ours, e_mamba = rel(y, yr), rel(ym, yr)
+    print(f"vs float64: ours {e_ours:.2e}, mamba_ssm {e_mamba:.2e}")
+    assert e_ours < 2 * e_mamba + 1e-3
