@@ -96,8 +96,10 @@ def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: i
     cfg: dict = {}
     if base:
         p = Path(base)
+        if not p.is_file() and not p.is_absolute():  # configs/deepspeed/... relative to the repository
+            p = Path(__file__).resolve().parents[2] / base
         if not p.is_file():
-            raise ValueError(f"train.deepspeed_config: {p} not found")
+            raise ValueError(f"train.deepspeed_config: {base} not found")
         cfg = json.loads(p.read_text())
     cfg.update({
         "train_batch_size": micro_batch_size * accumulation * world_size,

@@ -1,0 +1,166 @@
+"""Training pieces without a training run: config parsing/validation, LR schedules, curriculum,
+checkpoint folders (manifest, partial/corrupt detection, latest, pruning), AdamW parameter groups."""
+import json
+import math
+
+import pytest
+
+from lm.train import checkpoint as ck
+from lm.train.config import config_from_dict, load_train_config
+from lm.train.curriculum import apply_phase, paper_curriculum, parse_curriculum, phase_index
+from lm.train.schedule import lr_at, warmup_steps_of
+
+
+def _cfg(**tree):
+    base = {"train": {"steps": 10}}
+    for k, v in tree.items():
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+    return config_from_dict(base)
+
+
+# ------------------------------------------------------------------------------------------- config
+
+def test_config_rejects_unknown_keys_wrong_types_and_ranges(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['train.stepz'\]"):
+        _cfg(train={"stepz": 3})
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['modle'\]"):
+        config_from_dict({"modle": {}, "train": {"steps": 1}})
+    with pytest.raises(ValueError, match=r"train.micro_batch_size: expected int"):
+        _cfg(train={"micro_batch_size": "eight"})
+    with pytest.raises(ValueError, match=r"train.micro_batch_size: must be >= 1"):
+        _cfg(train={"micro_batch_size": 0})
+    with pytest.raises(ValueError, match=r"set exactly one of train.tokens and train.steps"):
+        _cfg(train={"tokens": 100})
+    with pytest.raises(ValueError, match=r"schedule.kind"):
+        _cfg(schedule={"kind": "linear"})
+    with pytest.raises(ValueError, match=r"'last_phase' needs a curriculum"):
+        _cfg(schedule={"decay_start": "last_phase"})
+    with pytest.raises(ValueError, match=r"model.implicit"):
+        _cfg(curriculum="paper", model={"implicit": {"max_iter": 2}})
+
+
+def test_config_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  tokens: 1e6\n  micro_batch_size: 4\noptim:\n  lr: 1e-3\ncurriculum: paper\n")
+    cfg = load_train_config(p, ["train.micro_batch_size=2", "optim.betas=[0.9, 0.99]",
+                                "model.overrides={hidden_size: 64}", "schedule.decay_start=last_phase"])
+    assert cfg.train.tokens == 1_000_000 and cfg.train.micro_batch_size == 2
+    assert cfg.optim.lr == 1e-3 and cfg.optim.betas == [0.9, 0.99]
+    assert cfg.model.overrides == {"hidden_size": 64} and cfg.curriculum == "paper"
+    with pytest.raises(ValueError, match="unknown config key"):
+        load_train_config(p, ["optim.learning_rate=1"])
+    with pytest.raises(ValueError, match="expected key=value"):
+        load_train_config(p, ["optim.lr"])
+    with pytest.raises(ValueError, match="not found"):
+        load_train_config(tmp_path / "nope.yaml")
+
+
+def test_shipped_train_configs_parse():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "train"
+    files = sorted(root.glob("*.yaml"))
+    assert any(f.name == "default.yaml" for f in files)
+    for f in files:
+        load_train_config(f)
+    for f in (root.parent / "deepspeed").glob("*.json"):
+        json.loads(f.read_text())
+
+
+# ----------------------------------------------------------------------------------------- schedule
+
+def test_schedules():
+    kw = dict(peak_lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_at(0, 100, kind="cosine", **kw) == pytest.approx(0.1)
+    assert lr_at(9, 100, kind="cosine", **kw) == pytest.approx(1.0)
+    assert lr_at(99, 100, kind="cosine", **kw) == pytest.approx(0.1)
+    mid = 10 + 45 - 1  # half of the cosine span
+    assert lr_at(mid, 100, kind="cosine", **kw) == pytest.approx(0.55)
+    for kind in ("wsd", "constant_sqrt"):
+        assert lr_at(79, 100, kind=kind, decay_start_step=80, **kw) == 1.0
+        assert lr_at(99, 100, kind=kind, decay_start_step=80, **kw) == pytest.approx(0.1)
+    # square-root cooldown: 1 - sqrt(p); p = 5/20 at step 84
+    assert lr_at(84, 100, kind="constant_sqrt", decay_start_step=80, **kw) == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(0.25)))
+    assert lr_at(84, 100, kind="wsd", decay_start_step=80, **kw) == pytest.approx(1.0 - 0.9 * 0.25)
+    assert lr_at(50, 100, kind="constant", **kw) == 1.0
+    assert warmup_steps_of(0.05, 200) == 10 and warmup_steps_of(7, 200) == 7
+    with pytest.raises(ValueError, match="schedule.kind"):
+        lr_at(0, 10, kind="step", peak_lr=1.0)
+
+
+# --------------------------------------------------------------------------------------- curriculum
+
+def test_paper_curriculum_and_phase_index():
+    m = paper_curriculum("lm_mamba2")
+    assert [p.name for p in m] == ["bounded", "free"] and m[0].until == 0.8
+    assert (m[0].implicit["max_iter"], m[0].implicit["phantom_steps"], m[0].implicit["tol"]) == (4, 1, None)
+    assert (m[1].implicit["max_iter"], m[1].implicit["phantom_steps"], m[1].implicit["tol"]) == (24, 4, 0.05)
+    ll = paper_curriculum("lm_llama")
+    assert (ll[1].implicit["max_iter"], ll[1].implicit["phantom_steps"]) == (32, 4)
+    assert [phase_index(m, f) for f in (0.0, 0.79, 0.8, 0.99, 1.0)] == [0, 0, 1, 1, 1]
+    from lm.models.presets import load_config
+
+    cfg = load_config("lm_mamba2-tiny", implicit=m[0].implicit)
+    apply_phase(cfg, m[1])
+    assert cfg.implicit_settings.max_iter == 24 and cfg.implicit_settings.tol == 0.05
+
+
+def test_curriculum_validation():
+    with pytest.raises(ValueError, match=r"curriculum\[1\].until"):
+        parse_curriculum([{"until": 0.5, "implicit": {}}, {"until": 0.4, "implicit": {}}], "lm_mamba2")
+    with pytest.raises(ValueError, match=r"last phase must end at 1.0"):
+        parse_curriculum([{"until": 0.5, "implicit": {}}], "lm_mamba2")
+    with pytest.raises(ValueError, match=r"curriculum\[0\].implicit: unknown key"):
+        parse_curriculum([{"until": 1.0, "implicit": {"iters": 3}}], "lm_mamba2")
+    with pytest.raises(ValueError, match=r"curriculum\[0\]: unknown key"):
+        parse_curriculum([{"until": 1.0, "implicit": {}, "lr": 1}], "lm_mamba2")
+
+
+# --------------------------------------------------------------------------------------- checkpoint
+
+def _fake_ckpt(root, step, payload=b"x" * 100):
+    stage = ck.staging_dir(root, ck.tag_of(step))
+    stage.mkdir(parents=True)
+    (stage / "weights.pt").write_bytes(payload)
+    ck.write_manifest(stage, {"step": step})
+    return ck.publish(root, ck.tag_of(step), keep_last=2)
+
+
+def test_checkpoint_publish_latest_prune_and_verify(tmp_path):
+    root = ck.checkpoints_root(tmp_path)
+    for s in (1, 2, 3):
+        _fake_ckpt(root, s)
+    assert [s for s, _ in ck.list_checkpoints(root)] == [2, 3]
+    assert (root / "latest").read_text().strip() == "step_00000003"
+    assert ck.resolve(tmp_path) == root / "step_00000003"
+    assert ck.verify(root / "step_00000002")["step"] == 2
+    # truncated file -> corrupt
+    (root / "step_00000003" / "weights.pt").write_bytes(b"x" * 10)
+    with pytest.raises(ValueError, match=r"corrupt: weights.pt has 10 bytes.*Other checkpoints: .*step_00000002"):
+        ck.resolve(tmp_path)
+    # a folder without manifest (a save that died before publishing) -> partial
+    (root / "step_00000004").mkdir()
+    with pytest.raises(ValueError, match="is partial"):
+        ck.resolve(root / "step_00000004")
+    with pytest.raises(ValueError, match="no checkpoint to resume"):
+        ck.resolve(tmp_path / "elsewhere")
+    # nothing was deleted by the failed resolves
+    assert (root / "step_00000002" / "weights.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------------- optim
+
+def test_no_weight_decay_on_norms_biases_alog_dtbias():
+    from lm.models.presets import build_model, load_config
+    from lm.train.engine import param_groups
+
+    model = build_model(load_config("lm_mamba2-tiny", implicit={"max_iter": 2}), device="cpu")
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    nd = {names[id(p)] for p in no_decay["params"]}
+    d = {names[id(p)] for p in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert any(n.endswith("A_log") for n in nd) and any(n.endswith("dt_bias") for n in nd)
+    assert any(n.endswith("norm.weight") for n in nd) and any(n.endswith("conv1d.bias") for n in nd)
+    assert all(not n.endswith(("A_log", "dt_bias", "bias")) and "norm" not in n.split(".")[-2] for n in d)
+    assert any(n.endswith("in_proj.weight") for n in d) and any("injection.proj" in n for n in d)
