@@ -1,6 +1,7 @@
 """(Gated) DeltaProduct (paper 001): n_h Householder (delta-rule) steps per token, explicit or implicit.
 
-Mixer, per layer (names and layout follow flash-linear-attention's `GatedDeltaProduct`, fused):
+Mixer, per layer (flash-linear-attention's `GatedDeltaProduct` with its q/k/v/b/a/g projections fused
+into one Linear and its three short convs into one depthwise conv; per-step layout (n_h, H, d)):
 
     in_proj(x) [+ injection] -> q (H dk) | k (n_h H dk) | v (n_h H dv) | beta (n_h H) | a (H) | g (H dv)
     q, k, v:  depthwise causal conv (kernel conv_size, no bias) + SiLU   (one conv over [q|k|v])
