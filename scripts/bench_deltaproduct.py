@@ -46,6 +46,25 @@ def bench(fn, quick):
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def kernel_breakdown(fn, iters=5):
+    """Device time per kernel name (ms per call of fn), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0.0)
+        if t > 0:
+            out[ev.key[:60]] = round(t / iters / 1e3, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+
+
 def check_vs_reference(q, k, v, beta, g, h0, nh, n_check):
     """Our bf16 Triton forward and gradients vs the float64 reference on the first n_check sequences."""
     from lm_kernels.deltaproduct import chunk_deltaproduct
@@ -79,6 +98,7 @@ def main(argv=None):
     p.add_argument("--check-batch", type=int, default=1, help="sequences checked against float64 (0: skip)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--quick", action="store_true", help="tiny shapes, host timer (CPU interpreter debug)")
+    p.add_argument("--profile", action="store_true", help="per-kernel device times (CUDA only)")
     a = p.parse_args(argv)
     if a.quick:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -122,7 +142,7 @@ def main(argv=None):
 
         r["ours_fwd_grad_ms"] = bench(ours_fwd_grad, a.quick)
         r["ours_fwd_bwd_ms"] = bench(ours_fwd_bwd, a.quick)
-        r["ours_bwd_over_fwd"] = r["ours_fwd_bwd_ms"] / r["ours_fwd_grad_ms"]
+        r["ours_bwd_over_fwd"] = r["ours_fwd_bwd_ms"] / r["ours_fwd_grad_ms"]  # fwd+bwd over fwd with grad
         r["ours_fwdbwd_over_nograd_fwd"] = r["ours_fwd_bwd_ms"] / r["ours_fwd_nograd_ms"]
         if fla_fwd is not None:
             def fla_call():
@@ -135,6 +155,13 @@ def main(argv=None):
             r["ratio_nograd_fwd_vs_fla"] = r["ours_fwd_nograd_ms"] / r["fla_fwd_ms"]
             r["ratio_grad_fwd_vs_fla"] = r["ours_fwd_grad_ms"] / r["fla_fwd_ms"]
             r["rel_err_ours_vs_fla_o"] = rel(o_ours, o_fla)
+        if a.profile and device == "cuda":
+            with torch.no_grad():
+                r["kernels_fwd_nograd_ms"] = kernel_breakdown(ours_fwd)
+            r["kernels_fwd_bwd_ms"] = kernel_breakdown(ours_fwd_bwd)
+            if fla_fwd is not None:
+                with torch.no_grad():
+                    r["kernels_fla_fwd_ms"] = kernel_breakdown(fla_call)
         if a.check_batch > 0:
             r["check_vs_float64"] = check_vs_reference(q, k, v, beta, g, h0, nh, a.check_batch)
         rows.append(r)
@@ -143,7 +170,7 @@ def main(argv=None):
         if device == "cuda":
             torch.cuda.empty_cache()
     hdr = f"{'nh':>3} {'ours fwd':>9} {'ours fwd(g)':>11} {'ours f+b':>9} {'fla fwd':>8} {'ours/fla':>9} " \
-          f"{'f+b/fwd':>8} {'err o':>8} {'worst grad err':>15}"
+          f"{'f+b/fwd':>8} {'f+b/fwd(g)':>10} {'err o':>8} {'worst grad err':>15}"
     print(f"\nDeltaProduct chunk op, {info['device']}, B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} {dtype}, gated "
           f"(ms, median)")
     print(hdr)
@@ -153,6 +180,7 @@ def main(argv=None):
         print(f"{r['nh']:>3} {r['ours_fwd_nograd_ms']:>9.3f} {r['ours_fwd_grad_ms']:>11.3f} "
               f"{r['ours_fwd_bwd_ms']:>9.3f} {r.get('fla_fwd_ms', float('nan')):>8.3f} "
               f"{r.get('ratio_nograd_fwd_vs_fla', float('nan')):>9.3f} {r['ours_fwdbwd_over_nograd_fwd']:>8.2f} "
+              f"{r['ours_bwd_over_fwd']:>10.2f} "
               f"{chk.get('o', float('nan')):>8.1e} {worst:>15.1e}")
     if a.json:
         with open(a.json, "w") as f:

@@ -7,10 +7,13 @@ rows. Batches are handled as packed sequences (a batch of B equal sequences is B
 length and varlen share every kernel.
 
 Forward:  _prep_kernel   (parallel over chunks)  gate cumsum, A = beta KK^T o Gam, T = (I+A)^-1 by
-                                                  16x16 block inversion + merges, W = T beta e^g K, U = T beta V
+                                                  16x16 block inversion + merges, W = T beta e^g K, U = T beta V;
+                                                  for nh >= 2 also O_loc = Aqk U and Qe = e^g Q - Aqk W
           _fwd_h_o_kernel (parallel over V blocks x heads x sequences, sequential over chunks)
-                                                  Vn = U - W S, o, S <- e^gC S + Kd^T Vn
-Backward: _bwd_dh_kernel  (sequential, reverse)   dVn and the state gradient entering each chunk
+                                                  Vn = U - W S, o (= O_loc + Qe S for nh >= 2), S <- e^gC S + Kd^T Vn
+                                                  (with grad: also saves S per chunk and Vn)
+Backward: _bwd_dvloc_kernel (parallel)            Aqk^T dO, the state-independent part of dVn
+          _bwd_dh_kernel  (sequential, reverse)   dVn and the state gradient entering each chunk
           _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
 
 The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
@@ -33,6 +36,11 @@ from ._common import check_inputs, l2norm
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_CHUNKS = (16, 32, 64)
+# From which nh the S-independent output terms are computed in the parallel _prep_kernel (O = O_loc + Qe S)
+# instead of inside the sequential _fwd_h_o_kernel. Measured on an H100 (B8 T2048 H16 K128 V256 bf16):
+# nh=1 1.03 ms inside vs 1.36 ms in prep (the 64-token query tile of nh=1 overloads the prep kernel);
+# nh=2 2.04 ms inside vs 1.58 ms in prep.
+INTRA_MIN_NH = int(os.environ.get("LM_DELTAPRODUCT_INTRA_MIN_NH", "2"))
 
 
 def _configs(warps, stages):
@@ -95,11 +103,12 @@ def _store_blk(T, r0, eos, i_h, i: tl.constexpr, j: tl.constexpr, X, H: tl.const
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs([4, 8], [1]), key=["H", "K", "V", "BT", "NH"])
+@triton.autotune(configs=_configs([4, 8], [1]), key=["H", "K", "V", "BT", "NH", "INTRA"])
 @triton.jit
-def _prep_kernel(k, v, beta, g, gc, Tm, w, u, chunk_seq, chunk_row, cu_rows,
+def _prep_kernel(q, k, v, beta, g, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu_rows, scale,
                  NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
+                 BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
+                 INTRA: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -157,24 +166,54 @@ def _prep_kernel(k, v, beta, g, gc, Tm, w, u, chunk_seq, chunk_row, cu_rows,
     kdt = b_k.dtype
     b_T = b_T.to(kdt)
     b_kb = (b_k.to(tl.float32) * (b_b * tl.exp(gcs))[:, None]).to(kdt)
-    b_w = tl.dot(b_T, b_kb, input_precision=PREC)
+    b_w = tl.dot(b_T, b_kb, input_precision=PREC).to(kdt)
     tl.store(w + (rows[:, None] * H + i_h) * K + o_k[None, :], b_w.to(w.dtype.element_ty),
              mask=m_t[:, None] & (o_k < K)[None, :])
+    if INTRA:
+        # the state-independent part of the outputs of the tokens whose last sub-step lies in this chunk:
+        # O = e^g Q S + Aqk (U - W S) = Aqk U + (e^g Q - Aqk W) S = O_loc + Qe S
+        re = tl.minimum(r0 + BT, eos)
+        o_q = tl.arange(0, BQ)
+        toks = r0 // NH + o_q
+        rq = toks * NH + NH - 1
+        m_q = rq < re
+        b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & (o_k < K)[None, :],
+                      other=0.0)
+        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+        b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - gcs[None, :], 0.0))), 0.0)
+        b_Ak = b_A.to(kdt)
+        b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
+        tl.store(qe + (toks[:, None] * H + i_h) * K + o_k[None, :], b_qe.to(qe.dtype.element_ty),
+                 mask=m_q[:, None] & (o_k < K)[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mv = m_t[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mv, other=0.0)
         b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
-        b_u = tl.dot(b_T, b_vb, input_precision=PREC)
+        b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
         tl.store(u + (rows[:, None] * H + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
+        if INTRA:
+            b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
+            tl.store(o + (toks[:, None] * H + i_h) * V + o_v[None, :], b_ol.to(o.dtype.element_ty),
+                     mask=m_q[:, None] & (o_v < V)[None, :])
 
 
-@triton.autotune(configs=_configs([4, 8], [2]), key=["H", "K", "V", "BT", "NH", "BV", "SAVE"])
+def _h_o_configs():
+    if _INTERPRET:
+        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BV": bv}, num_warps=w, num_stages=2) for bv, w in ((32, 4), (64, 4), (64, 8))]
+
+
+@triton.autotune(configs=_h_o_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA"], restore_value=["o"])
 @triton.jit
-def _fwd_h_o_kernel(q, k, w, u, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale,
+def _fwd_h_o_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
-                    STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
+                    STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr):
+    """Sequential over the chunks of one sequence: Vn = U - W S, S <- e^gC S + Kd^T Vn, and the outputs:
+    INTRA: o = O_loc + Qe S (O_loc, Qe from _prep_kernel); else o = scale (e^g Q S + (Q K^T o Gam o M) Vn)."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n).to(tl.int64)
     eos = tl.load(cu_rows + i_n + 1).to(tl.int64)
@@ -202,30 +241,35 @@ def _fwd_h_o_kernel(q, k, w, u, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale
         b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
         b_u = tl.load(u + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & mv[None, :],
                       other=0.0)
+        toks = r0 // NH + o_q
+        rq = toks * NH + NH - 1
+        m_q = rq < re
+        p_o = o + (toks[:, None] * H + i_h) * V + o_v[None, :]
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
+        b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
+        g_last = tl.load(gc + (re - 1) * H + i_h)
         b_Sk = b_S.to(kdt)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
         if SAVE:
             tl.store(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], b_vn.to(vn.dtype.element_ty),
                      mask=m_t[:, None] & mv[None, :])
-        b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
-        g_last = tl.load(gc + (re - 1) * H + i_h)
-        # outputs of the tokens whose last sub-step lies in this chunk
-        toks = r0 // NH + o_q
-        rq = toks * NH + NH - 1
-        m_q = rq < re
-        b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
-                      other=0.0)
-        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
-        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-        b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
-        b_qg = (b_q.to(tl.float32) * tl.exp(b_gq)[:, None]).to(kdt)
         b_vnk = b_vn.to(kdt)
-        b_o = tl.dot(b_qg, b_Sk, input_precision=PREC) + tl.dot(b_A.to(kdt), b_vnk, input_precision=PREC)
-        tl.store(o + (toks[:, None] * H + i_h) * V + o_v[None, :], (b_o * scale).to(o.dtype.element_ty),
-                 mask=m_q[:, None] & mv[None, :])
-        # state passing
+        if INTRA:
+            b_qe = tl.load(qe + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
+                           other=0.0)
+            b_ol = tl.load(p_o, mask=m_q[:, None] & mv[None, :], other=0.0)
+            b_o = b_ol.to(tl.float32) + tl.dot(b_qe, b_Sk, input_precision=PREC)
+        else:
+            b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
+                          other=0.0)
+            b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+            m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+            b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+            b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
+            b_qg = (b_q.to(tl.float32) * tl.exp(b_gq)[:, None]).to(kdt)
+            b_o = tl.dot(b_qg, b_Sk, input_precision=PREC) + tl.dot(b_A.to(kdt), b_vnk, input_precision=PREC)
+            b_o = b_o * scale
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_q[:, None] & mv[None, :])
         b_kd = (b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]).to(kdt)
         b_S = b_S * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vnk, input_precision=PREC)
     if STORE_FINAL:
@@ -236,7 +280,46 @@ def _fwd_h_o_kernel(q, k, w, u, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs([4, 8], [2]), key=["H", "K", "V", "BT", "NH", "BV"])
+@triton.autotune(configs=_configs([4, 8], [1]), key=["H", "K", "V", "BT", "NH", "BV"])
+@triton.jit
+def _bwd_dvloc_kernel(q, k, gc, do, dvn, chunk_seq, chunk_row, cu_rows, scale,
+                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, PREC: tl.constexpr):
+    """The state-independent part of dVn: (Q K^T o Gam o M)^T dO, parallel over chunks."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    o_k = tl.arange(0, BK)
+    mk = o_k < K
+    rows = r0 + o_t
+    m_t = rows < eos
+    re = tl.minimum(r0 + BT, eos)
+    kdt = k.dtype.element_ty
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & mk[None, :], other=0.0)
+    b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
+    toks = r0 // NH + o_q
+    rq = toks * NH + NH - 1
+    m_q = rq < re
+    b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
+    b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+    m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0))), 0.0)
+    b_At = tl.trans(b_A.to(kdt))
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
+                       other=0.0)
+        b_dvl = tl.dot(b_At, b_do, input_precision=PREC)
+        tl.store(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dvl.to(dvn.dtype.element_ty),
+                 mask=m_t[:, None] & mv[None, :])
+
+
+@triton.autotune(configs=_configs([4, 8], [2]), key=["H", "K", "V", "BT", "NH", "BV"], restore_value=["dvn"])
 @triton.jit
 def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale,
                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -279,16 +362,13 @@ def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale
         b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
         b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
                        other=0.0)
-        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-        b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0))), 0.0)
+        p_dvn = dvn + (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_dvl = tl.load(p_dvn, mask=m_t[:, None] & mv[None, :], other=0.0)  # Aqk^T dO, from _bwd_dvloc_kernel
         b_kd = (b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]).to(kdt)
         b_dSk = b_dS.to(kdt)
-        b_dvn = tl.dot(tl.trans(b_A.to(kdt)), b_do, input_precision=PREC) + \
-            tl.dot(b_kd, b_dSk, input_precision=PREC)
+        b_dvn = b_dvl.to(tl.float32) + tl.dot(b_kd, b_dSk, input_precision=PREC)
         b_dvn = tl.where(m_t[:, None], b_dvn, 0.0)
-        tl.store(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty),
-                 mask=m_t[:, None] & mv[None, :])
+        tl.store(p_dvn, b_dvn.to(dvn.dtype.element_ty), mask=m_t[:, None] & mv[None, :])
         b_qg = (b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None]).to(kdt)
         b_dS = b_dS * tl.exp(g_last) + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC) \
             - tl.dot(tl.trans(b_w), b_dvn.to(kdt), input_precision=PREC)
@@ -449,7 +529,8 @@ def _tables(cu_tok, nh, BT, device):
 
 
 def _prec(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # float32 inputs: 3xTF32 on the GPU (about float32 accuracy on the tensor cores)
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _blocks(K, V):
@@ -472,17 +553,20 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     Tm = torch.empty(1, L, H, BT, dtype=torch.float32, device=dev)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    _prep_kernel[(NT, H)](k, v, beta, g if g is not None else gc, gc, Tm, w, u, cseq, crow, cu_rows,
-                          NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, PREC=prec)
+    intra = nh >= INTRA_MIN_NH
+    qe = torch.empty_like(q) if intra else gc
     o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
+    _prep_kernel[(NT, H)](q, k, v, beta, g if g is not None else gc, gc, Tm, w, u, qe, o, cseq, crow, cu_rows,
+                          scale, NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_G=g is not None,
+                          INTRA=intra, PREC=prec)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
     vn = torch.empty_like(v) if save else None
-    _fwd_h_o_kernel[(triton.cdiv(V, BV), N, H)](
-        q, k, w, u, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
+    _fwd_h_o_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), N, H)](
+        q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
         hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale,
-        NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
-        SAVE=save, PREC=prec)
+        NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
+        SAVE=save, INTRA=intra, PREC=prec)
     return o, ht, (gc, Tm, w, hs, vn)
 
 
@@ -500,6 +584,8 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)
     dvn = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
+    _bwd_dvloc_kernel[(NT, H)](q, k, gc, do, dvn, cseq, crow, cu_rows, scale, NH=nh, H=H, K=K, V=V, BT=BT,
+                               BK=BK, BV=BV, BQ=BQ, PREC=prec)
     _bwd_dh_kernel[(triton.cdiv(V, BV), N, H)](
         q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn, cu_rows,
         coff, scale, NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None,
