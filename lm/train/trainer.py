@@ -372,7 +372,7 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                         if latest.is_file() else "no checkpoint was written")
                 raise TrainingStopped(
                     f"stopped at step {step}: {bad_in_row} steps in a row had a non-finite loss or gradient; {kept}. "
-                    "Lower optim.lr, raise optim.grad_clip's strictness, or check the data, then resume.")
+                    "Lower optim.lr or optim.grad_clip, or check the data, then resume.")
         else:
             bad_in_row = 0
             last_loss = step_loss
@@ -410,7 +410,8 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                 logger.log({"event": "eval", "step": step, "tokens": step * t.global_batch_tokens, **ev})
                 if dist.is_main:
                     progress.write(f"step {step}: held-out loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f}")
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at:
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at and not skipped:
+            # (no periodic checkpoint right after a skipped step: keep the last K good ones)
             _save(engine, train_reader, dist, cfg, root, step, total_steps, phases, phase_i, bad_in_row, logger)
             last_saved = step
     progress.close()

@@ -1,0 +1,212 @@
+"""Single-process training runs (plain PyTorch engine) of a very small implicit Mamba2:
+curriculum switch, exact resume, NaN/inf handling, missing data, bad checkpoints, export, plot, CLI."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from lm.train.config import config_from_dict
+from lm.train.trainer import TrainingStopped, train
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "d_state": 8, "headdim": 16, "chunk_size": 16}
+PHASES = [{"name": "bounded", "until": 0.5, "implicit": {"max_iter": 2, "phantom_steps": 1}},
+          {"name": "free", "until": 1.0, "implicit": {"max_iter": 6, "tol": 0.05, "phantom_steps": 2}}]
+
+
+def make_corpus(tmp_path_factory):
+    """A small prepared data folder (default tokenizer) from generated text."""
+    from lm.data.prepare import main as prepare_main
+
+    src = tmp_path_factory.mktemp("corpus")
+    words = "the king shall speak and the queen doth answer him with love and fear".split()
+    g = torch.Generator().manual_seed(0)
+    for d in range(10):
+        idx = torch.randint(0, len(words), (600,), generator=g).tolist()
+        lines = [" ".join(words[i] for i in idx[k:k + 12]) + "." for k in range(0, 600, 12)]
+        (src / f"doc{d:02d}.txt").write_text("\n".join(lines))
+    out = tmp_path_factory.mktemp("data") / "corpus"
+    assert prepare_main(["--input", str(src), "--output", str(out), "--val-fraction", "0.2", "--no-progress",
+                         "--workers", "1"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory)
+
+
+def _cfg(run_dir, data, **over):
+    tree = {
+        "run_dir": str(run_dir),
+        "model": {"preset": "lm_mamba2-tiny", "overrides": dict(TINY)},
+        "data": {"path": str(data), "seq_len": 32},
+        "curriculum": PHASES,
+        "optim": {"lr": 1e-2},
+        "schedule": {"kind": "constant_sqrt", "warmup": 1, "decay_start": "last_phase"},
+        "train": {"steps": 6, "global_batch_tokens": 128, "micro_batch_size": 2, "engine": "torch", "num_threads": 1},
+        "checkpoint": {"every_steps": 0, "keep_last": 3, "export": False},
+        "log": {"progress": False},
+        "eval": {"batches": 1, "sample_tokens": 0, "at_end": False},
+    }
+    for k, v in over.items():
+        tree[k] = {**tree[k], **v} if isinstance(v, dict) and isinstance(tree.get(k), dict) else v
+    return config_from_dict(tree)
+
+
+def _losses(run_dir):
+    recs = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return {r["step"]: r["loss"] for r in recs if "event" not in r}, recs
+
+
+def test_curriculum_switch_resume_export_plot(tmp_path, corpus):
+    # uninterrupted run, checkpoint every 2 steps; the switch happens at 50% = step 3
+    full = tmp_path / "full"
+    s = train(_cfg(full, corpus, checkpoint={"every_steps": 2, "export": True},
+                   eval={"at_end": True, "sample_tokens": 4}))
+    losses, recs = _losses(full)
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(list(losses.values()))))
+    switches = [r for r in recs if r.get("event") == "phase_switch"]
+    assert [(r["step"], r["phase"]) for r in switches] == [(3, "free")]
+    steps = [r for r in recs if "event" not in r]
+    assert [r["phase"] for r in steps] == ["bounded"] * 3 + ["free"] * 3
+    assert all(r["fp/iterations"] <= 2 for r in steps[:3]) and "fp/residual_mean" in steps[0]
+    assert all(r["mfu"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+    root = full / "checkpoints"
+    c2 = json.loads((root / "step_00000002" / "client.json").read_text())
+    c4 = json.loads((root / "step_00000004" / "client.json").read_text())
+    assert (c2["phase"], c4["phase"]) == ("bounded", "free") and c4["implicit"]["max_iter"] == 6
+    assert json.loads((root / "step_00000004" / "config.json").read_text())["implicit"]["max_iter"] == 6
+    assert (root / "latest").read_text().strip() == "step_00000006"
+    assert s["val_ppl"] > 1 and isinstance(s["sample"], str)
+
+    # the HF export loads with from_pretrained (after import lm) and gives the same logits
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import lm  # noqa: F401
+
+    hf = AutoModelForCausalLM.from_pretrained(str(full / "hf"))
+    tok = AutoTokenizer.from_pretrained(str(full / "hf"))
+    assert hf.config.implicit["max_iter"] == 6 and tok.eos_token_id is not None
+    sd = torch.load(root / "step_00000006" / "model_optim.pt", weights_only=False)["model"]
+    assert torch.equal(hf.state_dict()["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+
+    # interrupted run: stop after step 3 (the checkpoint at the stop is written), then resume
+    part = tmp_path / "part"
+    train(_cfg(part, corpus, train={"stop_after_steps": 3}))
+    assert (part / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    assert json.loads((part / "checkpoints" / "step_00000003" / "client.json").read_text())["phase"] == "bounded"
+    train(_cfg(part, corpus, checkpoint={"resume": True}))
+    resumed, recs2 = _losses(part)
+    assert [r["step"] for r in recs2 if r.get("event") == "phase_switch"] == [3]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(losses[step], rel=1e-6, abs=1e-6), step
+
+    # lm export / lm plot
+    from lm.train.export import main as export_main
+    from lm.train.plot import main as plot_main
+
+    assert export_main([str(part), "--output", str(tmp_path / "exp")]) == 0
+    assert (tmp_path / "exp" / "config.json").is_file() and (tmp_path / "exp" / "tokenizer.json").is_file()
+    assert plot_main([str(full)]) == 0 and (full / "curves.png").stat().st_size > 10_000
+
+
+def test_nan_steps_skipped_then_stop(tmp_path, corpus):
+    def nan_at(bad_steps):
+        def hook(step, micro, out):
+            if step in bad_steps:
+                out.loss = out.loss * float("nan")
+            return out
+        return hook
+
+    # one bad step: skipped with a warning, parameters unchanged, training goes on
+    snap = {}
+
+    def spy(step, micro, out):
+        return nan_at({2})(step, micro, out)
+
+    run = tmp_path / "one"
+    with pytest.warns(RuntimeWarning, match="step 3 skipped"):
+        train(_cfg(run, corpus), hooks={"after_forward": spy})
+    losses, recs = _losses(run)
+    assert [r["step"] for r in recs if r.get("event") == "skip"] == [3]
+    assert len(losses) == 6 and all(isinstance(losses[s], float) for s in (1, 2, 4, 5, 6))
+    del snap
+
+    # K bad steps in a row stop the run; the checkpoint written before is intact
+    run = tmp_path / "many"
+    with pytest.raises(TrainingStopped, match=r"3 steps in a row.*step_00000002.*intact"):
+        with pytest.warns(RuntimeWarning):
+            train(_cfg(run, corpus, train={"max_bad_steps": 3}, checkpoint={"every_steps": 2}),
+                  hooks={"after_forward": nan_at({2, 3, 4, 5})})
+    from lm.train.checkpoint import resolve
+
+    assert resolve(run).name == "step_00000002"
+
+
+def test_parameters_unchanged_on_skipped_step(tmp_path, corpus):
+    from lm.train.engine import TorchEngine, make_optimizer
+    from lm.models.presets import build_model, load_config
+
+    model = build_model(load_config("lm_mamba2-tiny", **TINY, implicit={"max_iter": 2}), device="cpu")
+    opt = make_optimizer(model, lr=1e-2, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, device=torch.device("cpu"))
+    eng = TorchEngine(model, opt, accumulation=1, grad_clip=1.0, precision="fp32", device=torch.device("cpu"))
+    ids = torch.randint(0, 100, (2, 16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = eng.forward({"input_ids": ids, "targets": ids})
+    eng.backward(out.loss * float("inf"))
+    applied, norm = eng.micro_end(True, 1e-2)
+    assert not applied and not torch.isfinite(torch.tensor(norm))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    out = eng.forward({"input_ids": ids, "targets": ids})
+    eng.backward(out.loss)
+    assert eng.micro_end(True, 1e-2)[0]
+
+
+def test_bad_input_messages(tmp_path, corpus):
+    # missing data: the exact prepare command
+    with pytest.raises(ValueError, match=r"lm prepare-data --input shakespeare --output .*shakespeare"):
+        train(_cfg(tmp_path / "r", tmp_path / "data" / "shakespeare"))
+    assert not (tmp_path / "r").exists()
+    # batch arithmetic
+    with pytest.raises(ValueError, match="train.global_batch_tokens: 100 is not a multiple"):
+        train(_cfg(tmp_path / "r", corpus, train={"global_batch_tokens": 100}))
+    # a model whose embedding cannot hold the data's token ids
+    with pytest.raises(ValueError, match="vocab_size 100 is smaller than the data's vocabulary 8192"):
+        train(_cfg(tmp_path / "r", corpus, model={"overrides": {**TINY, "vocab_size": 100}}))
+    # a bad model override names the field
+    with pytest.raises(ValueError, match="model: .*hidden_sise"):
+        train(_cfg(tmp_path / "r", corpus, model={"overrides": {"hidden_sise": 3}}))
+    # resume with nothing to resume / a partial checkpoint; nothing is deleted
+    with pytest.raises(ValueError, match="no checkpoint to resume"):
+        train(_cfg(tmp_path / "r", corpus, checkpoint={"resume": True}))
+    run = tmp_path / "run"
+    train(_cfg(run, corpus, train={"steps": 2}))
+    ck = run / "checkpoints" / "step_00000002"
+    (ck / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="partial"):
+        train(_cfg(run, corpus, train={"steps": 4}, checkpoint={"resume": True}))
+    # a corrupt (truncated) weights file
+    train(_cfg(tmp_path / "run2", corpus, train={"steps": 2}))
+    w = tmp_path / "run2" / "checkpoints" / "step_00000002" / "model_optim.pt"
+    w.write_bytes(w.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="corrupt: model_optim.pt has 1000 bytes"):
+        train(_cfg(tmp_path / "run2", corpus, train={"steps": 4}, checkpoint={"resume": True}))
+    assert w.is_file() and ck.is_dir()
+
+
+def test_zero3_refused_for_implicit(tmp_path, corpus):
+    pytest.importorskip("deepspeed")
+    with pytest.raises(ValueError, match="ZeRO-3 is refused for implicit models"):
+        train(_cfg(tmp_path / "r", corpus, train={"engine": "deepspeed", "zero_stage": 3}))
+
+
+def test_cli_errors(tmp_path, capsys):
+    from lm.train.cli import main
+
+    assert main(["train.tokenz=5"]) == 2
+    assert "unknown config key(s) ['train.tokenz']" in capsys.readouterr().err
+    assert main(["--print-config", "train.tokens=1e6"]) == 0
+    assert json.loads(capsys.readouterr().out)["train"]["tokens"] == 1_000_000
+    assert main([f"data.path={tmp_path}/nodata", "train.engine=torch"]) == 2
+    assert "lm prepare-data --input SOURCE --output" in capsys.readouterr().err
