@@ -1,0 +1,199 @@
+"""The `lm synth` runner: recipes and overrides, training, per-length evaluation (JSON + PNG), fixed-point
+iterations per length, and a one-layer model that learns a tiny S3 word problem."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import lm  # noqa: F401  registers the model types
+from lm.data.synthetic import build_task, monoid_by_name
+from lm.data.synthetic.run import (TrainingData, evaluate, load_recipe, lr_at, main, run, summarize)
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "configs" / "synth").glob("*.yaml"))
+
+
+@pytest.fixture
+def one_thread():
+    """The CI machine is shared: one torch thread is much faster than two contending ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_one_layer_model_learns_tiny_s3(tmp_path, one_thread):
+    cfg = load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", [f"output_dir={tmp_path}"])
+    assert cfg["model"]["num_hidden_layers"] == 1
+    res = run(cfg, progress=False)
+    acc = res["eval"]["3"]["token_accuracy"]
+    assert acc > 0.95, res["train_log"]
+    assert res["eval"]["3"]["last_accuracy"] > 0.9
+    assert res["train_log"][0]["train_accuracy"] < 0.8  # it was learned, not there from the start
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["eval"]["3"]["token_accuracy"] == acc and set(saved["eval"]) == {"1", "2", "3"}
+    assert (tmp_path / "accuracy_per_length.png").stat().st_size > 1000
+
+
+class PrefixProductOracle(nn.Module):
+    """Answers the word problem exactly (one-hot logits of the brute-force prefix products)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.m = monoid_by_name(group)
+        self.table = torch.tensor(np.array(self.m.table))
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        out[:, 0] = x[:, 0]
+        for t in range(1, x.shape[1]):
+            out[:, t] = self.table[out[:, t - 1], x[:, t]]
+        return nn.functional.one_hot(out, self.m.order).float(), {"mean_sample_iterations": float(x.shape[1])}
+
+
+def test_evaluate_per_length_with_an_oracle():
+    task = build_task("word_problem", group="A4")
+    res = evaluate(PrefixProductOracle("A4"), task, [3, 10, 17], examples=70, batch_size=32, seed=0,
+                   device=torch.device("cpu"))
+    for n in (3, 10, 17):
+        r = res[n]
+        assert r["token_accuracy"] == r["last_accuracy"] == r["sequence_accuracy"] == 1.0
+        assert r["examples"] == 70 and len(r["per_position_accuracy"]) == n
+        assert r["fixed_point"]["mean_sample_iterations"] == n  # averaged over batches
+    s = summarize(task, res)
+    assert s["mean_last_accuracy"] == 1.0 and s["longest_length_last_accuracy_above_0.9"] == 17
+    assert s["mean_iterations"] == pytest.approx(10.0)
+
+
+def test_evaluation_set_is_fixed_by_seed():
+    task = build_task("word_problem", group="S3")
+    class Guess(nn.Module):  # predicts from the current token only
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(6, 6)
+
+        def forward(self, x):
+            return self.emb(x), None
+
+    wrapped = Guess()
+    a = evaluate(wrapped, task, [5], 64, 16, 3, torch.device("cpu"))
+    b = evaluate(wrapped, task, [5], 64, 16, 3, torch.device("cpu"))
+    c = evaluate(wrapped, task, [5], 64, 16, 4, torch.device("cpu"))
+    assert a[5]["per_position_accuracy"] == b[5]["per_position_accuracy"]
+    assert a[5]["per_position_accuracy"] != c[5]["per_position_accuracy"]
+
+
+def test_implicit_model_records_iterations_per_length(tmp_path, one_thread):
+    cfg = load_recipe({
+        "name": "implicit_tiny", "device": "cpu", "output_dir": str(tmp_path),
+        "task": {"name": "word_problem", "group": "S3"},
+        "model": {"model_type": "lm_mamba2", "hidden_size": 16, "num_hidden_layers": 1, "d_state": 8,
+                  "headdim": 8, "expand": 2, "chunk_size": 8,
+                  "implicit": {"max_iter": 2, "tol": 0.3, "phantom_steps": 1, "eval_factor": 4.0}},
+        "train": {"steps": 2, "batch_size": 4, "lengths": [4, 6], "log_every": 1},
+        "eval": {"lengths": [2, 8], "examples": 8, "batch_size": 8},
+    })
+    res = run(cfg, progress=False)
+    for n in ("2", "8"):
+        fp = res["eval"][n]["fixed_point"]
+        assert 1 <= fp["mean_sample_iterations"] <= 8  # eval cap = eval_factor * max_iter
+    assert "mean_iterations" in res["summary"]
+    assert "fp_mean_sample_iterations" in res["train_log"][0]
+    assert (tmp_path / "accuracy_per_length.png").exists()
+
+
+def test_compression_head_fixed_training_set_and_ood_eval(tmp_path, one_thread):
+    cfg = load_recipe({
+        "name": "mad_tiny", "device": "cpu", "output_dir": str(tmp_path),
+        "task": {"name": "mad_compression", "vocab_size": 8},
+        "model": {"model_type": "lm_llama", "hidden_size": 16, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "intermediate_size": 32},
+        "train": {"steps": 3, "batch_size": 4, "lengths": [8, 8], "examples": 6, "log_every": 1},
+        "eval": {"lengths": [8], "examples": 8},
+    })
+    res = run(cfg, progress=False)
+    assert res["eval"]["8"]["examples"] == 8 and res["steps_run"] == 3
+    assert all(np.isfinite(r["loss"]) for r in res["train_log"])
+
+    cfg = load_recipe({
+        "name": "mixture_tiny", "device": "cpu", "output_dir": str(tmp_path / "m"),
+        "task": {"name": "monoid_mixture", "p": 0.1, "group": "A4"},
+        "model": {"model_type": "lm_llama", "hidden_size": 16, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "intermediate_size": 32},
+        "train": {"steps": 1, "batch_size": 2, "lengths": [8, 8]},
+        "eval": {"lengths": [8], "examples": 4, "task": {"p": 0.5}},
+    })
+    res = run(cfg, progress=False)
+    assert res["eval_task"]["p"] == 0.5 and res["task"]["p"] == 0.1
+    assert "train_distribution" in res["summary"] and res["eval_train_distribution"]["8"]["examples"] == 4
+
+
+def test_training_data_pool_and_fresh_batches():
+    task = build_task("word_problem", group="S3")
+    pool = TrainingData(task, (5, 5), 4, examples=10, seed=0)
+    rows = {tuple(r) for r in pool.pool.inputs}
+    seen = [pool.next() for _ in range(6)]
+    assert all(tuple(r) in rows for b in seen for r in b.inputs)
+    assert len({tuple(r) for b in seen for r in b.inputs}) == 10  # epochs cover the whole set
+    fresh_a = TrainingData(task, (3, 9), 4, None, seed=1)
+    fresh_b = TrainingData(task, (3, 9), 4, None, seed=1)
+    for _ in range(5):
+        a, b = fresh_a.next(), fresh_b.next()
+        assert np.array_equal(a.inputs, b.inputs) and 3 <= a.inputs.shape[1] <= 9
+    with pytest.raises(ValueError, match="one training length"):
+        TrainingData(task, (3, 9), 4, examples=10, seed=0)
+
+
+def test_lr_schedules():
+    assert lr_at(0, 100, 1.0, "cosine", 10, 0.0) == pytest.approx(0.1)
+    assert lr_at(9, 100, 1.0, "cosine", 10, 0.0) == pytest.approx(1.0)
+    assert lr_at(10, 100, 1.0, "cosine", 10, 0.1) == pytest.approx(1.0)
+    assert lr_at(55, 100, 1.0, "cosine", 10, 0.0) == pytest.approx(0.5)
+    assert lr_at(100, 100, 1.0, "cosine", 10, 0.1) == pytest.approx(0.1)
+    assert lr_at(55, 100, 1.0, "linear", 10, 0.0) == pytest.approx(0.5)
+    assert lr_at(99, 100, 1.0, "constant", 0, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipes_are_valid(path):
+    import transformers
+
+    from lm.models import MODEL_TYPES
+
+    cfg = load_recipe(path)
+    task = build_task(cfg["task"]["name"], **{k: v for k, v in cfg["task"].items() if k != "name"})
+    lo, hi = cfg["train"]["lengths"] or task.train_lengths
+    b = task.generate(np.random.default_rng(0), 2, lo)
+    assert b.inputs.max() < task.vocab_size
+    if cfg["eval"]["task"]:
+        build_task(cfg["task"]["name"], **{**{k: v for k, v in cfg["task"].items() if k != "name"},
+                                            **cfg["eval"]["task"]})
+    mcfg = {k: v for k, v in cfg["model"].items() if k != "model_type"}
+    if cfg["model"]["model_type"] not in MODEL_TYPES:
+        pytest.skip(f"model type {cfg['model']['model_type']} not built yet")
+    transformers.AutoConfig.for_model(cfg["model"]["model_type"], vocab_size=task.vocab_size, **mcfg)
+
+
+def test_recipe_errors(tmp_path, capsys):
+    base = {"task": {"name": "parity"}, "model": {"model_type": "lm_llama"}}
+    with pytest.raises(ValueError, match="unknown recipe key 'train.stpes'"):
+        load_recipe({**base, "train": {"stpes": 3}})
+    with pytest.raises(ValueError, match="train.lengths"):
+        load_recipe({**base, "train": {"lengths": [5, 3]}})
+    with pytest.raises(ValueError, match="key=value"):
+        load_recipe(base, ["train.steps"])
+    with pytest.raises(ValueError, match="task.name"):
+        load_recipe({"model": {"model_type": "lm_llama"}})
+    with pytest.raises(ValueError, match="not found"):
+        load_recipe(tmp_path / "missing.yaml")
+    assert load_recipe(base, ["train.steps=7", "model.implicit.max_iter=3"])["model"]["implicit"] == {"max_iter": 3}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: {name: parity, group: S5}\nmodel: {model_type: lm_llama}\ntrain: {steps: 1}\n"
+                   f"output_dir: {tmp_path}\n")
+    assert main([str(bad), "--quiet"]) == 2
+    assert "does not take ['group']" in capsys.readouterr().err
+    assert main([str(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml"), "--dry-run"]) == 0
+    assert "model parameters" in capsys.readouterr().out
