@@ -169,7 +169,7 @@ def test_dtype_choice(tmp_path):
     TokenDataset(out).check_tokenizer(str(tmp_path / "bigtok"))
 
 
-def test_bad_input(tmp_path, capsys):
+def test_bad_input(tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match="no such file"):
         prep.prepare_data(str(tmp_path / "missing" / "*.txt"), tmp_path / "o1", workers=0, progress=False)
     assert prep.main(["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o2"), "--no-progress"]) == 2
@@ -190,6 +190,10 @@ def test_bad_input(tmp_path, capsys):
     meta = prep.prepare_data(SourceSpec(str(tmp_path / "f.jsonl"), text_field="content"), tmp_path / "o5",
                              val_fraction=0.0, workers=0, progress=False)
     assert meta["splits"]["train"]["num_documents"] == 2
+    with monkeypatch.context() as m:  # a Hub dataset name without `datasets` installed
+        m.setitem(__import__("sys").modules, "datasets", None)
+        with pytest.raises(ValueError, match="pip install datasets"):
+            prep.prepare_data("someone/some-dataset", tmp_path / "o7", workers=0, progress=False)
     with pytest.raises(ValueError, match="could not load tokenizer"):
         prep.prepare_data(str(tmp_path / "f.jsonl"), tmp_path / "o6", tokenizer=str(tmp_path / "no_such_tokenizer"),
                           workers=0, progress=False)

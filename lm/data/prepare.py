@@ -258,7 +258,7 @@ def prepare_data(
     meta_path = out / METADATA
 
     state = None
-    if meta_path.exists() and overwrite:
+    if overwrite:
         _remove_prepared_files(out)
     elif meta_path.exists():
         old = read_metadata(out, require_complete=False)
