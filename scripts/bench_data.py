@@ -33,6 +33,28 @@ def bench_prepare(spec: SourceSpec, tokenizer, workers: int, root: str) -> dict:
             "tokens_per_s": round(tokens / seconds), "dir": out}
 
 
+def bench_encode_cpu(spec: SourceSpec, tokenizer, max_chars: int = 4_000_000) -> dict:
+    """Tokens per CPU-second of one worker (single-threaded encode + packing), independent of machine load."""
+    from lm.data import prepare as prep
+    from lm.data.sources import iter_documents
+    from lm.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read by `tokenizers` at each batch encode
+    prep._init_worker(tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint32", single_thread=False)
+    texts, chars = [], 0
+    for doc in iter_documents(spec):
+        texts.append(doc.text)
+        chars += len(doc.text)
+        if chars >= max_chars:
+            break
+    c0 = time.process_time()
+    _, _, _, tokens = prep._encode_chunk((list(range(len(texts))), ["train"] * len(texts), texts))
+    cpu = time.process_time() - c0
+    return {"chars": chars, "tokens": int(tokens.size), "cpu_seconds": round(cpu, 3),
+            "tokens_per_cpu_s": round(tokens.size / cpu), "mb_text_per_cpu_s": round(chars / cpu / 1e6, 3)}
+
+
 def bench_reader(reader, seconds: float) -> dict:
     next(iter(reader))  # warm the page cache and the permutation block
     n, batches, t0 = 0, 0, time.perf_counter()
@@ -67,6 +89,9 @@ def main(argv=None) -> int:
             results["prepare"].append(r)
             print(f"prepare  workers={w}: {r['tokens']:,} tokens in {r['seconds']:.1f}s = {r['tokens_per_s']:,} tokens/s",
                   flush=True)
+        r = results["encode_cpu"] = bench_encode_cpu(spec, args.tokenizer)
+        print(f"encode   one worker: {r['tokens_per_cpu_s']:,} tokens per CPU-second ({r['mb_text_per_cpu_s']} MB text)",
+              flush=True)
         folder = results["prepare"][0]["dir"]
         train, val = TokenDataset(folder, "train"), TokenDataset(folder, "val")
         configs = [(256, 8, False), (1024, 8, False), (2048, 8, False), (2048, 8, True), (4096, 4, True)]
@@ -75,10 +100,11 @@ def main(argv=None) -> int:
             r = {"reader": "train", "seq_len": seq_len, "micro_batch_size": b, "cu_seqlens": cu, **bench_reader(reader, args.seconds)}
             results["reader"].append(r)
             print(f"train reader T={seq_len} B={b} cu_seqlens={cu}: {r['tokens_per_s']:,} tokens/s per rank", flush=True)
-        r = {"reader": "val", "seq_len": 2048, "micro_batch_size": 8, "cu_seqlens": False,
-             **bench_reader(ValReader(val, 2048, 8), args.seconds)}
-        results["reader"].append(r)
-        print(f"val reader T=2048 B=8: {r['tokens_per_s']:,} tokens/s", flush=True)
+        if val.num_tokens > 1:
+            r = {"reader": "val", "seq_len": 2048, "micro_batch_size": 8, "cu_seqlens": False,
+                 **bench_reader(ValReader(val, 2048, 8), args.seconds)}
+            results["reader"].append(r)
+            print(f"val reader T=2048 B=8: {r['tokens_per_s']:,} tokens/s", flush=True)
     results["load_avg_1m_end"] = os.getloadavg()[0]
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
