@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         if "val_ppl" in summary:
             print(f"held-out perplexity: {summary['val_ppl']:.2f} (loss {summary['val_loss']:.4f} over "
                   f"{summary['val_tokens']:,} tokens)")
-        print(f"checkpoint: {summary['checkpoint']}")
+        if "checkpoint" in summary:
+            print(f"checkpoint: {summary['checkpoint']}")
         if "export" in summary:
             print(f"Hugging Face export: {summary['export']}  (import lm; AutoModelForCausalLM.from_pretrained(...))")
         if summary.get("sample"):

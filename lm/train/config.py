@@ -78,6 +78,7 @@ class CheckpointSection:
     keep_last: int = 2
     resume: Union[bool, str] = False         # true: the run's latest checkpoint; or a checkpoint path
     export: bool = True                      # HF export (run_dir/hf) at the end
+    at_end: bool = True                      # checkpoint at the end (false: benchmarks)
 
 
 @dataclasses.dataclass

@@ -157,8 +157,9 @@ def build_model(cfg: TrainConfig, phases, data_vocab: int):
             config = load_config(m.preset, **{**m.overrides, "implicit": implicit})
         except ValueError as err:
             raise ValueError(f"model: {err}") from None
-        lm_cls = AutoModelForCausalLM._model_mapping[type(config)]
-        model = lm_cls(config)
+        from lm.models import MODEL_TYPES
+
+        model = MODEL_TYPES[config.model_type][2](config)
     if phases and not model.config.is_implicit:
         raise ValueError("curriculum: set for an explicit model (the curriculum switches solver settings of "
                          "implicit models); remove it or use an implicit model")
@@ -327,7 +328,7 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                 phase_i = i
         lr = lr_at(step, total_steps, **sched)
         t0 = time.perf_counter()
-        loss_sum, nonfinite = 0.0, 0.0
+        micro_losses = []
         fp_stats: list[dict] = []
         result = None
         for micro in range(accumulation):
@@ -335,17 +336,16 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
             out = engine.forward(inputs)
             if "after_forward" in hooks:
                 out = hooks["after_forward"](step, micro, out)
-            loss = out.loss
-            lv = float(loss.detach())
-            if math.isfinite(lv):
-                loss_sum += lv
-            else:
-                nonfinite += 1
+            micro_losses.append(out.loss.detach().float())  # read after the step: no sync per micro-batch
             if out.fixed_point_stats:
                 fp_stats.append(out.fixed_point_stats)
-            engine.backward(loss)
+            engine.backward(out.loss)
             result = engine.micro_end(micro == accumulation - 1, lr)
         applied, grad_norm = result
+        losses_t = torch.stack(micro_losses)
+        finite = torch.isfinite(losses_t)
+        loss_sum = float(torch.where(finite, losses_t, torch.zeros_like(losses_t)).sum())
+        nonfinite = float((~finite).sum())
         loss_sum, nonfinite, n_micro = dist.all_reduce_sum([loss_sum, nonfinite, float(accumulation)])
         n_good = n_micro - nonfinite
         step_loss = loss_sum / n_good if n_good else float("nan")
@@ -418,11 +418,13 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
 
     summary.update({"steps": step, "total_steps": total_steps, "tokens": step * t.global_batch_tokens,
                     "final_loss": last_loss, "run_dir": str(run_dir)})
-    if last_saved != step:
+    if last_saved != step and cfg.checkpoint.at_end:
         _save(engine, train_reader, dist, cfg, root, step, total_steps, phases, phase_i, bad_in_row, logger)
-    summary["checkpoint"] = str(root / ckpt_lib.tag_of(step))
+        last_saved = step
+    if last_saved == step:
+        summary["checkpoint"] = str(root / ckpt_lib.tag_of(step))
     finished = step >= total_steps
-    if finished and cfg.checkpoint.export:
+    if finished and cfg.checkpoint.export and last_saved == step:
         if dist.is_main:
             from .export import export_checkpoint
 

@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""End-to-end training throughput through the real trainer (lm.train, DeepSpeed engine, bf16):
+tokens/s, MFU and peak memory for explicit and implicit (4+1) models, and the implicit/explicit
+step-time ratio (BENCHMARKS.md target: <= 1.5).
+
+    python scripts/bench_train.py --out bench_train.json                      # H100: 350M Mamba2 + Llama
+    python scripts/bench_train.py --size tiny --seq-len 64 --micro 2 --steps 3 --warmup 1   # CPU smoke
+
+Each case runs in its own process (`--case NAME`) on synthetic tokens (a random walk over the
+vocabulary; the data path costs nothing), `--warmup` steps are dropped (Triton compilation,
+autotuning) and the median step of the rest is reported. MFU = tokens/s x
+lm.models.presets.flops_per_token(config, seq_len)["train"] / peak (989e12: H100 bf16 dense). A case
+that runs out of memory is retried with half the micro-batch (the same tokens per step, by accumulation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = {  # name -> (model family, implicit settings or None)
+    "mamba2-explicit": ("mamba2", None),
+    "mamba2-implicit-4+1": ("mamba2", {"max_iter": 4, "phantom_steps": 1}),
+    "llama-explicit": ("llama", None),
+    "llama-implicit-4+1": ("llama", {"max_iter": 4, "phantom_steps": 1}),
+}
+
+
+def run_case(args) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from lm.train.config import config_from_dict
+    from lm.train.trainer import train
+
+    family, implicit = CASES[args.case]
+    preset = f"lm_{family}-{args.size}"
+    vocab = json.loads((ROOT / "configs" / "models" / f"{preset}.json").read_text())["vocab_size"]
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{args.case}-"))
+    tokens_per_step = args.micro * args.accum * args.seq_len
+    cfg = config_from_dict({
+        "run_dir": str(run_dir),
+        "model": {"preset": preset, "implicit": implicit, "activation_checkpointing": args.act_ckpt},
+        "data": {"source": "synthetic", "seq_len": args.seq_len, "synthetic_vocab": vocab},
+        "optim": {"lr": 1e-3},
+        "schedule": {"kind": "constant", "warmup": 0},
+        "train": {"steps": args.warmup + args.steps, "global_batch_tokens": tokens_per_step,
+                  "micro_batch_size": args.micro, "precision": args.precision, "engine": args.engine,
+                  "zero_stage": 2, "device": args.device},
+        "checkpoint": {"at_end": False, "export": False},
+        "log": {"progress": False, "peak_flops": args.peak_flops},
+        "eval": {"at_end": False, "sample_tokens": 0},
+    })
+    t0 = time.perf_counter()
+    summary = train(cfg)
+    wall = time.perf_counter() - t0
+    recs = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    steps = [r for r in recs if "event" not in r][args.warmup:]
+    start = next(r for r in recs if r.get("event") == "start")
+    st = statistics.median(r["step_time"] for r in steps)
+    from lm.models.presets import flops_per_token, load_config
+
+    fpt = flops_per_token(load_config(preset, implicit=implicit), args.seq_len)["train"]
+    out = {
+        "case": args.case, "preset": preset, "implicit": implicit, "params": start["params"],
+        "engine": start["engine"], "device": start["device"], "precision": args.precision,
+        "seq_len": args.seq_len, "micro_batch_size": args.micro, "accumulation": args.accum,
+        "tokens_per_step": tokens_per_step, "measured_steps": len(steps), "step_time_s": st,
+        "tokens_per_s": tokens_per_step / st, "train_flops_per_token": fpt,
+        "mfu": tokens_per_step / st * fpt / args.peak_flops,
+        "mem_gb": max(r["mem_gb"] for r in steps), "final_loss": summary["final_loss"],
+        "fp_iterations": steps[-1].get("fp/iterations"), "wall_s": wall,
+        "step_times": [r["step_time"] for r in steps],
+    }
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", choices=sorted(CASES), help="run one case in this process (internal)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases to run")
+    ap.add_argument("--size", default="350m")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--engine", default="deepspeed", choices=["deepspeed", "torch"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing")
+    ap.add_argument("--peak-flops", type=float, default=989e12)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per case")
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    args = ap.parse_args()
+    if args.case:
+        print("RESULT " + json.dumps(run_case(args)), flush=True)
+        return 0
+
+    results = []
+    for case in args.cases.split(","):
+        micro, accum = args.micro, args.accum
+        while True:
+            cmd = [sys.executable, __file__, "--case", case, "--size", args.size, "--seq-len", str(args.seq_len),
+                   "--micro", str(micro), "--accum", str(accum), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--precision", args.precision, "--engine", args.engine,
+                   "--device", args.device, "--peak-flops", str(args.peak_flops)] + (["--act-ckpt"] if args.act_ckpt else [])
+            t0 = time.time()
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                text, rc = p.stdout + p.stderr, p.returncode
+            except subprocess.TimeoutExpired as e:
+                text, rc = f"timeout after {args.timeout}s\n{(e.stdout or b'')[-2000:]!r}", -1
+            line = next((x for x in text.splitlines() if x.startswith("RESULT ")), None)
+            if line:
+                r = json.loads(line[7:])
+                results.append(r)
+                print(f"{case:22s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {100 * r['mfu']:5.1f}%  step "
+                      f"{1e3 * r['step_time_s']:8.1f} ms  mem {r['mem_gb']:5.1f} GB  (case wall {time.time() - t0:.0f}s)",
+                      flush=True)
+                break
+            if "out of memory" in text.lower() and micro > 1:
+                micro, accum = micro // 2, accum * 2
+                print(f"{case}: out of memory, retrying with micro-batch {micro} x {accum}", flush=True)
+                continue
+            print(f"{case}: FAILED (rc {rc})\n{text[-4000:]}", flush=True)
+            results.append({"case": case, "error": text[-4000:]})
+            break
+    by = {r["case"]: r for r in results if "error" not in r}
+    ratios = {}
+    for fam in ("mamba2", "llama"):
+        e, i = by.get(f"{fam}-explicit"), by.get(f"{fam}-implicit-4+1")
+        if e and i:
+            ratios[f"{fam}_implicit_over_explicit_step_time"] = (
+                i["step_time_s"] / i["tokens_per_step"]) / (e["step_time_s"] / e["tokens_per_step"])
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"results": results, "ratios": ratios}, indent=1))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
