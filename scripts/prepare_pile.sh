@@ -2,7 +2,7 @@
 # Tokenize the Pile with GPT-NeoX-20B's tokenizer (the implicit-LM / Pythia setup) into data/pile.
 #
 #   scripts/prepare_pile.sh                                  # the whole corpus, streamed from the Hub
-#   MAX_DOCS=1000000 OUT=data/pile-1m scripts/prepare_pile.sh  # a ~1B-token sample to try things first
+#   MAX_TOKENS=1000000000 OUT=data/pile-1b scripts/prepare_pile.sh  # a 1B-token sample to try things first
 #   INPUT='/data/pile/train/*.jsonl.zst' scripts/prepare_pile.sh   # local files (pip install zstandard)
 #
 # Needs: pip install datasets (the `train` extra) and a reachable Hub (or a local copy: INPUT=...).
@@ -10,7 +10,7 @@
 # (the Pile without its copyrighted subsets) or EleutherAI/the_pile_deduplicated (the deduplicated
 # "D-Pile" of Pythia-deduped and the implicit-LM paper; it has one `text` column).
 #
-# What to expect (rough planning numbers; measure a MAX_DOCS sample on your machine first):
+# What to expect (rough planning numbers; measure a MAX_TOKENS sample on your machine first):
 #   - size: the full Pile is ~825 GiB of text in ~210M documents, ~300B GPT-NeoX tokens; the
 #     deduplicated Pile ~207B tokens in ~134M documents.
 #   - disk: the vocabulary (50,277 tokens) fits uint16, so shards take 2 bytes/token: ~600 GB for
@@ -30,6 +30,7 @@ OUT=${OUT:-data/pile}
 WORKERS=${WORKERS:-$(nproc)}
 VAL_FRACTION=${VAL_FRACTION:-0.0005}
 MAX_DOCS=${MAX_DOCS:-}
+MAX_TOKENS=${MAX_TOKENS:-}
 
 args=(--input "$INPUT" --tokenizer "$TOKENIZER" --output "$OUT" --workers "$WORKERS"
       --val-fraction "$VAL_FRACTION" --text-field text)
@@ -38,5 +39,8 @@ if [[ "$INPUT" == "$DATASET" ]]; then
 fi
 if [[ -n "$MAX_DOCS" ]]; then
   args+=(--max-documents "$MAX_DOCS")
+fi
+if [[ -n "$MAX_TOKENS" ]]; then
+  args+=(--max-tokens "$MAX_TOKENS")
 fi
 exec python -m lm.data.prepare "${args[@]}" "$@"

@@ -246,3 +246,16 @@ def test_shakespeare_prepare_small(tmp_path, tok):
     assert meta["splits"]["train"]["num_documents"] == 2 and meta["splits"]["val"]["num_documents"] == 1
     assert decode_split(tok, tmp_path / "s", "val") == texts[2:]
     assert decode_split(tok, tmp_path / "s", "train") == texts[:2]
+
+
+def test_max_tokens(tmp_path, tok):
+    docs = make_docs(40, seed=5)
+    write_jsonl(tmp_path / "h.jsonl", docs)
+    meta = prep.prepare_data(str(tmp_path / "h.jsonl"), tmp_path / "o", val_fraction=0.2, workers=0, max_tokens=300,
+                             shard_tokens=100, progress=False)
+    total = sum(meta["splits"][s]["num_tokens"] for s in ("train", "val"))
+    n = meta["next_doc"]
+    assert 300 <= total and n < 40
+    assert decode_split(tok, tmp_path / "o", "train") == expected_split(docs[:n], 0.2, "train")
+    last = len(tok.encode(docs[n - 1], add_special_tokens=False)) + 1
+    assert total - last < 300  # it stopped at the document that reached max_tokens

@@ -14,6 +14,7 @@ the output does not depend on ``--workers``. Whenever a shard is finished, all o
 flushed and ``metadata.json`` records a checkpoint; running the same command again after an
 interruption keeps everything up to the last checkpoint and goes on from there. Running it on a
 finished folder does nothing; different settings on an existing folder are refused (``--overwrite``).
+A streamed source is read again from its start on resume (without tokenizing what is already done).
 
 Python API: ``prepare_data(source, output, tokenizer=None, ...) -> metadata`` and ``main(argv) -> int``.
 """
@@ -237,6 +238,7 @@ def prepare_data(
     dtype: str = "auto",
     overwrite: bool = False,
     progress: bool = True,
+    max_tokens: int | None = None,
 ) -> dict:
     """Tokenize SOURCE into shards under ``output``; returns the metadata (see ``lm.data.shards``)."""
     spec = SourceSpec(source) if isinstance(source, str) else source
@@ -244,6 +246,8 @@ def prepare_data(
         raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens must be positive, got {shard_tokens}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"--max-tokens must be positive, got {max_tokens}")
     workers = min(8, os.cpu_count() or 1) if workers is None else workers
     if workers < 0:
         raise ValueError(f"--workers must be >= 0, got {workers}")
@@ -252,7 +256,8 @@ def prepare_data(
     identity = tokenizer_identity(tok, tokenizer)
     dtype = choose_dtype(identity["vocab_size"], dtype)
     config = json.loads(json.dumps({"source": spec.describe(), "tokenizer": identity, "dtype": dtype,
-                                    "val_fraction": val_fraction, "shard_tokens": shard_tokens}))
+                                    "val_fraction": val_fraction, "shard_tokens": shard_tokens,
+                                    "max_tokens": max_tokens}))
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / METADATA
@@ -304,9 +309,11 @@ def prepare_data(
     results = _run_pool(_chunks(spec, meta["next_doc"], val_fraction), workers, initargs)
     first = next(results, None)  # starts the workers (fork) before the progress bar starts its thread
     pbar = _progress_bar(progress, done, out.name)
-    shards_closed = 0
+    shards_closed, total = 0, done
     try:
         for indices, splits, lengths, tokens in itertools.chain([first] if first else [], results):
+            if max_tokens is not None and total >= max_tokens:
+                break
             offset = 0
             for index, split, n in zip(indices, splits, lengths):
                 meta["next_doc"] = index + 1
@@ -315,11 +322,14 @@ def prepare_data(
                     continue
                 closed = writers[split].add(tokens[offset:offset + n])
                 offset += n
+                total += int(n)
                 if closed:
                     checkpoint()
                     shards_closed += 1
                     _after_shard(split, shards_closed)
-            pbar.update(int(tokens.size))
+                if max_tokens is not None and total >= max_tokens:
+                    break
+            pbar.update(offset)
             pbar.set_postfix(docs=meta["next_doc"], refresh=False)
     finally:
         pbar.close()
@@ -379,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streaming", action="store_true", help="stream the Hugging Face dataset instead of downloading it")
     p.add_argument("--data-files", default=None, help="data_files for a Hugging Face builder such as json/parquet")
     p.add_argument("--max-documents", type=int, default=None, help="stop after this many source documents")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="stop after the document that brings the prepared tokens (train + val) to this many")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                    help=f"tokens per shard before a new one is started (default {DEFAULT_SHARD_TOKENS:,})")
     p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"],
@@ -395,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare_data(spec, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction, workers=args.workers,
                 shard_tokens=args.shard_tokens, dtype=args.dtype, overwrite=args.overwrite,
-                progress=not args.no_progress)
+                progress=not args.no_progress, max_tokens=args.max_tokens)
     except (ValueError, FileNotFoundError) as err:
         print(f"lm prepare-data: error: {err}", file=sys.stderr)
         return 2
