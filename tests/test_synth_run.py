@@ -145,6 +145,14 @@ def test_training_data_pool_and_fresh_batches():
         assert np.array_equal(a.inputs, b.inputs) and 3 <= a.inputs.shape[1] <= 9
     with pytest.raises(ValueError, match="one training length"):
         TrainingData(task, (3, 9), 4, examples=10, seed=0)
+    # the background producer yields the same sequence of batches and stops on close()
+    plain, fetched = TrainingData(task, (3, 9), 4, None, seed=2), TrainingData(task, (3, 9), 4, None, seed=2, prefetch=2)
+    try:
+        for _ in range(5):
+            assert np.array_equal(plain.next().inputs, fetched.next().inputs)
+    finally:
+        fetched.close()
+    assert not fetched._thread.is_alive()
 
 
 def test_lr_schedules():

@@ -15,7 +15,8 @@ A recipe (configs/synth/*.yaml) has these sections; overrides use dotted keys (`
     train: steps, batch_size, lengths [min, max] (null = the task's), lr, weight_decay, betas, eps,
            schedule (cosine | linear | constant), warmup_steps | warmup_fraction, min_lr, grad_clip,
            examples (null = a fresh batch every step; N = a fixed training set of N sequences, MAD style),
-           target_accuracy (stop early once the running train accuracy reaches it), log_every, eval_every
+           target_accuracy (stop early, checked at log steps, once the running train accuracy reaches it),
+           log_every, eval_every
     eval:  lengths (null = the task's), examples (sequences per length), batch_size, seed,
            task (task parameters changed for evaluation, e.g. {p: 0.5} for the D_p mixture's harder
            out-of-distribution test; the training distribution is then evaluated too)
@@ -284,9 +285,13 @@ def _autocast(device: torch.device, dtype: str):
 
 
 class TrainingData:
-    """Fresh batches from the generator, or batches drawn from a fixed set of `examples` sequences."""
+    """Fresh batches from the generator, or batches drawn from a fixed set of `examples` sequences.
 
-    def __init__(self, task: Task, lengths: tuple[int, int], batch_size: int, examples: int | None, seed: int):
+    With `prefetch` > 0 a background thread makes the next batches while the device computes (one
+    producer, so the batch sequence is the same as without it)."""
+
+    def __init__(self, task: Task, lengths: tuple[int, int], batch_size: int, examples: int | None, seed: int,
+                 prefetch: int = 0):
         self.task, self.lengths, self.batch_size = task, lengths, batch_size
         self.rng = np.random.default_rng([seed, 1])
         self.pool = None
@@ -296,8 +301,45 @@ class TrainingData:
                                  f"got train.lengths {list(lengths)}")
             self.pool = task.generate(np.random.default_rng([seed, 2]), examples, lengths[0])
             self.order, self.pos = self.rng.permutation(examples), 0
+        self._queue = self._thread = None
+        if prefetch:
+            import queue
+            import threading
+
+            self._queue = queue.Queue(maxsize=prefetch)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._produce, daemon=True, name="synth-data")
+            self._thread.start()
+
+    def _produce(self):
+        while not self._stop.is_set():
+            try:
+                item = self._make()
+            except Exception as e:  # handed to the consumer
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except Exception:  # queue.Full
+                    continue
+            if isinstance(item, Exception):
+                return
 
     def next(self):
+        if self._queue is None:
+            return self._make()
+        item = self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+
+    def _make(self):
         if self.pool is None:
             length = int(self.rng.integers(self.lengths[0], self.lengths[1] + 1))
             return self.task.generate(self.rng, self.batch_size, length)
@@ -432,56 +474,64 @@ def run(cfg: dict, progress: bool = True) -> dict:
     model = build_model(cfg, task).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, tr)
-    data = TrainingData(task, lengths, tr["batch_size"], tr["examples"], cfg["seed"])
+    data = TrainingData(task, lengths, tr["batch_size"], tr["examples"], cfg["seed"],
+                        prefetch=4 if device.type == "cuda" else 0)
     steps = tr["steps"]
     warmup = tr["warmup_steps"] or (int(tr["warmup_fraction"] * steps) if tr["warmup_fraction"] else 0)
 
     log, history = [], []
-    running_acc, t0 = None, time.time()
+    running_t, t0 = None, time.time()
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=steps, desc=cfg["name"], dynamic_ncols=True, file=sys.stderr)
-    model.train()
-    step = 0
-    for step in range(1, steps + 1):
-        lr = lr_at(step - 1, steps, tr["lr"], tr["schedule"], warmup, tr["min_lr"])
-        for g in opt.param_groups:
-            g["lr"] = lr
-        b = data.next()
-        x, y, mask = b.to_torch(device)
-        with _autocast(device, cfg["dtype"]):
-            logits, stats = model(x)
-        loss = masked_loss(logits, y)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower train.lr or set train.grad_clip")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = None
-        if tr["grad_clip"]:
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"]))
-        opt.step()
-        with torch.no_grad():
-            acc = float(((logits.argmax(-1) == y) & mask).sum() / mask.sum().clamp_min(1))
-        running_acc = acc if running_acc is None else 0.9 * running_acc + 0.1 * acc
-        if step % tr["log_every"] == 0 or step == steps:
-            rec = {"step": step, "loss": float(loss.detach()), "train_accuracy": acc, "running_accuracy": running_acc,
-                   "lr": lr, "length": int(x.shape[1]), "time_s": time.time() - t0}
-            if gnorm is not None:
-                rec["grad_norm"] = gnorm
-            rec.update({f"fp_{k}": v for k, v in _iteration_stats(stats).items()})
-            log.append(rec)
+    try:
+        model.train()
+        step = 0
+        for step in range(1, steps + 1):
+            lr = lr_at(step - 1, steps, tr["lr"], tr["schedule"], warmup, tr["min_lr"])
+            for g in opt.param_groups:
+                g["lr"] = lr
+            b = data.next()
+            x, y, mask = b.to_torch(device)
+            with _autocast(device, cfg["dtype"]):
+                logits, stats = model(x)
+            loss = masked_loss(logits, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = None
+            if tr["grad_clip"]:
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"])
+            opt.step()
+            with torch.no_grad():  # kept on the device: no host sync except at log steps
+                acc_t = ((logits.argmax(-1) == y) & mask).sum() / mask.sum().clamp_min(1)
+                running_t = acc_t if running_t is None else 0.9 * running_t + 0.1 * acc_t
+            if step % tr["log_every"] == 0 or step == steps:
+                loss_v = float(loss.detach())
+                if not math.isfinite(loss_v):
+                    raise FloatingPointError(f"loss is {loss_v} at step {step}; lower train.lr or set train.grad_clip")
+                running_acc = float(running_t)
+                rec = {"step": step, "loss": loss_v, "train_accuracy": float(acc_t), "running_accuracy": running_acc,
+                       "lr": lr, "length": int(x.shape[1]), "time_s": time.time() - t0}
+                if gnorm is not None:
+                    rec["grad_norm"] = float(gnorm)
+                rec.update({f"fp_{k}": v for k, v in _iteration_stats(stats).items()})
+                log.append(rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss_v:.3f}", acc=f"{running_acc:.3f}")
+                if tr["target_accuracy"] is not None and step >= 20 and running_acc >= tr["target_accuracy"]:
+                    if bar is not None:
+                        bar.update(1)
+                    break
             if bar is not None:
-                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{running_acc:.3f}")
-        if bar is not None:
-            bar.update(1)
-        if tr["eval_every"] and step % tr["eval_every"] == 0 and step != steps:
-            res = evaluate(model, eval_task, eval_lengths, ev["examples"], ev["batch_size"], ev["seed"], device,
-                           cfg["dtype"])
-            history.append({"step": step, **summarize(eval_task, res)})
-        if tr["target_accuracy"] is not None and step >= 20 and running_acc >= tr["target_accuracy"]:
-            break
+                bar.update(1)
+            if tr["eval_every"] and step % tr["eval_every"] == 0 and step != steps:
+                res = evaluate(model, eval_task, eval_lengths, ev["examples"], ev["batch_size"], ev["seed"], device,
+                               cfg["dtype"])
+                history.append({"step": step, **summarize(eval_task, res)})
+    finally:
+        data.close()
     if bar is not None:
         bar.close()
     train_time = time.time() - t0
