@@ -85,3 +85,20 @@ def test_triton_rejects_bad_chunk():
     ins = make(1, 8, 1, 16, 16, 1, False, False, 1)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_deltaproduct(*ins[:4], num_householder=1, chunk_size=48, backend="triton")
+
+
+def test_triton_expanded_grads_and_empty_sequence():
+    """loss = o.sum() + state.sum() hands the backward stride-0 gradients; a document may be empty."""
+    cu = torch.tensor([0, 5, 5, 12])
+    ins = make(1, 12, 1, 16, 16, 2, True, True, 3)
+    grads = {}
+    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
+        leaves = [x.clone().to(dt).requires_grad_(True) for x in ins]
+        o, s = chunk_deltaproduct(*leaves[:5], num_householder=2, initial_state=leaves[5], output_final_state=True,
+                                  cu_seqlens=cu, chunk_size=16, backend=backend)
+        (o.sum() + s.sum()).backward()
+        grads[backend] = [o.detach(), s.detach()] + [x.grad for x in leaves]
+    for name, a, b in zip(NAMES, grads["triton"], grads["reference"]):
+        assert rel(a, b) < 1e-5, f"{name}: {rel(a, b):.3e}"
+    # the empty document passes its initial state through unchanged
+    assert torch.allclose(grads["triton"][1][1], ins[5][1])

@@ -581,6 +581,7 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     BQ = max(16, triton.next_power_of_2(triton.cdiv(BT, nh)))
     prec = _prec(k.dtype)
     do = do.contiguous()
+    dht = dht.contiguous() if dht is not None else None  # autograd may hand over expanded (stride-0) grads
     dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)
     dvn = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
