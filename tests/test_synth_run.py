@@ -10,7 +10,8 @@ import torch.nn as nn
 
 import lm  # noqa: F401  registers the model types
 from lm.data.synthetic import build_task, monoid_by_name
-from lm.data.synthetic.run import (TrainingData, evaluate, load_recipe, lr_at, main, run, summarize)
+from lm.data.synthetic.run import (TrainingData, compare_runs, evaluate, load_recipe, lr_at, main, run,
+                                   summarize)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs" / "synth").glob("*.yaml"))
@@ -103,6 +104,14 @@ def test_implicit_model_records_iterations_per_length(tmp_path, one_thread):
     assert "mean_iterations" in res["summary"]
     assert "fp_mean_sample_iterations" in res["train_log"][0]
     assert (tmp_path / "accuracy_per_length.png").exists()
+    # overlay with a second (explicit) run
+    explicit = load_recipe(cfg, ["model.implicit=null", f"output_dir={tmp_path / 'explicit'}", "name=explicit"])
+    run(explicit, progress=False)
+    table = compare_runs([tmp_path, tmp_path / "explicit" / "results.json"], tmp_path / "cmp.png")
+    assert set(table) == {"implicit_tiny", "explicit"} and set(table["explicit"]) == {2, 8}
+    assert (tmp_path / "cmp.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="no results.json"):
+        compare_runs([tmp_path / "nothing"], tmp_path / "x.png")
 
 
 def test_compression_head_fixed_training_set_and_ood_eval(tmp_path, one_thread):
@@ -205,3 +214,7 @@ def test_recipe_errors(tmp_path, capsys):
     assert "does not take ['group']" in capsys.readouterr().err
     assert main([str(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml"), "--dry-run"]) == 0
     assert "model parameters" in capsys.readouterr().out
+    from lm.cli import main as lm_main
+
+    assert lm_main(["synth", "--list-tasks"]) == 0  # `lm synth` routes here
+    assert "mod_arithmetic" in capsys.readouterr().out

@@ -421,7 +421,18 @@ def iterations_of(result: dict) -> float | None:
     return next((fp[k] for k in ITERATION_KEYS if k in fp), None)
 
 
+def _length_axis(ax, lengths):
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(lengths))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(n) for n in lengths])
+    ax.set_xlabel("length")
+
+
 def plot(per_length: dict, task: Task, path: Path, title: str) -> None:
+    """Accuracy (and fixed-point iterations) per evaluated length, and per-position accuracy at the longest."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -432,9 +443,11 @@ def plot(per_length: dict, task: Task, path: Path, title: str) -> None:
     ax = axes[0]
     for key in dict.fromkeys([task.metric, "token_accuracy", "last_accuracy"]):
         ax.plot(lengths, [per_length[n][key] for n in lengths], marker="o", label=key)
-    ax.set_xlabel("sequence length")
+    if task.chance is not None:
+        ax.axhline(task.chance, color="k", lw=0.8, ls=":", label="chance")
     ax.set_ylabel("accuracy")
-    ax.set_xscale("log", base=2)
+    ax.set_ylim(min(-0.02, *(per_length[n][task.metric] for n in lengths)), 1.02)
+    _length_axis(ax, lengths)
     ax.grid(alpha=0.3)
     iters = [iterations_of(per_length[n]) for n in lengths]
     if any(i is not None for i in iters):
@@ -448,6 +461,7 @@ def plot(per_length: dict, task: Task, path: Path, title: str) -> None:
     longest = lengths[-1]
     ppa = np.array([np.nan if a is None else a for a in per_length[longest]["per_position_accuracy"]])
     axes[1].plot(np.arange(1, len(ppa) + 1), ppa)
+    axes[1].set_ylim(-0.02, 1.02)
     axes[1].set_xlabel("position")
     axes[1].set_ylabel("accuracy")
     axes[1].set_title(f"per-position accuracy at length {longest}")
@@ -455,6 +469,55 @@ def plot(per_length: dict, task: Task, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def compare_runs(paths, out_png: str | Path, metric: str | None = None) -> dict:
+    """Overlay several runs (folders holding results.json, or the files) in one PNG: the metric per
+    length, and the fixed-point iterations per length where the runs have them. Returns {run: {length: value}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for p in paths:
+        f = Path(p) / "results.json" if Path(p).is_dir() else Path(p)
+        if not f.is_file():
+            raise ValueError(f"{str(p)!r}: no results.json there (give a run folder or its results.json)")
+        runs.append(json.loads(f.read_text()))
+    metric = metric or runs[0]["task"]["metric"]
+    table, all_lengths = {}, set()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        lengths = sorted(int(n) for n in r["eval"])
+        if metric not in r["eval"][str(lengths[0])]:
+            raise ValueError(f"run {r['name']!r} has no metric {metric!r}")
+        vals = [r["eval"][str(n)][metric] for n in lengths]
+        table[r["name"]] = dict(zip(lengths, vals))
+        all_lengths.update(lengths)
+        axes[0].plot(lengths, vals, marker="o", label=r["name"])
+        its = [iterations_of(r["eval"][str(n)]) for n in lengths]
+        if any(i is not None for i in its):
+            axes[1].plot(lengths, [np.nan if i is None else i for i in its], marker="s", label=r["name"])
+    for ax in axes:
+        _length_axis(ax, sorted(all_lengths))
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    train = sorted({tuple(r["train_lengths"]) for r in runs})
+    for lo, hi in train:
+        if lo == hi:
+            axes[0].axvline(lo, color="tab:pink", lw=3, alpha=0.4)
+        else:
+            axes[0].axvspan(lo, hi, color="tab:pink", alpha=0.15)
+    axes[0].set_ylabel(metric)
+    axes[0].set_title(f"{metric} per length (shaded: training lengths)")
+    axes[1].set_ylabel("mean fixed-point iterations")
+    axes[1].set_title("fixed-point iterations per length")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return table
 
 
 def run(cfg: dict, progress: bool = True) -> dict:
@@ -577,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides with dotted keys, e.g. model.implicit.max_iter=8")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved recipe, task and model size; do not train")
     ap.add_argument("--list-tasks", action="store_true", help="list the registered tasks and their parameters")
+    ap.add_argument("--compare", nargs="+", metavar="RUN", help="overlay finished runs (folders or results.json) "
+                    "in one PNG (--out) instead of training")
+    ap.add_argument("--out", default="synth_compare.png", help="PNG path for --compare")
+    ap.add_argument("--metric", default=None, help="metric for --compare (default: the task's)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if args.list_tasks:
@@ -584,6 +651,15 @@ def main(argv: list[str] | None = None) -> int:
 
         for name in TASKS:
             print(f"{name:24s} {task_parameters(name)}")
+        return 0
+    if args.compare:
+        paths = ([args.recipe] if args.recipe else []) + list(args.overrides) + list(args.compare)
+        try:
+            table = compare_runs(paths, args.out, args.metric)
+        except ValueError as e:
+            print(f"lm synth: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"png": str(args.out), **table}))
         return 0
     if args.recipe is None:
         ap.error("a recipe is required (configs/synth/*.yaml)")
