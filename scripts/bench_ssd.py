@@ -149,6 +149,17 @@ def main(argv=None):
         with torch.no_grad():
             row["ours_nograd_fwd_ms"] = bench(ours_ng, args.warmup, args.rep)
         row["ours_fwd_ms"] = bench(ours, args.warmup, args.rep)
+        # the two forward scan kernels (heads batched per program or not), no-grad forward
+        prev = os.environ.get("LM_SSD_SCAN")
+        for variant in ("hb", "flat"):
+            os.environ["LM_SSD_SCAN"] = variant
+            with torch.no_grad():
+                ours_ng()
+                row[f"ours_nograd_fwd_ms_{variant}"] = bench(ours_ng, args.warmup, args.rep)
+        if prev is None:
+            os.environ.pop("LM_SSD_SCAN")
+        else:
+            os.environ["LM_SSD_SCAN"] = prev
         row["ours_fwd_bwd_ms"] = bench(fwd_bwd(ours, gy), args.warmup, args.rep, grad_to_none=list(gin.values()))
         if peer:
             pin = with_grad(inp)
@@ -201,6 +212,8 @@ def print_row(name, row):
         ratio = row.get(f"ratio_{key}")
         print(f"{label:14s}{ours:10.3f}{theirs if theirs is not None else float('nan'):10.3f}"
               f"{ratio if ratio is not None else float('nan'):8.3f}{TARGETS[tkey]:8.2f}")
+    print("our no-grad fwd by scan kernel: " + ", ".join(f"{v}={row[f'ours_nograd_fwd_ms_{v}']:.3f} ms"
+                                                        for v in ("hb", "flat")))
     if "ours_vs_mamba_rel" in row:
         print("ours vs mamba_ssm (relative L2):", {k: f"{v:.2e}" for k, v in row["ours_vs_mamba_rel"].items()})
     for label, ks in row.get("kernels_ms", {}).items():

@@ -42,12 +42,16 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+REDUCED = ("dA", "ddt_bias")  # sums over every token with cancellation: low-precision error grows with length
+
+
 def check(d, dtype, tol, **kw):
     yt, ft, gt = run("triton", d, dtype, **kw)
     yr, fr, gr = run("reference", d, F64, **kw)
     errs = {"y": rel(yt, yr), "final": rel(ft, fr), **{f"d{k}": rel(gt[k], gr[k]) for k in gr}}
     print(dtype, {k: f"{v:.1e}" for k, v in errs.items()})
-    bad = {k: v for k, v in errs.items() if not v < tol}
+    lim = {k: (tol * 5 if k in REDUCED and dtype != torch.float32 else tol) for k in errs}
+    bad = {k: v for k, v in errs.items() if not v < lim[k]}
     assert not bad, f"{dtype}: errors above {tol}: {bad}"
 
 
@@ -84,14 +88,24 @@ def test_gpu_nograd_equals_grad_path_and_headdim_128():
     assert rel(y0, yr) < 3e-2
 
 
-def test_gpu_matches_mamba_ssm_if_available():
+def test_gpu_accuracy_parity_with_mamba_ssm_if_available():
+    """bf16: our forward and every gradient are about as close to float64 as mamba_ssm's."""
     mc = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
-    d = make(2, 1024, 16, 64, 1, 128, z=False, init=False)
-    x = {k: (v.bfloat16() if k in LOW else v) for k, v in d.items()}
-    y, _ = ssd_scan(**x, chunk_size=256, dt_softplus=True, backend="triton")
-    ym = mc.mamba_chunk_scan_combined(x["x"], x["dt"], x["A"], x["B"], x["C"], 256, D=x["D"], dt_bias=x["dt_bias"],
-                                      dt_softplus=True)
-    yr, _ = ssd_scan(**{k: v.double() for k, v in d.items()}, chunk_size=256, backend="reference")
-    e_ours, e_mamba = rel(y, yr), rel(ym, yr)
-    print(f"vs float64: ours {e_ours:.2e}, mamba_ssm {e_mamba:.2e}")
-    assert e_ours < 2 * e_mamba + 1e-3
+    d = make(2, 2048, 16, 64, 1, 128, z=False, init=False)
+    gy = torch.randn(2, 2048, 16, 64, generator=torch.Generator().manual_seed(3)).cuda()
+
+    def grads(fn, dtype):
+        xx = {k: (v.to(dtype) if k in LOW else (v.double() if dtype == F64 else v)).detach().requires_grad_()
+              for k, v in d.items()}
+        y = fn(xx)
+        (y.double() * gy.double()).sum().backward()
+        return {"y": y.detach(), **{f"d{k}": v.grad for k, v in xx.items()}}
+
+    ours = grads(lambda a: ssd_scan(**a, chunk_size=256, backend="triton")[0], torch.bfloat16)
+    theirs = grads(lambda a: mc.mamba_chunk_scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], 256, D=a["D"],
+                                                          dt_bias=a["dt_bias"], dt_softplus=True), torch.bfloat16)
+    ref = grads(lambda a: ssd_scan(**a, chunk_size=256, backend="reference")[0], F64)
+    errs = {k: (rel(ours[k], ref[k]), rel(theirs[k], ref[k])) for k in ref}
+    print("vs float64 (ours, mamba_ssm):", {k: f"{a:.1e}/{b:.1e}" for k, (a, b) in errs.items()})
+    bad = {k: v for k, v in errs.items() if not v[0] < 2 * v[1] + 2e-3}
+    assert not bad, f"less accurate than mamba_ssm: {bad}"

@@ -70,8 +70,11 @@ def compare(d, dtype, tol, **kw):
         assert rel(gt[k], gr[k]) < tol, f"grad {k}: {rel(gt[k], gr[k])}"
 
 
-def test_triton_fp32_all_options_matches_reference():
-    # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp
+@pytest.mark.parametrize("variant", ["hb", "flat"])
+def test_triton_fp32_all_options_matches_reference(variant, monkeypatch):
+    # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp;
+    # both forward scan kernels (heads batched per program, or one head per program)
+    monkeypatch.setenv("LM_SSD_SCAN", variant)
     compare(make(2, 45, 4, 16, 2, 16), torch.float32, 2e-5, chunk_size=16, dt_limit=(0.05, 2.0))
 
 
@@ -79,6 +82,13 @@ def test_triton_fp32_odd_sizes_D_hp_no_gate_no_softplus():
     d = make(1, 40, 2, 12, 1, 10, D="hp", z=False, bias=False, init=False)
     d["dt"] = torch.rand(1, 40, 2) * 0.5 + 0.05
     compare(d, torch.float32, 2e-5, chunk_size=16, dt_softplus=False)
+
+
+def test_triton_state_kernels_multi_step_chunks(monkeypatch):
+    """Chunks longer than the state kernels' step (there: > 256 rows) walk each chunk in several steps."""
+    import lm_kernels.ssd.triton_ssd as ts
+    monkeypatch.setattr(ts, "STATE_STEP_ROWS", 16)
+    compare(make(1, 50, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=32)
 
 
 def test_triton_varlen_matches_reference_and_separate_runs():

@@ -93,6 +93,23 @@ def dt_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, chunk_t0_ptr, chunk_
 
 
 @triton.jit
+def _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, offs_n, P, N, s_x_t, s_B_t,
+                BK: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """sum over rows k..k+BK of the chunk of w_l x_l B_l^T, w_l = dt_l e^{a - cs_l}: (BP, BN) float32."""
+    rows = k + tl.arange(0, BK)
+    rmask = rows < clen
+    cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
+    dt_k = tl.load(dtp_ptr + tok0 + rows, mask=rmask, other=0.0)
+    w = tl.where(rmask, tl.exp(a - cs_k) * dt_k, 0.0)
+    xk = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :],
+                 mask=rmask[:, None] & (offs_p[None, :] < P), other=0.0)
+    Bk = tl.load(B_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
+                 mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
+    xw = (xk.to(tl.float32) * w[:, None]).to(DOT_DT)
+    return tl.dot(tl.trans(xw), Bk.to(DOT_DT), input_precision=DOT_PREC)
+
+
+@triton.jit
 def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_ptr, cu_ptr, chunk_first_ptr,
                      T, H, P, N, NC, BT, R,
                      s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
@@ -125,19 +142,14 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
                  mask=pn_mask)
         tok0 = h * BT + b * T + t0
         a = tl.load(cs_ptr + tok0 + clen - 1)
-        acc = tl.zeros((BP, BN), dtype=tl.float32)
-        for k in range(0, clen, BK):
-            rows = k + tl.arange(0, BK)
-            rmask = rows < clen
-            cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
-            dt_k = tl.load(dtp_ptr + tok0 + rows, mask=rmask, other=0.0)
-            w = tl.where(rmask, tl.exp(a - cs_k) * dt_k, 0.0)
-            xk = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :],
-                         mask=rmask[:, None] & (offs_p[None, :] < P), other=0.0)
-            Bk = tl.load(B_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
-                         mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
-            xw = (xk.to(tl.float32) * w[:, None]).to(dtype)
-            acc = tl.dot(tl.trans(xw), Bk.to(dtype), acc, input_precision=DOT_PREC)
+        if BK >= L:  # the whole chunk in one step: no inner loop, so the chunk loop gets pipelined
+            acc = _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, 0, offs_p, offs_n, P, N,
+                              s_x_t, s_B_t, BK, dtype, DOT_PREC)
+        else:
+            acc = tl.zeros((BP, BN), dtype=tl.float32)
+            for k in range(0, clen, BK):
+                acc += _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, offs_n, P, N,
+                                   s_x_t, s_B_t, BK, dtype, DOT_PREC)
         S = tl.exp(a) * S + acc
     if HAS_FINAL:
         tl.store(final_ptr + (pid_s * H + h) * P * N + pn_off, S, mask=pn_mask)
@@ -239,6 +251,77 @@ def chunk_scan_fwd_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_p
     tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
 
 
+@triton.jit
+def chunk_scan_fwd_hb_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
+                             chunk_t0_ptr, chunk_len_ptr,
+                             T, H, P, N, NC, BT, R, G,
+                             s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                             L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
+                             BPF: tl.constexpr, BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
+                             HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                             DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """chunk_scan_fwd_kernel for HB heads of one group per program (chunk, head block, m-block): the
+    group's C rows and CB tiles are loaded once for the HB heads; products are batched over heads."""
+    pid_c = tl.program_id(0)
+    pid_hb = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m0 = pid_m * BM
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if m0 >= clen:
+        return
+    h0 = pid_hb * HB
+    g = h0 // R
+    dtype = DOT_DT
+    heads = h0 + tl.arange(0, HB)
+    rows_m = m0 + tl.arange(0, BM)
+    mmask = rows_m < clen
+    offs_p = tl.arange(0, BPF)
+    pmask = offs_p < P
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    tok = heads[:, None] * BT + b * T + t0  # (HB, 1)
+    cs_m = tl.load(cs_ptr + tok + rows_m[None, :], mask=mmask[None, :], other=0.0)  # (HB, BM)
+    Cm = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :],
+                 mask=mmask[:, None] & nmask[None, :], other=0.0).to(dtype)
+    S = tl.load(states_ptr + (pid_c.to(tl.int64) * H + heads[:, None, None]) * P * N + offs_p[None, :, None] * N
+                + offs_n[None, None, :], mask=pmask[None, :, None] & nmask[None, None, :], other=0.0).to(dtype)
+    yoff = tl.dot(Cm, tl.trans(tl.reshape(S, (HB * BPF, BNF))), input_precision=DOT_PREC)  # (BM, HB*BPF)
+    acc = tl.permute(tl.reshape(yoff, (BM, HB, BPF)), (1, 0, 2)) * tl.exp(cs_m)[:, :, None]  # (HB, BM, BPF)
+    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
+    x_base = x_ptr + b * s_x_b + heads[:, None, None] * s_x_h
+    k_end = tl.minimum(m0 + BM, clen)
+    for k in range(0, k_end, BK):
+        rows_k = k + tl.arange(0, BK)
+        kmask = rows_k < clen
+        causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :]
+        cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=causal & mmask[:, None],
+                     other=0.0).to(tl.float32)
+        cs_k = tl.load(cs_ptr + tok + rows_k[None, :], mask=kmask[None, :], other=0.0)  # (HB, BK)
+        dt_k = tl.load(dtp_ptr + tok + rows_k[None, :], mask=kmask[None, :], other=0.0)
+        decay = tl.exp(tl.where(causal[None, :, :], cs_m[:, :, None] - cs_k[:, None, :], float("-inf")))
+        w = cb[None, :, :] * decay * dt_k[:, None, :]  # (HB, BM, BK)
+        xk = tl.load(x_base + (t0 + rows_k[None, :, None]) * s_x_t + offs_p[None, None, :],
+                     mask=kmask[None, :, None] & pmask[None, None, :], other=0.0)  # (HB, BK, BPF)
+        acc = tl.dot(w.to(dtype), xk.to(dtype), acc, input_precision=DOT_PREC)
+    mp_mask = mmask[None, :, None] & pmask[None, None, :]
+    if HAS_D:
+        xm = tl.load(x_base + (t0 + rows_m[None, :, None]) * s_x_t + offs_p[None, None, :], mask=mp_mask, other=0.0)
+        if D_HP:
+            Dv = tl.load(D_ptr + heads[:, None, None] * P + offs_p[None, None, :], mask=pmask[None, None, :],
+                         other=0.0).to(tl.float32)
+        else:
+            Dv = tl.load(D_ptr + heads).to(tl.float32)[:, None, None]
+        acc += Dv * xm.to(tl.float32)
+    y_off = (b * T + t0 + rows_m[None, :, None]) * (H * P) + heads[:, None, None] * P + offs_p[None, None, :]
+    if STORE_PRE:
+        tl.store(ypre_ptr + y_off, acc.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
+    if HAS_Z:
+        zv = tl.load(z_ptr + b * s_z_b + (t0 + rows_m[None, :, None]) * s_z_t + heads[:, None, None] * s_z_h
+                     + offs_p[None, None, :], mask=mp_mask, other=0.0).to(tl.float32)
+        acc = acc * zv * tl.sigmoid(zv)
+    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
+
+
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
@@ -253,6 +336,21 @@ def gate_bwd_kernel(dout_ptr, z_ptr, ypre_ptr, dy_ptr, dz_ptr, numel, BLOCK: tl.
     sig = tl.sigmoid(z)
     tl.store(dy_ptr + offs, (do * z * sig).to(dy_ptr.dtype.element_ty), mask=mask)
     tl.store(dz_ptr + offs, (do * yp * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dstate_rows(dy_base, C_base, cs_ptr, tok0, t0, clen, k, offs_p, offs_n, P, N, s_dy_t, s_B_t,
+                 BK: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """sum over rows k..k+BK of the chunk of e^{cs_l} dy_l C_l^T: (BP, BN) float32."""
+    rows = k + tl.arange(0, BK)
+    rmask = rows < clen
+    cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
+    dyk = tl.load(dy_base + (t0 + rows[:, None]) * s_dy_t + offs_p[None, :],
+                  mask=rmask[:, None] & (offs_p[None, :] < P), other=0.0)
+    Ck = tl.load(C_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
+                 mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
+    dyw = (dyk.to(tl.float32) * tl.where(rmask, tl.exp(cs_k), 0.0)[:, None]).to(DOT_DT)
+    return tl.dot(tl.trans(dyw), Ck.to(DOT_DT), input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -294,17 +392,14 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr
         ea = tl.exp(a)
         S = tl.load(states_ptr + st_off, mask=pn_mask, other=0.0).to(tl.float32)
         tl.store(passing_ptr + (c.to(tl.int64) * H + h) * n_pn + pid_pn, tl.sum(tl.sum(G * S, 1), 0) * ea)
-        acc = tl.zeros((BP, BN), dtype=tl.float32)
-        for k in range(0, clen, BK):
-            rows = k + tl.arange(0, BK)
-            rmask = rows < clen
-            cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
-            dyk = tl.load(dy_base + (t0 + rows[:, None]) * s_dy_t + offs_p[None, :],
-                          mask=rmask[:, None] & (offs_p[None, :] < P), other=0.0)
-            Ck = tl.load(C_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
-                         mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
-            dyw = (dyk.to(tl.float32) * tl.where(rmask, tl.exp(cs_k), 0.0)[:, None]).to(dtype)
-            acc = tl.dot(tl.trans(dyw), Ck.to(dtype), acc, input_precision=DOT_PREC)
+        if BK >= L:
+            acc = _dstate_rows(dy_base, C_base, cs_ptr, tok0, t0, clen, 0, offs_p, offs_n, P, N, s_dy_t, s_B_t,
+                               BK, dtype, DOT_PREC)
+        else:
+            acc = tl.zeros((BP, BN), dtype=tl.float32)
+            for k in range(0, clen, BK):
+                acc += _dstate_rows(dy_base, C_base, cs_ptr, tok0, t0, clen, k, offs_p, offs_n, P, N, s_dy_t,
+                                    s_B_t, BK, dtype, DOT_PREC)
         G = ea * G + acc
     if HAS_INIT:
         tl.store(dinit_ptr + (pid_s * H + h) * P * N + pn_off, G, mask=pn_mask)

@@ -27,6 +27,9 @@ from .common import check_scan_args
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+STATE_STEP_ROWS = 256  # the state kernels take a whole chunk per step up to this many rows
+
+
 def _tune(configs, key):
     """Autotune over `configs` on GPU; a single fixed config under the interpreter or with
     LM_SSD_AUTOTUNE=0 (saves compile time, e.g. in tests)."""
@@ -44,7 +47,34 @@ _dt_bwd = K.dt_bwd_kernel
 _gate_bwd = K.gate_bwd_kernel
 _cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
 _state_fwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.state_fwd_kernel)
-_scan_fwd = _tune(_cfgs((4, 2), (4, 3), (8, 2)), ["P", "N", "R"])(K.chunk_scan_fwd_kernel)
+def _prune_bm(configs, named_args, **kwargs):
+    """Drop row blocks larger than the chunk (keeps at least the first config)."""
+    L = kwargs.get("L", named_args.get("L"))
+    keep = [c for c in configs if c.kwargs.get("BM", 0) <= L]
+    return keep or configs[:1]
+
+
+_scan_fwd_cfgs = [triton.Config(dict(BM=bm, BK=bk), num_warps=w, num_stages=st)
+                  for bm, bk, w, st in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3),
+                                        (64, 32, 4, 3), (128, 128, 8, 2))]
+_scan_fwd = (triton.autotune(configs=_scan_fwd_cfgs[:1] if _INTERPRET else _scan_fwd_cfgs, key=["P", "N", "R", "L"],
+                             prune_configs_by={"early_config_prune": _prune_bm})(K.chunk_scan_fwd_kernel)
+             if not (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
+             else triton.autotune(configs=_scan_fwd_cfgs[:1], key=["P", "N", "R", "L"])(K.chunk_scan_fwd_kernel))
+def _prune_hb(configs, named_args, **kwargs):
+    """Head blocks must stay inside one group (R % HB == 0) and row blocks inside the chunk."""
+    L = kwargs.get("L", named_args.get("L"))
+    R = named_args["R"]
+    keep = [c for c in configs if R % c.kwargs["HB"] == 0 and c.kwargs["BM"] <= max(L, 64)]
+    return keep or [c for c in configs if c.kwargs["HB"] == 1][:1]
+
+
+_scan_hb_cfgs = [triton.Config(dict(BM=bm, BK=bk, HB=hb), num_warps=w, num_stages=st)
+                 for bm, bk, hb, w, st in ((64, 64, 2, 4, 2), (64, 64, 4, 8, 2), (64, 32, 4, 4, 2), (64, 64, 2, 8, 2),
+                                           (128, 32, 2, 8, 2), (64, 32, 8, 8, 2), (64, 64, 1, 4, 2))]
+_scan_fwd_hb = triton.autotune(
+    configs=_scan_hb_cfgs[:1] if (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0") else _scan_hb_cfgs,
+    key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_hb})(K.chunk_scan_fwd_hb_kernel)
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
@@ -109,9 +139,22 @@ class _Plan:
         self.BP = min(64, self.BPF)
         self.BN = min(64, self.BNF)
         self.BH = 16 if L <= 128 else 8
-        self.BKS = min(L, 256)  # rows per step of the sequential state kernels (whole chunk)
+        self.BKS = min(L, STATE_STEP_ROWS)  # rows per step of the sequential state kernels
         self.BN_dbdc = min(self.BNF, 128)
         self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
+
+
+def _scan_variant(plan):
+    """"hb" (heads batched per program, shares C and CB loads) or "flat" (one head per program).
+    LM_SSD_SCAN=hb|flat overrides; hb needs the padded headdim and dstate small enough for registers."""
+    v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
+    if v not in ("", "hb", "flat"):
+        raise ValueError(f"LM_SSD_SCAN={v!r} must be 'hb' or 'flat' (or unset)")
+    if plan.R % 2:  # head blocks (HB >= 2) must stay inside one group
+        return "flat"
+    if v:
+        return v
+    return "hb" if plan.BPF <= 64 and plan.BNF <= 128 else "flat"
 
 
 def _limits(dt_limit):
@@ -152,13 +195,24 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     zz = z if z is not None else x
-    _scan_fwd[(pl.NCB, H, triton.cdiv(L, pl.BM) * triton.cdiv(P, pl.BP))](
+    if _scan_variant(pl) == "hb":
+        zz = z if z is not None else x
+        _scan_fwd_hb[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
+            x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
+            pl.chunk_t0, pl.chunk_len,
+            pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
+            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+            zz.stride(0), zz.stride(1), zz.stride(2),
+            L=L, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
+            HAS_Z=z is not None, STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+        return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
+    _scan_fwd[lambda META: (pl.NCB, H, triton.cdiv(L, META["BM"]) * triton.cdiv(P, pl.BP))](
         x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
         pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
         zz.stride(0), zz.stride(1), zz.stride(2),
-        L=L, BM=pl.BM, BK=pl.BK, BP=pl.BP, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
+        L=L, BP=pl.BP, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
         HAS_Z=z is not None, STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
 
