@@ -90,4 +90,5 @@ def test_gpu_no_grad_equals_grad_forward():
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, beta, g)]
     o2, _ = chunk_deltaproduct(*leaves, num_householder=2, backend="triton")
     assert o1.grad_fn is None and o2.grad_fn is not None
-    assert torch.equal(o1, o2.detach())
+    # the two paths are separately compiled (and autotuned) kernels: equal up to bf16 rounding
+    assert rel(o1, o2.detach()) < 2e-3
