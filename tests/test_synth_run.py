@@ -200,6 +200,10 @@ def test_recipe_errors(tmp_path, capsys):
         load_recipe({**base, "train": {"stpes": 3}})
     with pytest.raises(ValueError, match="train.lengths"):
         load_recipe({**base, "train": {"lengths": [5, 3]}})
+    assert load_recipe(base, ["train.lr=3e-3"])["train"]["lr"] == 0.003  # YAML 1.1 reads 3e-3 as a string
+    assert load_recipe({**base, "model": {"model_type": "lm_llama", "rms_norm_eps": "1e-6"}})["model"]["rms_norm_eps"] == 1e-6
+    with pytest.raises(ValueError, match="train.lr"):
+        load_recipe(base, ["train.lr=fast"])
     with pytest.raises(ValueError, match="key=value"):
         load_recipe(base, ["train.steps"])
     with pytest.raises(ValueError, match="task.name"):

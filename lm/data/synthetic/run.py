@@ -31,6 +31,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,20 @@ def apply_override(cfg: dict, item: str) -> dict:
     return out
 
 
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
+
+
+def _numbers(value):
+    """PyYAML reads `1e-3` (no dot) as a string: turn such strings into floats, recursively."""
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    if isinstance(value, str) and _FLOAT.match(value.strip()):
+        return float(value)
+    return value
+
+
 def load_recipe(recipe: str | Path | dict | None, overrides: list[str] | tuple = ()) -> dict:
     """Defaults <- the recipe (a YAML path or a dict) <- `key=value` overrides; validated."""
     cfg = copy.deepcopy(DEFAULTS)
@@ -143,6 +158,7 @@ def load_recipe(recipe: str | Path | dict | None, overrides: list[str] | tuple =
         cfg = _merge(cfg, data)
     for item in overrides:
         cfg = apply_override(cfg, item)
+    cfg = _numbers(cfg)
     validate_recipe(cfg)
     return cfg
 
@@ -168,6 +184,12 @@ def validate_recipe(cfg: dict) -> None:
         bad("train.lengths", f"must be [min, max] with 1 <= min <= max, got {tr['lengths']!r}")
     if tr["examples"] is not None and (not isinstance(tr["examples"], int) or tr["examples"] < 1):
         bad("train.examples", f"must be null or a positive integer, got {tr['examples']!r}")
+    for k in ("lr", "weight_decay", "eps", "min_lr"):
+        if isinstance(tr[k], bool) or not isinstance(tr[k], (int, float)) or tr[k] < 0:
+            bad(f"train.{k}", f"must be a number >= 0, got {tr[k]!r}")
+    for k in ("grad_clip", "target_accuracy", "warmup_fraction", "warmup_steps"):
+        if tr[k] is not None and (isinstance(tr[k], bool) or not isinstance(tr[k], (int, float)) or tr[k] < 0):
+            bad(f"train.{k}", f"must be null or a number >= 0, got {tr[k]!r}")
     if cfg["dtype"] not in ("float32", "bfloat16"):
         bad("dtype", f"must be float32 or bfloat16, got {cfg['dtype']!r}")
     if ev["lengths"] is not None and (not isinstance(ev["lengths"], (list, tuple)) or not ev["lengths"]):
