@@ -41,7 +41,7 @@ CASE_IDS = ["gated_nh2", "plain_nh1", "noconv_nh3", "implicit_gated_nh2"]
 
 def make_config(name="gated_nh2", implicit=None, **over):
     kw = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_heads=2,
-              chunk_size=8, implicit=implicit)
+              chunk_size=16, implicit=implicit)
     kw.update(CONFIGS[name])
     kw.update(over)
     return LMDeltaProductConfig(**kw)
@@ -232,7 +232,7 @@ def test_presets_parameter_counts():
 
 @pytest.mark.parametrize("field,value", [
     ("num_householder", 0), ("num_heads", 3), ("head_dim", -1), ("expand_v", 0.3), ("conv_size", 0),
-    ("chunk_size", 0), ("allow_neg_eigval", "yes"), ("dt_min", 0.0), ("A_init_range", [2.0, 1.0]),
+    ("chunk_size", 0), ("chunk_size", 48), ("allow_neg_eigval", "yes"), ("dt_min", 0.0), ("A_init_range", [2.0, 1.0]),
     ("use_forget_gate", 1),
 ])
 def test_bad_config_values_raise(field, value):

@@ -35,6 +35,9 @@ from .layers import RMSNorm, causal_conv1d, dt_init
 from .modeling import LMForCausalLM, LMModel, Mixer, init
 
 
+CHUNK_SIZES = (16, 32, 64)  # what lm_kernels.deltaproduct's Triton path accepts
+
+
 class LMDeltaProductConfig(LMConfig):
     """Config of `lm_deltaproduct`. Paper LM defaults: head_dim 128, allow_neg_eigval, no output gate.
 
@@ -46,7 +49,7 @@ class LMDeltaProductConfig(LMConfig):
     use_forget_gate:  Gated DeltaProduct (per-head decay, Mamba2 parameterisation: A_log, dt_bias).
     use_output_gate:  o = RMSNorm(o) * SiLU(W_g x).
     use_short_conv, conv_size: causal depthwise conv + SiLU on q, k, v.
-    chunk_size:       chunk length of the chunkwise kernel (over the interleaved n_h * T rows).
+    chunk_size:       chunk length of the chunkwise kernel (over the interleaved n_h * T rows): 16, 32 or 64.
     dt_min, dt_max, A_init_range: forget-gate initialisation (dt log-uniform, A uniform).
     rescale_o_proj:   o_proj init std divided by sqrt(2 * num_hidden_layers) (GPT-2 / FLA prenorm rule).
     """
@@ -76,9 +79,11 @@ class LMDeltaProductConfig(LMConfig):
 
     def validate(self):
         super().validate()
-        for f in ("num_heads", "num_householder", "chunk_size", "conv_size"):
+        for f in ("num_heads", "num_householder", "conv_size"):
             v = getattr(self, f)
             self._check(isinstance(v, int) and not isinstance(v, bool) and v > 0, f, "must be a positive integer")
+        self._check(self.chunk_size in CHUNK_SIZES, "chunk_size",
+                    f"must be one of {CHUNK_SIZES} (the sizes the Triton kernel supports)")
         if self.head_dim is None:
             self._check(self.hidden_size % self.num_heads == 0, "num_heads",
                         f"must divide hidden_size={self.hidden_size} (or set head_dim)")
