@@ -39,6 +39,20 @@ def test_one_layer_model_learns_tiny_s3(tmp_path, one_thread):
     assert (tmp_path / "accuracy_per_length.png").stat().st_size > 1000
 
 
+def test_one_layer_deltaproduct_needs_two_householders_for_s3(tmp_path, one_thread):
+    """DeltaProduct paper, Fig. 5: one layer with n_h = 2 tracks S3 and extrapolates; n_h = 1 cannot."""
+    from lm.models import MODEL_TYPES
+
+    if "lm_deltaproduct" not in MODEL_TYPES:
+        pytest.skip("lm_deltaproduct not built yet")
+    recipe = ROOT / "configs" / "synth" / "s3_deltaproduct_cpu.yaml"
+    two = run(load_recipe(recipe, [f"output_dir={tmp_path / 'nh2'}", "eval.lengths=[16,32]"]), progress=False)
+    assert two["eval"]["16"]["token_accuracy"] > 0.95 and two["eval"]["32"]["token_accuracy"] > 0.9
+    one = run(load_recipe(recipe, [f"output_dir={tmp_path / 'nh1'}", "eval.lengths=[16]",
+                                   "model.num_householder=1", "train.steps=200"]), progress=False)
+    assert one["eval"]["16"]["last_accuracy"] < 0.7
+
+
 class PrefixProductOracle(nn.Module):
     """Answers the word problem exactly (one-hot logits of the brute-force prefix products)."""
 
