@@ -230,8 +230,13 @@ def test_recipe_errors(tmp_path, capsys):
                    f"output_dir: {tmp_path}\n")
     assert main([str(bad), "--quiet"]) == 2
     assert "does not take ['group']" in capsys.readouterr().err
-    assert main([str(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml"), "--dry-run"]) == 0
+    tiny = str(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml")
+    assert main([tiny, "--dry-run", "train.steps=3"]) == 0
     assert "model parameters" in capsys.readouterr().out
+    assert main([tiny, "--dry-run", "model.model_type=lm_nope"]) == 2
+    assert "not registered" in capsys.readouterr().err
+    assert main([tiny, "--dry-run", "model.headdim=7"]) == 2
+    assert "headdim" in capsys.readouterr().err
     from lm.cli import main as lm_main
 
     assert lm_main(["synth", "--list-tasks"]) == 0  # `lm synth` routes here

@@ -256,12 +256,14 @@ def build_model(cfg: dict, task: Task) -> SynthModel:
         raise ValueError(f"model.vocab_size {mcfg['vocab_size']} differs from the task's {task.vocab_size}; "
                          f"leave it out, the runner sets it")
     mcfg["vocab_size"] = task.vocab_size
+    from lm.models import MODEL_TYPES
+
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model.model_type {model_type!r} is not registered; known: {sorted(MODEL_TYPES)}")
     try:
         config = transformers.AutoConfig.for_model(model_type, **mcfg)
-    except ValueError as e:
-        if "Unrecognized model" in str(e) or model_type not in str(e):
-            raise ValueError(f"model.model_type {model_type!r}: {e}") from e
-        raise
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model ({model_type}): {e}") from e
     return SynthModel(transformers.AutoModelForCausalLM.from_config(config), task)
 
 
@@ -667,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="synth_compare.png", help="PNG path for --compare")
     ap.add_argument("--metric", default=None, help="metric for --compare (default: the task's)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     if args.list_tasks:
         from .registry import TASKS, task_parameters
 
