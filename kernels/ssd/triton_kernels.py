@@ -13,6 +13,7 @@ below store G_{c+1} per chunk ("dstates") and then every gradient is chunk-local
     dC_m   = sum_heads e^{cs_m} dy_m S_c + sum_l Q_ml B_l
     dB_l   = sum_heads w_l x_l G_{c+1} + sum_m Q_ml C_m
     dcs_k  = dy_k.y_ssm_k - x_k.dx_ssm_k  (+ at the last row: sum_l x_l.dx_state_l + <G_{c+1}, e^a S_c>)
+             with dy_k.y_ssm_k = e^{cs_k} dy_k.(S_c C_k) + sum_l Q_h[k, l] CB[k, l], all in float32
     d(dt*A)_l = sum_{k>=l} dcs_k
 Chunks: fixed-length batches use chunk = (batch, c); packed documents use a chunk table (the chunk's
 first token and length), so chunks never cross a document boundary and states restart per document.
@@ -406,12 +407,13 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr
 
 
 @triton.jit
-def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, Q_ptr, chunk_t0_ptr, chunk_len_ptr,
+def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, rowsum_ptr, chunk_t0_ptr, chunk_len_ptr,
                    T, H, P, NC, BT, R, G,
                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h,
                    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr,
                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32)."""
+    """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32), and
+    per head the row sums of Q_h * CB over this k-block (the intra-chunk part of dcs: dy_m . y_intra_m)."""
     pid_c = tl.program_id(0)
     g = tl.program_id(1)
     pid_mk = tl.program_id(2)
@@ -429,6 +431,8 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, Q_ptr, chunk_t0_ptr, chunk_le
     pmask = offs_p < P
     dtype = DOT_DT
     causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :] & mmask[:, None]
+    cbt = tl.load(CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L + rows_m[:, None] * L + rows_k[None, :], mask=causal,
+                  other=0.0).to(tl.float32)
     acc = tl.zeros((BM, BK), dtype=tl.float32)
     for hh in range(0, R):
         h = g * R + hh
@@ -442,7 +446,10 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, Q_ptr, chunk_t0_ptr, chunk_le
         cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
         dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
-        acc += qq * decay * dt_k[None, :]
+        contrib = qq * decay * dt_k[None, :]
+        acc += contrib
+        tl.store(rowsum_ptr + ((pid_c.to(tl.int64) * H + h) * n_kb + pid_mk % n_kb) * L + rows_m,
+                 tl.sum(contrib * cbt, 1), mask=mmask)
     q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     tl.store(q_base + rows_m[:, None] * L + rows_k[None, :], acc)
 
@@ -519,7 +526,7 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
 
 
 @triton.jit
-def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr, ypre_ptr,
+def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, D_ptr,
                   dx_ptr, ddt_ptr, dcs_ptr, q_ptr, dD_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
@@ -569,8 +576,12 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
     lp = lmask[:, None] & pmask[None, :]
     xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
     dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
-    yp = tl.load(ypre_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :], mask=lp,
-                 other=0.0).to(tl.float32)
+    # y_off = e^{cs_l} S C_l in float32 from the stored state (for dcs; the intra part comes from dcb_bwd)
+    Cl = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :],
+                 mask=lmask[:, None] & nmask[None, :], other=0.0).to(dtype)
+    St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = S^T
+    yoff = tl.dot(Cl, St, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(cs_l), 0.0)[:, None]
     t = dxs + dxi
     dx = dt_l[:, None] * t
     dx_ssm = dx
@@ -580,21 +591,20 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
         else:
             Dv = tl.load(D_ptr + h).to(tl.float32)
         dx = dx + Dv * dyl
-        yp = yp - Dv * xl
         tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.num_programs(2) + pid_m) * H + h) * P + offs_p,
                  tl.sum(dyl * xl, 0), mask=pmask)
     tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
     tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
-    tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yp, 1) - tl.sum(xl * dx_ssm, 1), mask=lmask)
+    tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yoff, 1) - tl.sum(xl * dx_ssm, 1), mask=lmask)
     tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
 
 
 @triton.jit
-def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, q_ptr, passing_ptr,
+def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, rowsum_ptr, q_ptr, passing_ptr,
                   ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, NC, BT, NPN, s_dt_b, s_dt_t, dt_lo, dt_hi,
-                  L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, NKB: tl.constexpr, HAS_BIAS: tl.constexpr,
                   SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per (chunk, head block): d(dt*A) = reverse cumsum of dcs, then back through clamp/softplus/bias."""
     pid_c = tl.program_id(0)
@@ -608,6 +618,9 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, q_ptr,
     mask = (rows[:, None] < clen) & hmask[None, :]
     off = heads[None, :] * BT + b * T + t0 + rows[:, None]
     dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
+    for kb in range(0, NKB):  # + dy . y_intra, summed over dcb_bwd's k-blocks
+        dcs += tl.load(rowsum_ptr + ((pid_c.to(tl.int64) * H + heads[None, :]) * NKB + kb) * L + rows[:, None],
+                       mask=mask, other=0.0)
     q = tl.load(q_ptr + off, mask=mask, other=0.0)
     ddt = tl.load(ddt_dir_ptr + off, mask=mask, other=0.0)
     dtp = tl.load(dtp_ptr + off, mask=mask, other=0.0)

@@ -250,8 +250,10 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     # per-group dy.x^T (decayed), for dB and dC
     Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
-    _dcb_bwd[(pl.NCB, G, (L // pl.BM) * (L // pl.BK))](
-        dy, x, dtp, cs, Q, pl.chunk_t0, pl.chunk_len,
+    nkb = L // pl.BK
+    rowsum = torch.zeros(pl.NCB, H, nkb, L, dtype=torch.float32, device=dev)
+    _dcb_bwd[(pl.NCB, G, (L // pl.BM) * nkb)](
+        dy, x, dtp, cs, CB, Q, rowsum, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
@@ -263,7 +265,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     qrow = torch.empty_like(ddt_dir)
     dD_part = torch.zeros(pl.NCB * nm, H, P, dtype=torch.float32, device=dev) if D is not None else None
     _dx_bwd[(pl.NCB, H, nm)](
-        dy, x, B, CB, dtp, cs, dstates, D if D is not None else cs, ypre,
+        dy, x, B, C, CB, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, dcs, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
@@ -285,10 +287,10 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     dA_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev) if dt_bias is not None else None
     _dt_bwd[(pl.NCB, triton.cdiv(H, pl.BH))](
-        dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, qrow, passing,
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, rowsum, qrow, passing,
         ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
         pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), lo, hi,
-        L=L, BH=pl.BH, NPN_B=_p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+        L=L, BH=pl.BH, NPN_B=_p2(pl.npn, 1), NKB=nkb, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, num_warps=4)
     dA = dA_part.sum(0).to(A.dtype)
     ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
@@ -309,8 +311,9 @@ class SSDScanFn(torch.autograd.Function):
         plan = _Plan(x, B, cu_seqlens, chunk_size)
         y, final, aux = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit,
                                  return_final_state, save=True)
-        dtp, cs, states, CB, ypre = aux  # ypre is y itself when there is no gate
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, CB, ypre)
+        dtp, cs, states, CB, ypre = aux
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, CB,
+                              ypre if z is not None else None)  # the pre-gate output, for dz
         ctx.plan, ctx.dt_softplus, ctx.dt_limit = plan, dt_softplus, dt_limit
         return y, final
 
