@@ -195,6 +195,20 @@ def test_cached_generation_equals_sequential_full_forward():
     assert torch.equal(out, ids)
 
 
+def test_parallel_prefill_equals_parallel_forward():
+    torch.manual_seed(0)
+    model = tiny(prefill="parallel", fp_tol=1e-5, fp_eval_max_iter=200, num_hidden_layers=1).double().eval()
+    ids = torch.randint(0, SIZES["vocab_size"], (2, 8))
+    cache = LMCache(1)
+    with torch.no_grad():
+        pre = model(ids[:, :6], past_key_values=cache, use_cache=True).logits
+        assert torch.allclose(pre, model(ids[:, :6]).logits, atol=1e-12)
+        dec = model(ids[:, 6:8], past_key_values=cache, use_cache=True).logits  # continues from the cache
+        ref8 = model(ids[:, :8]).logits
+    assert torch.allclose(dec, ref8[:, 6:8], atol=1e-3)  # same fixed point, reached by other iterates
+    assert len(cache.get(0)) == 3 and cache.get(0)["y"].shape == (2, 2 * SIZES["hidden_size"])
+
+
 def test_one_batch_overfit_and_stats_reach_output():
     torch.manual_seed(0)
     model = tiny(fp_max_iter=8, num_hidden_layers=1).train()
@@ -261,7 +275,7 @@ def test_unknown_key_raises():
 # --- implicit variant and packing -------------------------------------------------------------------
 def test_implicit_forward_backward_and_generation():
     torch.manual_seed(0)
-    model = tiny(fp_max_iter=6, implicit={"max_iter": 2, "phantom_steps": 1, "tol": 0.05}).train()
+    model = tiny(fp_max_iter=4, fp_eval_max_iter=20, implicit={"max_iter": 2, "phantom_steps": 1, "tol": 0.05}).train()
     assert FPMambaMixer.injection_dim(model.config) == model.model.injection.proj.out_features
     ids = torch.randint(0, SIZES["vocab_size"], (2, 10))
     out = model(ids, labels=ids)
@@ -277,7 +291,7 @@ def test_implicit_forward_backward_and_generation():
 
 def test_packed_documents_match_separate_runs():
     torch.manual_seed(0)
-    model = tiny(fp_tol=1e-7, fp_eval_max_iter=500).double().eval()
+    model = tiny(fp_tol=1e-5, fp_eval_max_iter=300).double().eval()
     mix = model.model.layers[0].mixer
     a = torch.randn(1, 7, SIZES["hidden_size"], dtype=F64)
     b = torch.randn(1, 5, SIZES["hidden_size"], dtype=F64)
@@ -285,6 +299,6 @@ def test_packed_documents_match_separate_runs():
     with torch.no_grad():
         packed = mix(torch.cat([a, b], dim=1), cu_seqlens=cu)
         sep = torch.cat([mix(a), mix(b)], dim=1)
-    assert torch.allclose(packed, sep, atol=1e-5)
+    assert torch.allclose(packed, sep, atol=1e-4)
     with torch.no_grad():  # without cu_seqlens the second document sees the first (the test can fail)
         assert not torch.allclose(mix(torch.cat([a, b], dim=1)), sep, atol=1e-3)
