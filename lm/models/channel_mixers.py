@@ -147,8 +147,11 @@ class KroneckerMixer(nn.Module):
         return kronecker_apply(v.to(dt), k1, k2, self.scale).to(v.dtype)
 
     def flops_per_token(self) -> float:
+        """Rough: U U^T for both factors, the power iteration's mat-vecs, and K1 X K2^T."""
         m1, m2 = self.m1, self.m2
-        build = 2 * (m1 ** 3 + m2 ** 3) * (1 + (self.power_iters if self.normalization == "spectral" else 0) / max(m1, 1))
+        build = 2 * (m1 ** 3 + m2 ** 3)
+        if self.normalization == "spectral":
+            build += 2 * self.power_iters * (m1 ** 2 + m2 ** 2)
         return float(build + 2 * (m1 * m1 * m2 + m1 * m2 * m2))
 
 

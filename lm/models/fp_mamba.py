@@ -231,7 +231,8 @@ class FPMambaMixer(Mixer):
                 init.uniform_(self.conv1d.bias, -bound, bound)
         q = self.q_mixer
         if q is not None:
-            init.constant_((q.diag_proj if hasattr(q, "diag_proj") else q.alpha_proj).bias, float(config.mixer_gate_bias))
+            gate = q.diag_proj if hasattr(q, "diag_proj") else q.alpha_proj
+            init.constant_(gate.bias, float(config.mixer_gate_bias))
         lo, hi = config.A_init_range
         init.copy_(self.dt_bias, dt_init(self.nheads, config.dt_min, config.dt_max))
         init.copy_(self.A_log, torch.log(torch.empty(self.nheads).uniform_(lo, hi)))
