@@ -11,6 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests use tiny tensors, for which intra-op threads cost more than they give (several-fold on a
+# loaded 2-core machine); subprocess tests (DeepSpeed ranks) set their own.
+torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

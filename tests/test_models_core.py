@@ -199,11 +199,11 @@ def test_training_memory_does_not_grow_with_max_iter(family):
 
 def _markov_corpus(n_seq, length, seed):
     g = torch.Generator().manual_seed(seed)
-    trans = torch.randint(0, V, (V, 2), generator=g)  # each token has 2 likely successors
+    trans = torch.randint(0, V, (V, 2), generator=g)  # each token: a likely (75%) and a rarer successor
     x = torch.empty(n_seq, length, dtype=torch.long)
     x[:, 0] = torch.randint(0, V, (n_seq,), generator=g)
     for t in range(1, length):
-        pick = torch.randint(0, 2, (n_seq,), generator=g)
+        pick = (torch.rand(n_seq, generator=g) < 0.25).long()
         x[:, t] = trans[x[:, t - 1], pick]
     return x
 
@@ -211,19 +211,20 @@ def _markov_corpus(n_seq, length, seed):
 def test_duality_sequential_vs_simultaneous():
     """Paper 003: sequential and simultaneous predictions of a trained implicit model agree (97.6%)."""
     torch.manual_seed(4)
-    cfg = small_config("mamba2", dict(max_iter=4, tol=None, phantom_steps=1, eval_tol=0.01, eval_factor=4))
+    # free-phase training (tol-stopped), evaluation converged tightly in both modes
+    cfg = small_config("mamba2", dict(max_iter=8, tol=0.02, phantom_steps=2, eval_tol=1e-3, eval_factor=16))
     model = AutoModelForCausalLM.from_config(cfg)
     data = _markov_corpus(64, 32, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     model.train()
-    for step in range(40):
+    for step in range(60):
         batch = data[(step * 8) % 64:(step * 8) % 64 + 8]
         loss = model(batch, labels=batch).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
     model.eval()
-    test = _markov_corpus(3, 24, seed=1)
+    test = _markov_corpus(4, 24, seed=1)
     with torch.no_grad():
         simultaneous = model(test).logits.argmax(-1)
         sequential = model(test, past_key_values=LMCache(), use_cache=True).logits.argmax(-1)

@@ -13,12 +13,13 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """y = x / rms(x) * weight, computed in float32 and cast back to x's dtype."""
+    """y = x / rms(x) * weight, computed in at least float32 and cast back to x's dtype."""
     dtype = x.dtype
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    acc = torch.promote_types(dtype, torch.float32)
+    xa = x.to(acc)
+    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(acc)
     return y.to(dtype)
 
 
@@ -45,13 +46,14 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         dtype = y.dtype
-        y = y.float()
+        acc = torch.promote_types(dtype, torch.float32)
+        y = y.to(acc)
         if z is not None:
-            y = y * F.silu(z.float())
+            y = y * F.silu(z.to(acc))
         shape = y.shape
         y = y.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y.reshape(shape) * self.weight.float()).to(dtype)
+        return (y.reshape(shape) * self.weight.to(acc)).to(dtype)
 
 
 class SwiGLU(nn.Module):
