@@ -186,13 +186,15 @@ def test_cached_generation_equals_sequential_full_forward():
     torch.manual_seed(0)
     model = tiny().eval()
     prompt = torch.randint(0, SIZES["vocab_size"], (2, 5))
-    out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    gen = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                         return_dict_in_generate=True)
     ids = prompt
     with torch.no_grad():
-        for _ in range(6):
+        for step in range(6):
             logits = model(ids, past_key_values=LMCache(2), use_cache=True).logits[:, -1]
+            assert torch.allclose(gen.logits[step], logits, atol=1e-5)
             ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, ids)
+    assert torch.equal(gen.sequences, ids)
 
 
 def test_parallel_prefill_equals_parallel_forward():
