@@ -54,10 +54,23 @@ class FixedPointStats:
         return out
 
 
+NORMS = ("l2", "inf", "inf_rows")
+
+
 def relative_residual(fz: torch.Tensor, z: torch.Tensor, norm: str = "l2", eps: float = 1e-8) -> torch.Tensor:
-    """||f(z) - z|| / (||f(z)|| + eps) per sample (dim 0), in float32."""
-    d = (fz - z).float().flatten(1)
-    r = fz.float().flatten(1)
+    """||f(z) - z|| / (||f(z)|| + eps) per sample (dim 0), in float32 (float64 for float64 inputs).
+
+    "l2" and "inf" take the norms over the whole sample; "inf_rows" takes the relative inf-norm of every
+    row (last dim: each token's vector) and the max over rows, as the FP-RNN code does.
+    """
+    acc = torch.promote_types(fz.dtype, torch.float32)
+    if norm == "inf_rows":
+        d = (fz - z).to(acc).abs().amax(-1)
+        r = fz.to(acc).abs().amax(-1)
+        rows = d / (r + eps)
+        return rows.flatten(1).amax(1) if rows.dim() > 1 else rows
+    d = (fz - z).to(acc).flatten(1)
+    r = fz.to(acc).flatten(1)
     if norm == "inf":
         return d.abs().amax(1) / (r.abs().amax(1) + eps)
     return d.norm(dim=1) / (r.norm(dim=1) + eps)
@@ -87,11 +100,11 @@ def solve(
     b = z0.shape[0]
     dev = z0.device
     z = z0
-    res = torch.full((b,), float("inf"), device=dev)
+    res = torch.full((b,), float("inf"), device=dev, dtype=torch.promote_types(z0.dtype, torch.float32))
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     sample_iters = torch.zeros(b, dtype=torch.long, device=dev)
     lam = torch.full((b,), float(damping), device=dev)
-    best = torch.full((b,), float("inf"), device=dev)
+    best = torch.full_like(res, float("inf"))
     stall = torch.zeros(b, dtype=torch.long, device=dev)
     hist_z: list[torch.Tensor] = []
     hist_g: list[torch.Tensor] = []
@@ -126,8 +139,9 @@ def solve(
 
 def _anderson_step(z, fz, z_plain, hist_z, hist_g, m, lam_b):
     """Type-II Anderson mixing over the last m iterates, per sample; falls back to the damped step."""
-    g = (fz - z).flatten(1).float()
-    hist_z.append(z.flatten(1).float())
+    acc = torch.promote_types(z.dtype, torch.float32)
+    g = (fz - z).flatten(1).to(acc)
+    hist_z.append(z.flatten(1).to(acc))
     hist_g.append(g)
     if len(hist_z) > m + 1:
         hist_z.pop(0)
@@ -140,12 +154,13 @@ def _anderson_step(z, fz, z_plain, hist_z, hist_g, m, lam_b):
     dZ = Z[..., 1:] - Z[..., :-1]
     # least squares gamma = argmin ||g_k - dG gamma||, regularised
     A = dG.transpose(1, 2) @ dG
-    A = A + 1e-6 * torch.eye(A.shape[-1], device=A.device) * A.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-12)
+    scale = A.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(torch.finfo(acc).tiny)[:, None, None]
+    A = A + 1e-10 * scale * torch.eye(A.shape[-1], device=A.device, dtype=acc)
     rhs = dG.transpose(1, 2) @ G[..., -1:]
     gamma = torch.linalg.solve(A, rhs)  # (b, k-1, 1)
     z_bar = Z[..., -1:] - dZ @ gamma
     g_bar = G[..., -1:] - dG @ gamma
-    lam = lam_b.flatten(1)[:, :1].float()
+    lam = lam_b.flatten(1)[:, :1].to(acc)
     out = (z_bar + lam.unsqueeze(-1) * g_bar).squeeze(-1)
     out = torch.nan_to_num(out, nan=0.0)
     return out.view_as(z).to(z.dtype)

@@ -35,7 +35,8 @@ class ImplicitSettings:
     eval_tol:      tolerance in evaluation and generation; None = tol.
     stop_quantile: the solve stops once this fraction of the batch's sequences has converged (1.0 = all);
                    converged sequences are frozen, so results do not depend on the batch.
-    norm:          residual norm, "l2" or "inf".
+    norm:          residual norm: "l2" or "inf" over the whole sequence, "inf_rows" (max over tokens of
+                   each token's relative inf-norm).
     anderson:      Anderson-acceleration history size (0 = plain damped iteration).
     """
 
@@ -83,8 +84,8 @@ class ImplicitSettings:
             bad("eval_factor", "must be >= 1")
         if not (0 < self.stop_quantile <= 1):
             bad("stop_quantile", "must be in (0, 1]")
-        if self.norm not in ("l2", "inf"):
-            bad("norm", "must be 'l2' or 'inf'")
+        if self.norm not in ("l2", "inf", "inf_rows"):
+            bad("norm", "must be 'l2', 'inf' or 'inf_rows'")
         if not isinstance(self.anderson, int) or self.anderson < 0:
             bad("anderson", "must be an integer >= 0")
 
