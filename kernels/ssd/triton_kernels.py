@@ -12,9 +12,8 @@ below store G_{c+1} per chunk ("dstates") and then every gradient is chunk-local
     Q_ml   = sum_heads (dy_m.x_l) e^{cs_m-cs_l} dt_l           (m >= l; per group)
     dC_m   = sum_heads e^{cs_m} dy_m S_c + sum_l Q_ml B_l
     dB_l   = sum_heads w_l x_l G_{c+1} + sum_m Q_ml C_m
-    dcs_k  = dy_k.y_ssm_k - x_k.dx_ssm_k  (+ at the last row: sum_l x_l.dx_state_l + <G_{c+1}, e^a S_c>)
-             with dy_k.y_ssm_k = e^{cs_k} dy_k.(S_c C_k) + sum_l Q_h[k, l] CB[k, l], all in float32
-    d(dt*A)_l = sum_{k>=l} dcs_k
+    d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} x_k.dx_state_k + <G_{c+1}, e^a S_c>
+                + sum_{m>=l} sum_{s<l} (Q_h * CB)[m, s]       (all float32, no large cancelling terms)
 Chunks: fixed-length batches use chunk = (batch, c); packed documents use a chunk table (the chunk's
 first token and length), so chunks never cross a document boundary and states restart per document.
 Internal per-token buffers (dt, cs, ...) are float32, laid out (H, B*T). Products take their operands
@@ -407,13 +406,17 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr
 
 
 @triton.jit
-def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, rowsum_ptr, chunk_t0_ptr, chunk_len_ptr,
+def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddarange_ptr, chunk_t0_ptr, chunk_len_ptr,
                    T, H, P, NC, BT, R, G,
                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h,
                    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr,
                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32), and
-    per head the row sums of Q_h * CB over this k-block (the intra-chunk part of dcs: dy_m . y_intra_m)."""
+    per head the intra-chunk part of d(dt*A) in its stable form: with M = Q_h * CB,
+        dda_l = sum_{m >= l} sum_{s < l} M[m, s]
+    (no difference of large row and column sums). Each tile adds its share with atomics: over its
+    column range (prefix sums of column sums), its row range (suffix sums of row sums), and its total
+    over the rows in between (as +total / -total marks in ddarange, prefix-summed in dt_bwd)."""
     pid_c = tl.program_id(0)
     g = tl.program_id(1)
     pid_mk = tl.program_id(2)
@@ -448,8 +451,19 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, rowsum_ptr, ch
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
         contrib = qq * decay * dt_k[None, :]
         acc += contrib
-        tl.store(rowsum_ptr + ((pid_c.to(tl.int64) * H + h) * n_kb + pid_mk % n_kb) * L + rows_m,
-                 tl.sum(contrib * cbt, 1), mask=mmask)
+        M = contrib * cbt
+        if k0 == m0:  # diagonal tile: sum_{m >= l} sum_{s < l} M[m, s] for l in the block
+            prefix = tl.cumsum(M, axis=1) - M  # [m, l] = sum_{s < l} M[m, s]
+            F = tl.sum(tl.where(rows_m[:, None] >= rows_k[None, :], prefix, 0.0), 0)
+            tl.atomic_add(dda_ptr + tok0 + rows_k, F, mask=kmask)
+        else:
+            colsum = tl.sum(M, 0)
+            rowsum = tl.sum(M, 1)
+            total = tl.sum(rowsum, 0)
+            tl.atomic_add(dda_ptr + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum, mask=kmask)
+            tl.atomic_add(dda_ptr + tok0 + rows_m, total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
+            tl.atomic_add(ddarange_ptr + tok0 + k0 + BK, total)
+            tl.atomic_add(ddarange_ptr + tok0 + m0, -total)
     q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     tl.store(q_base + rows_m[:, None] * L + rows_k[None, :], acc)
 
@@ -584,7 +598,6 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     yoff = tl.dot(Cl, St, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(cs_l), 0.0)[:, None]
     t = dxs + dxi
     dx = dt_l[:, None] * t
-    dx_ssm = dx
     if HAS_D:
         if D_HP:
             Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
@@ -596,17 +609,18 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
     tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
-    tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yoff, 1) - tl.sum(xl * dx_ssm, 1), mask=lmask)
+    tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yoff, 1), mask=lmask)
     tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
 
 
 @triton.jit
-def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, rowsum_ptr, q_ptr, passing_ptr,
+def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, ddarange_ptr, q_ptr, passing_ptr,
                   ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, NC, BT, NPN, s_dt_b, s_dt_t, dt_lo, dt_hi,
-                  L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, NKB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
                   SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Per (chunk, head block): d(dt*A) = reverse cumsum of dcs, then back through clamp/softplus/bias."""
+    """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c>
+    + the intra-chunk part from dcb_bwd; then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias."""
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
@@ -618,18 +632,17 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, rowsum
     mask = (rows[:, None] < clen) & hmask[None, :]
     off = heads[None, :] * BT + b * T + t0 + rows[:, None]
     dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
-    for kb in range(0, NKB):  # + dy . y_intra, summed over dcb_bwd's k-blocks
-        dcs += tl.load(rowsum_ptr + ((pid_c.to(tl.int64) * H + heads[None, :]) * NKB + kb) * L + rows[:, None],
-                       mask=mask, other=0.0)
+    dda_intra = tl.load(dda_ptr + off, mask=mask, other=0.0)
+    dda_range = tl.load(ddarange_ptr + off, mask=mask, other=0.0)
     q = tl.load(q_ptr + off, mask=mask, other=0.0)
     ddt = tl.load(ddt_dir_ptr + off, mask=mask, other=0.0)
     dtp = tl.load(dtp_ptr + off, mask=mask, other=0.0)
     offs_pn = tl.arange(0, NPN_B)
     pas = tl.load(passing_ptr + (pid_c.to(tl.int64) * H + heads[:, None]) * NPN + offs_pn[None, :],
                   mask=hmask[:, None] & (offs_pn[None, :] < NPN), other=0.0)
-    K = tl.sum(q, 0) + tl.sum(pas, 1)
-    dcs = dcs + tl.where(rows[:, None] == clen - 1, K[None, :], 0.0)
-    ddA = tl.sum(dcs, 0)[None, :] - tl.cumsum(dcs, axis=0) + dcs
+    ddA = tl.sum(dcs, 0)[None, :] - tl.cumsum(dcs, axis=0) + dcs  # suffix sums of dy.y_off
+    ddA += tl.cumsum(q, axis=0) - q + tl.sum(pas, 1)[None, :]  # state terms
+    ddA += dda_intra + tl.cumsum(dda_range, axis=0)
     ddA = tl.where(mask, ddA, 0.0)
     A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
     ddt = ddt + A[None, :] * ddA
