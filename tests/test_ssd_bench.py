@@ -1,0 +1,26 @@
+"""scripts/bench_ssd.py runs end to end (tiny shape; on CPU under the Triton interpreter, no peer)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+def test_bench_ssd_tiny_writes_json(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_ssd.py"
+    spec = importlib.util.spec_from_file_location("bench_ssd", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bench.json"
+    res = mod.main(["--tiny", "--no-peer", "--no-profile", "--warmup", "1", "--rep", "1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    row = data["shapes"]["tiny"]
+    assert data["targets"] == res["targets"]
+    for key in ("ours_fwd_ms", "ours_fwd_bwd_ms", "ours_nograd_fwd_ms", "ours_nograd_fwd_ms_hb",
+                "ours_nograd_fwd_ms_flat"):
+        assert row[key] > 0, key
+    if not torch.cuda.is_available():
+        assert "mamba_fwd_ms" not in row
