@@ -96,7 +96,7 @@ def test_curriculum_switch_resume_export_plot(tmp_path, corpus):
     train(_cfg(part, corpus, train={"stop_after_steps": 3}))
     assert (part / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert json.loads((part / "checkpoints" / "step_00000003" / "client.json").read_text())["phase"] == "bounded"
-    train(_cfg(part, corpus, checkpoint={"resume": True}))
+    train(_cfg(part, corpus, checkpoint={"resume": "auto"}))  # auto: the latest checkpoint exists
     resumed, recs2 = _losses(part)
     assert [r["step"] for r in recs2 if r.get("event") == "phase_switch"] == [3]
     for step in (4, 5, 6):
@@ -181,7 +181,7 @@ def test_bad_input_messages(tmp_path, corpus):
     with pytest.raises(ValueError, match="no checkpoint to resume"):
         train(_cfg(tmp_path / "r", corpus, checkpoint={"resume": True}))
     run = tmp_path / "run"
-    train(_cfg(run, corpus, train={"steps": 2}))
+    train(_cfg(run, corpus, train={"steps": 2}, checkpoint={"resume": "auto"}))  # auto, nothing yet: fresh
     ck = run / "checkpoints" / "step_00000002"
     (ck / "manifest.json").unlink()
     with pytest.raises(ValueError, match="partial"):

@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         overrides.append("checkpoint.resume=true")
 
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (if imported) then skips GPU probing
     from .config import load_train_config
 
     try:

@@ -76,7 +76,7 @@ class TrainSection:
 class CheckpointSection:
     every_steps: int = 0                     # 0: only at the end
     keep_last: int = 2
-    resume: Union[bool, str] = False         # true: the run's latest checkpoint; or a checkpoint path
+    resume: Union[bool, str] = False         # true: the run's latest checkpoint; "auto": it if any; or a path
     export: bool = True                      # HF export (run_dir/hf) at the end
     at_end: bool = True                      # checkpoint at the end (false: benchmarks)
 

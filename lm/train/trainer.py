@@ -236,9 +236,12 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
     run_dir = Path(cfg.run_dir)
     root = ckpt_lib.checkpoints_root(run_dir)
     resume_from = None
-    if cfg.checkpoint.resume:
+    resume = cfg.checkpoint.resume
+    if resume == "auto":  # continue when the run has a checkpoint (SLURM requeue), else start fresh
+        resume = True if (root / ckpt_lib.LATEST).is_file() else False
+    if resume:
         # verify before anything else is touched: a bad checkpoint is reported, nothing is written
-        resume_from = ckpt_lib.resolve(run_dir if cfg.checkpoint.resume is True else cfg.checkpoint.resume)
+        resume_from = ckpt_lib.resolve(run_dir if resume is True else resume)
 
     # batch arithmetic
     per_micro = t.micro_batch_size * d.seq_len * dist.world
