@@ -186,3 +186,24 @@ def test_triton_bf16_products_dA_accuracy(monkeypatch):
     gt, gr = grads("triton", torch.bfloat16), grads("reference", F64)
     errs = {k: rel(gt[k], gr[k]) for k in gr}
     assert errs["A"] < 6e-2 and errs["dt_bias"] < 2e-2 and errs["dt"] < 2e-2, errs
+
+
+def test_autotuned_kernels_with_atomics_reset_their_outputs():
+    """Autotuning runs a kernel many times on the real buffers: whatever it accumulates with atomics
+    must be listed in reset_to_zero, or the first call (the tuning call) returns sums of several runs."""
+    import inspect
+    import re
+
+    from triton.runtime.autotuner import Autotuner
+
+    import lm_kernels.ssd.triton_ssd as ts
+    checked = 0
+    for obj in vars(ts).values():
+        if not isinstance(obj, Autotuner):
+            continue
+        fn = obj.fn
+        src = getattr(fn, "src", None) or inspect.getsource(getattr(fn, "fn", fn))
+        targets = set(re.findall(r"tl\.atomic_\w+\((\w+)", src))
+        assert targets <= set(obj.reset_to_zero or []), (fn, targets)
+        checked += bool(targets)
+    assert checked >= 1

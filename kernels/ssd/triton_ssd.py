@@ -30,12 +30,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 STATE_STEP_ROWS = 256  # the state kernels take a whole chunk per step up to this many rows
 
 
-def _tune(configs, key):
+def _tune(configs, key, reset_to_zero=None):
     """Autotune over `configs` on GPU; a single fixed config under the interpreter or with
-    LM_SSD_AUTOTUNE=0 (saves compile time, e.g. in tests)."""
+    LM_SSD_AUTOTUNE=0 (saves compile time, e.g. in tests). Kernels that accumulate with atomics name
+    those outputs in `reset_to_zero` (autotuning runs a kernel many times)."""
     if _INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0":
         configs = configs[:1]
-    return lambda fn: triton.autotune(configs=configs, key=key)(fn)
+    return lambda fn: triton.autotune(configs=configs, key=key, reset_to_zero=reset_to_zero)(fn)
 
 
 def _cfgs(*pairs):
@@ -76,7 +77,7 @@ _scan_fwd_hb = triton.autotune(
     configs=_scan_hb_cfgs[:1] if (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0") else _scan_hb_cfgs,
     key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_hb})(K.chunk_scan_fwd_hb_kernel)
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R"])(K.dcb_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R"], reset_to_zero=["dda_ptr", "ddarange_ptr"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
 _dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R"])(K.dx_bwd_kernel)
 
