@@ -210,3 +210,17 @@ def test_cli_errors(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["train"]["tokens"] == 1_000_000
     assert main([f"data.path={tmp_path}/nodata", "train.engine=torch"]) == 2
     assert "lm prepare-data --input SOURCE --output" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_and_bf16_runs(tmp_path, corpus):
+    """Activation checkpointing recomputes the same numbers; bf16 autocast trains with finite losses."""
+    base = _losses(_run(tmp_path / "plain", corpus))[0]
+    ck = _losses(_run(tmp_path / "ck", corpus, model={"activation_checkpointing": True}))[0]
+    assert ck == pytest.approx(base, rel=1e-5)
+    bf = _losses(_run(tmp_path / "bf", corpus, train={"precision": "bf16", "steps": 3}))[0]
+    assert all(abs(v - base[k]) < 0.05 for k, v in bf.items())
+
+
+def _run(run_dir, corpus, **over):
+    train(_cfg(run_dir, corpus, **{"train": {"steps": 3}, **over}))
+    return run_dir

@@ -166,8 +166,11 @@ def build_model(cfg: TrainConfig, phases, data_vocab: int):
     if model.config.vocab_size < data_vocab:
         raise ValueError(f"model.overrides.vocab_size: the model's vocab_size {model.config.vocab_size} is smaller "
                          f"than the data's vocabulary {data_vocab}; set model.overrides.vocab_size >= {data_vocab}")
-    if m.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+    if m.activation_checkpointing:  # transformers >= 5.2x renamed it; older: gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        if not getattr(model.model, "gradient_checkpointing", False):
+            raise ValueError("model.activation_checkpointing: this model does not support activation checkpointing")
     return model
 
 
