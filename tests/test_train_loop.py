@@ -178,7 +178,7 @@ def test_bad_input_messages(tmp_path, corpus):
     with pytest.raises(ValueError, match="model: .*hidden_sise"):
         train(_cfg(tmp_path / "r", corpus, model={"overrides": {"hidden_sise": 3}}))
     # resume with nothing to resume / a partial checkpoint; nothing is deleted
-    with pytest.raises(ValueError, match="no checkpoint to resume"):
+    with pytest.raises(ValueError, match="no checkpoint found"):
         train(_cfg(tmp_path / "r", corpus, checkpoint={"resume": True}))
     run = tmp_path / "run"
     train(_cfg(run, corpus, train={"steps": 2}, checkpoint={"resume": "auto"}))  # auto, nothing yet: fresh

@@ -142,7 +142,7 @@ def test_checkpoint_publish_latest_prune_and_verify(tmp_path):
     (root / "step_00000004").mkdir()
     with pytest.raises(ValueError, match="is partial"):
         ck.resolve(root / "step_00000004")
-    with pytest.raises(ValueError, match="no checkpoint to resume"):
+    with pytest.raises(ValueError, match="no checkpoint found"):
         ck.resolve(tmp_path / "elsewhere")
     # nothing was deleted by the failed resolves
     assert (root / "step_00000002" / "weights.pt").is_file()

@@ -107,9 +107,9 @@ def resolve(path_or_run: str | os.PathLike) -> Path:
     latest = root / LATEST
     if not latest.is_file():
         have = [str(c) for _, c in list_checkpoints(root)]
-        raise ValueError(f"no checkpoint to resume in {p}: {latest} does not exist"
+        raise ValueError(f"no checkpoint found in {p}: {latest} does not exist"
                          + (f"; checkpoint folders present: {have}" if have else
-                            "; train without checkpoint.resume first"))
+                            "; train first (or without checkpoint.resume)"))
     tag = latest.read_text().strip()
     ckpt = root / tag
     try:
