@@ -151,7 +151,7 @@ def main(argv=None):
         row["ours_fwd_ms"] = bench(ours, args.warmup, args.rep)
         # the two forward scan kernels (heads batched per program or not), no-grad forward
         prev = os.environ.get("LM_SSD_SCAN")
-        for variant in ("hb", "flat"):
+        for variant in ("flat", "hb", "fact"):
             os.environ["LM_SSD_SCAN"] = variant
             try:
                 with torch.no_grad():
@@ -218,7 +218,7 @@ def print_row(name, row):
         print(f"{label:14s}{ours:10.3f}{theirs if theirs is not None else float('nan'):10.3f}"
               f"{ratio if ratio is not None else float('nan'):8.3f}{TARGETS[tkey]:8.2f}")
     print("our no-grad fwd by scan kernel: " + ", ".join(f"{v}={row[f'ours_nograd_fwd_ms_{v}']:.3f} ms"
-                                                        for v in ("hb", "flat")))
+                                                        for v in ("flat", "hb", "fact")))
     if "ours_vs_mamba_rel" in row:
         print("ours vs mamba_ssm (relative L2):", {k: f"{v:.2e}" for k, v in row["ours_vs_mamba_rel"].items()})
     for label, ks in row.get("kernels_ms", {}).items():

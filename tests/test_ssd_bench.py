@@ -20,7 +20,7 @@ def test_bench_ssd_tiny_writes_json(tmp_path):
     row = data["shapes"]["tiny"]
     assert data["targets"] == res["targets"]
     for key in ("ours_fwd_ms", "ours_fwd_bwd_ms", "ours_nograd_fwd_ms", "ours_nograd_fwd_ms_hb",
-                "ours_nograd_fwd_ms_flat"):
+                "ours_nograd_fwd_ms_flat", "ours_nograd_fwd_ms_fact"):
         assert row[key] > 0, key
     if not torch.cuda.is_available():
         assert "mamba_fwd_ms" not in row

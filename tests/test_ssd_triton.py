@@ -70,7 +70,7 @@ def compare(d, dtype, tol, **kw):
         assert rel(gt[k], gr[k]) < tol, f"grad {k}: {rel(gt[k], gr[k])}"
 
 
-@pytest.mark.parametrize("variant", ["hb", "flat"])
+@pytest.mark.parametrize("variant", ["hb", "flat", "fact"])
 def test_triton_fp32_all_options_matches_reference(variant, monkeypatch):
     # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp;
     # both forward scan kernels (heads batched per program, or one head per program)
@@ -82,6 +82,13 @@ def test_triton_fp32_odd_sizes_D_hp_no_gate_no_softplus():
     d = make(1, 40, 2, 12, 1, 10, D="hp", z=False, bias=False, init=False)
     d["dt"] = torch.rand(1, 40, 2) * 0.5 + 0.05
     compare(d, torch.float32, 2e-5, chunk_size=16, dt_softplus=False)
+
+
+@pytest.mark.parametrize("variant", ["hb", "fact"])
+def test_triton_head_blocked_scans_several_row_blocks(variant, monkeypatch):
+    """Chunks of 64 rows: several row blocks per chunk, so "fact" takes its factorised below-diagonal path."""
+    monkeypatch.setenv("LM_SSD_SCAN", variant)
+    compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
 
 
 def test_triton_state_kernels_multi_step_chunks(monkeypatch):

@@ -322,6 +322,95 @@ def chunk_scan_fwd_hb_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, 
     tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
 
 
+@triton.jit
+def chunk_scan_fwd_fact_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
+                               chunk_t0_ptr, chunk_len_ptr,
+                               T, H, P, N, NC, BT, R, G,
+                               s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                               L: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr,
+                               BPF: tl.constexpr, BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
+                               HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                               DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """chunk_scan_fwd for HB heads of one group per program (chunk, head block, m-block) with 2D products.
+    Below the diagonal block (every s < every m) the decay factorises through the k-block's last row r,
+    e^{cs_m - cs_s} = e^{cs_m - cs_r} e^{cs_r - cs_s} (both exponents <= 0: no overflow), so one product
+    CB[m-block, k-block] @ [x_s dt_s e^{cs_r - cs_s}]_(s, (head, p)) serves the HB heads; the diagonal
+    block (k-block = m-block, BK = BM) takes the exact per-head mask in a product batched over heads."""
+    pid_c = tl.program_id(0)
+    pid_hb = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m0 = pid_m * BM
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if m0 >= clen:
+        return
+    h0 = pid_hb * HB
+    g = h0 // R
+    dtype = DOT_DT
+    heads = h0 + tl.arange(0, HB)
+    rows_m = m0 + tl.arange(0, BM)
+    mmask = rows_m < clen
+    offs_p = tl.arange(0, BPF)
+    pmask = offs_p < P
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    tok1 = heads * BT + b * T + t0  # (HB,)
+    tok = tok1[:, None]
+    cs_m = tl.load(cs_ptr + tok + rows_m[None, :], mask=mmask[None, :], other=0.0)  # (HB, BM)
+    cs_mT = tl.trans(cs_m)  # (BM, HB)
+    Cm = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :],
+                 mask=mmask[:, None] & nmask[None, :], other=0.0).to(dtype)
+    S = tl.load(states_ptr + (pid_c.to(tl.int64) * H + heads[:, None, None]) * P * N + offs_p[None, :, None] * N
+                + offs_n[None, None, :], mask=pmask[None, :, None] & nmask[None, None, :], other=0.0).to(dtype)
+    acc = tl.dot(Cm, tl.trans(tl.reshape(S, (HB * BPF, BNF))), input_precision=DOT_PREC)  # (BM, HB*BPF)
+    ones = tl.full((BM, HB, BPF), 1.0, tl.float32)
+    acc = acc * tl.reshape(tl.exp(cs_mT)[:, :, None] * ones, (BM, HB * BPF))
+    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
+    x_base = x_ptr + b * s_x_b
+    for k in range(0, m0, BM):  # blocks strictly below the diagonal: all rows valid (k + BM <= m0 < clen)
+        rows_k = k + tl.arange(0, BM)
+        cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None], other=0.0)
+        cs_k = tl.load(cs_ptr + tok + rows_k[None, :])  # (HB, BK)
+        dt_k = tl.load(dtp_ptr + tok + rows_k[None, :])
+        cs_r = tl.load(cs_ptr + tok1 + k + BM - 1)  # (HB,)
+        wT = tl.trans(tl.exp(cs_r[:, None] - cs_k) * dt_k)  # (BK, HB)
+        xk = tl.load(x_base + (t0 + rows_k[:, None, None]) * s_x_t + heads[None, :, None] * s_x_h
+                     + offs_p[None, None, :], mask=pmask[None, None, :], other=0.0).to(tl.float32)
+        xw = tl.reshape(xk * wT[:, :, None], (BM, HB * BPF)).to(dtype)
+        part = tl.dot(cb.to(dtype), xw, input_precision=DOT_PREC)
+        fac = tl.reshape(tl.exp(cs_mT - cs_r[None, :])[:, :, None] * ones, (BM, HB * BPF))
+        acc += part * fac
+    # diagonal block: exact per-head decay, batched over heads
+    rows_k = rows_m
+    causal = (rows_m[:, None] >= rows_k[None, :]) & mmask[None, :] & mmask[:, None]
+    cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=causal, other=0.0).to(tl.float32)
+    dt_k = tl.load(dtp_ptr + tok + rows_k[None, :], mask=mmask[None, :], other=0.0)
+    decay = tl.exp(tl.where(causal[None, :, :], cs_m[:, :, None] - cs_m[:, None, :], float("-inf")))
+    w = cb[None, :, :] * decay * dt_k[:, None, :]  # (HB, BM, BK)
+    xd = tl.load(x_base + (t0 + rows_k[None, :, None]) * s_x_t + heads[:, None, None] * s_x_h
+                 + offs_p[None, None, :], mask=mmask[None, :, None] & pmask[None, None, :], other=0.0)
+    diag = tl.dot(w.to(dtype), xd.to(dtype), input_precision=DOT_PREC)  # (HB, BM, BPF)
+    acc += tl.reshape(tl.permute(diag, (1, 0, 2)), (BM, HB * BPF))
+    acc3 = tl.permute(tl.reshape(acc, (BM, HB, BPF)), (1, 0, 2))  # (HB, BM, BPF)
+    mp_mask = mmask[None, :, None] & pmask[None, None, :]
+    if HAS_D:
+        xm = tl.load(x_base + (t0 + rows_m[None, :, None]) * s_x_t + heads[:, None, None] * s_x_h
+                     + offs_p[None, None, :], mask=mp_mask, other=0.0)
+        if D_HP:
+            Dv = tl.load(D_ptr + heads[:, None, None] * P + offs_p[None, None, :], mask=pmask[None, None, :],
+                         other=0.0).to(tl.float32)
+        else:
+            Dv = tl.load(D_ptr + heads).to(tl.float32)[:, None, None]
+        acc3 += Dv * xm.to(tl.float32)
+    y_off = (b * T + t0 + rows_m[None, :, None]) * (H * P) + heads[:, None, None] * P + offs_p[None, None, :]
+    if STORE_PRE:
+        tl.store(ypre_ptr + y_off, acc3.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
+    if HAS_Z:
+        zv = tl.load(z_ptr + b * s_z_b + (t0 + rows_m[None, :, None]) * s_z_t + heads[:, None, None] * s_z_h
+                     + offs_p[None, None, :], mask=mp_mask, other=0.0).to(tl.float32)
+        acc3 = acc3 * zv * tl.sigmoid(zv)
+    tl.store(y_ptr + y_off, acc3.to(y_ptr.dtype.element_ty), mask=mp_mask)
+
+
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------

@@ -76,6 +76,20 @@ _scan_hb_cfgs = [triton.Config(dict(BM=bm, BK=bk, HB=hb), num_warps=w, num_stage
 _scan_fwd_hb = triton.autotune(
     configs=_scan_hb_cfgs[:1] if (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0") else _scan_hb_cfgs,
     key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_hb})(K.chunk_scan_fwd_hb_kernel)
+def _prune_fact(configs, named_args, **kwargs):
+    L = kwargs.get("L", named_args.get("L"))
+    R = named_args["R"]
+    keep = [c for c in configs if R % c.kwargs["HB"] == 0 and c.kwargs["BM"] <= max(L, 16)]
+    return keep or configs[-1:]
+
+
+_scan_fact_cfgs = [triton.Config(dict(BM=bm, HB=hb), num_warps=w, num_stages=st)
+                   for bm, hb, w, st in ((64, 2, 4, 2), (64, 4, 8, 2), (64, 4, 4, 2), (128, 2, 8, 2), (64, 8, 8, 2),
+                                         (32, 4, 4, 2), (16, 2, 4, 2))]
+_scan_fwd_fact = triton.autotune(
+    configs=(_scan_fact_cfgs[-1:] if _INTERPRET  # 16-row blocks: the interpreter tests use 16-32 row chunks
+             else _scan_fact_cfgs[:1] if os.environ.get("LM_SSD_AUTOTUNE", "1") == "0" else _scan_fact_cfgs),
+    key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_fact})(K.chunk_scan_fwd_fact_kernel)
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R"], reset_to_zero=["dda_ptr", "ddarange_ptr"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
@@ -146,11 +160,13 @@ class _Plan:
 
 
 def _scan_variant(plan):
-    """"flat" (one head per program, the default) or "hb" (heads batched per program, shares the C and
-    CB loads across heads; slower on an H100 so far). LM_SSD_SCAN=hb|flat overrides."""
+    """The forward scan kernel: "flat" (one head per program, the default), "hb" (heads batched per
+    program with 3D products, sharing the C and CB loads; slower on an H100) or "fact" (heads share 2D
+    products below the diagonal block through a stable factorised decay; not yet timed on a GPU).
+    LM_SSD_SCAN=flat|hb|fact overrides."""
     v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
-    if v not in ("", "hb", "flat"):
-        raise ValueError(f"LM_SSD_SCAN={v!r} must be 'hb' or 'flat' (or unset)")
+    if v not in ("", "hb", "flat", "fact"):
+        raise ValueError(f"LM_SSD_SCAN={v!r} must be 'flat', 'hb' or 'fact' (or unset)")
     if plan.R % 2:  # head blocks (HB >= 2) must stay inside one group
         return "flat"
     if v:
@@ -196,6 +212,17 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     zz = z if z is not None else x
+    if _scan_variant(pl) == "fact":
+        zz = z if z is not None else x
+        _scan_fwd_fact[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
+            x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
+            pl.chunk_t0, pl.chunk_len,
+            pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
+            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+            zz.stride(0), zz.stride(1), zz.stride(2),
+            L=L, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
+            HAS_Z=z is not None, STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+        return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
     if _scan_variant(pl) == "hb":
         zz = z if z is not None else x
         _scan_fwd_hb[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
