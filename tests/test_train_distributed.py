@@ -83,3 +83,36 @@ eval: {{batches: 1, sample_tokens: 0}}
     assert sorted(resumed) == [5, 6, 7, 8]
     for s in (5, 6, 7, 8):
         assert resumed[s] == pytest.approx(losses[s], rel=1e-5), (s, resumed[s], losses[s])
+
+
+def test_deepspeed_single_process_skips_nan_step_and_reinitialises(tmp_path, tmp_path_factory):
+    """DeepSpeed engine in one process: a NaN loss is skipped (DeepSpeed drops the update), training
+    goes on; a second train() in the same process reuses the process group."""
+    data = make_corpus(tmp_path_factory)
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import json, sys, warnings
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from test_train_loop import _cfg
+from lm.train.trainer import train, shutdown
+def hook(step, micro, out):
+    if step == 2:
+        out.loss = out.loss * float("nan")
+    return out
+for name in ("a", "b"):
+    with warnings.catch_warnings(record=True):
+        train(_cfg({str(tmp_path)!r} + "/" + name, {str(data)!r}, train={{"engine": "deepspeed", "steps": 4}}),
+              hooks={{"after_forward": hook}})
+shutdown()
+""")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    la, ra = _losses(tmp_path / "a")
+    lb, _ = _losses(tmp_path / "b")
+    assert la[3] == "nan" and [r["step"] for r in ra if r.get("event") == "skip"] == [3]
+    assert all(isinstance(la[s], float) for s in (1, 2, 4)) and la == lb
+    start = next(r for r in ra if r.get("event") == "start")
+    assert start["engine"] == "deepspeed"

@@ -196,9 +196,21 @@ def test_bad_input_messages(tmp_path, corpus):
 
 
 def test_zero3_refused_for_implicit(tmp_path, corpus):
-    pytest.importorskip("deepspeed")
     with pytest.raises(ValueError, match="ZeRO-3 is refused for implicit models"):
         train(_cfg(tmp_path / "r", corpus, train={"engine": "deepspeed", "zero_stage": 3}))
+    with pytest.raises(ValueError, match="ZeRO-3 is refused"):  # implicit through the model settings
+        train(_cfg(tmp_path / "r", corpus, curriculum=None, model={"implicit": {"max_iter": 2}},
+                   schedule={"decay_start": 0.5}, train={"engine": "auto", "zero_stage": 3}))
+    assert not (tmp_path / "r").exists()
+
+
+def test_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path, corpus):
+    run = tmp_path / "run"
+    train(_cfg(run, corpus, train={"steps": 1}))
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match="already holds checkpoints.*--resume"):
+        train(_cfg(run, corpus, train={"steps": 2}))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
 def test_cli_errors(tmp_path, capsys):

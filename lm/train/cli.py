@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.to_dict(), indent=1))
         return 0
 
-    from .trainer import TrainingStopped, train
+    from .trainer import TrainingStopped, shutdown, train
 
     try:
         summary = train(cfg)
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as err:
         print(f"lm train: {err}", file=sys.stderr)
         return 1
+    finally:
+        shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"\ntrained {summary['steps']} steps, {summary['tokens']:,} tokens; final training loss "
               f"{summary['final_loss']:.4f}")

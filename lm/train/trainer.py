@@ -115,8 +115,13 @@ class Dist:
         return t.tolist()
 
     def close(self) -> None:
-        if self.initialized and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        """Nothing: the process group stays for a later train() in this process (DeepSpeed caches its
+        groups); the CLI destroys it before the process exits (shutdown())."""
+
+
+def shutdown() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------- pieces
@@ -227,6 +232,10 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     t = cfg.train
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
+    if t.zero_stage == 3 and t.engine != "torch" and _is_implicit(cfg):
+        raise ValueError("train.zero_stage: ZeRO-3 is refused for implicit models: the fixed-point solver calls the "
+                         "same layers a data-dependent number of times, which breaks ZeRO-3's parameter prefetch. "
+                         "Use train.zero_stage=2 (or 1); the parameters of these models fit on one device.")
     dist = Dist(cfg)
     try:
         return _train(cfg, dist, hooks)
@@ -245,6 +254,12 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
     if resume:
         # verify before anything else is touched: a bad checkpoint is reported, nothing is written
         resume_from = ckpt_lib.resolve(run_dir if resume is True else resume)
+    elif (root / ckpt_lib.LATEST).is_file():
+        raise ValueError(f"run_dir: {run_dir} already holds checkpoints of a run; continue it with --resume "
+                         "(checkpoint.resume=true|auto) or choose another run_dir (nothing was changed)")
+    metrics = run_dir / "metrics.jsonl"
+    if resume_from is None and metrics.is_file() and dist.is_main:  # a fresh start keeps the old log aside
+        os.replace(metrics, run_dir / f"metrics.{int(metrics.stat().st_mtime)}.jsonl")
 
     # batch arithmetic
     per_micro = t.micro_batch_size * d.seq_len * dist.world
@@ -449,6 +464,20 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
     logger.log({"event": "end", **{k: v for k, v in summary.items() if k != "sample"}})
     logger.close()
     return summary
+
+
+def _is_implicit(cfg: TrainConfig) -> bool:
+    if cfg.curriculum is not None or cfg.model.implicit is not None:
+        return True
+    p = Path(cfg.model.init_from or cfg.model.preset)
+    path = p / "config.json" if p.is_dir() else p
+    if not path.is_file():
+        from lm.models.presets import presets_dir
+
+        path = presets_dir() / f"{cfg.model.preset}.json"
+    if not path.is_file():
+        return False
+    return {**json.loads(path.read_text()), **cfg.model.overrides}.get("implicit") is not None
 
 
 def _preset_model_type(cfg: TrainConfig) -> str:
