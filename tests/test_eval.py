@@ -145,3 +145,35 @@ def test_bad_checkpoint_path(tmp_path):
 
     with pytest.raises(ValueError, match="lm export"):
         load_checkpoint(tmp_path)
+
+
+def test_training_hook_runs_lm_eval_at_configured_step(corpus, local_tasks, tmp_path):
+    """eval.every_steps + eval.tasks: lm-eval runs in process during training and its results are logged."""
+    from lm.train.config import config_from_dict
+    from lm.train.trainer import train
+
+    run = tmp_path / "run"
+    cfg = config_from_dict({
+        "run_dir": str(run),
+        "model": {"preset": "lm_mamba2-tiny", "overrides": {"num_hidden_layers": 1}},
+        "data": {"path": str(corpus), "seq_len": 32},
+        "optim": {"lr": 1e-3},
+        "train": {"steps": 4, "global_batch_tokens": 64, "micro_batch_size": 2, "engine": "torch", "num_threads": 1},
+        "checkpoint": {"every_steps": 0, "export": False, "at_end": False},
+        "log": {"progress": False},
+        "eval": {"every_steps": 2, "batches": 1, "at_end": False, "sample_tokens": 0,
+                 "tasks": "lm_local_lastword", "tasks_limit": 3, "tasks_batch_size": 2,
+                 "include_path": str(local_tasks)},
+    })
+    train(cfg)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    hooks = [r for r in recs if r.get("event") == "lm_eval"]
+    assert [r["step"] for r in hooks] == [2]  # every 2 steps, not after the last step (at_end is off)
+    assert 0 <= hooks[0]["lm_eval/lm_local_lastword/acc"] <= 1
+
+
+def test_training_config_rejects_missing_task_folder(tmp_path):
+    from lm.train.config import config_from_dict
+
+    with pytest.raises(ValueError, match="eval.include_path"):
+        config_from_dict({"train": {"steps": 1}, "eval": {"tasks": "x", "include_path": str(tmp_path / "nope")}})

@@ -97,6 +97,17 @@ class EvalSection:
     at_end: bool = True
     sample_prompt: str = "ROMEO:"
     sample_tokens: int = 48                  # 0: no sample
+    # lm-eval-harness tasks run in process at every_steps (when > 0) and at the end; results logged
+    tasks: str | list = ""                   # e.g. "lambada_openai,hellaswag" or a YAML list; "" = none
+    tasks_limit: int | None = None           # examples per task (None = all)
+    tasks_batch_size: int = 16
+    include_path: str | None = None          # folder of extra task YAMLs (lm.eval.local_tasks)
+    num_fewshot: int = 0
+
+    @property
+    def task_list(self) -> list[str]:
+        items = self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks
+        return [str(t).strip() for t in items if str(t).strip()]
 
 
 @dataclasses.dataclass
@@ -295,6 +306,10 @@ def validate(cfg: TrainConfig) -> None:
     _need(e.every_steps >= 0, "eval.every_steps", "must be >= 0", e.every_steps)
     _need(e.batches >= 1, "eval.batches", "must be >= 1", e.batches)
     _need(e.sample_tokens >= 0, "eval.sample_tokens", "must be >= 0", e.sample_tokens)
+    _need(e.tasks_limit is None or e.tasks_limit >= 1, "eval.tasks_limit", "must be None or >= 1", e.tasks_limit)
+    _need(e.tasks_batch_size >= 1, "eval.tasks_batch_size", "must be >= 1", e.tasks_batch_size)
+    _need(e.include_path is None or Path(e.include_path).is_dir(), "eval.include_path",
+          "must be an existing folder of task YAMLs (python -m lm.eval.local_tasks writes one)", e.include_path)
     if cfg.curriculum is not None:
         from .curriculum import parse_curriculum  # validates the phases
 

@@ -207,6 +207,22 @@ def evaluate(model, batches, device, dist: Dist, precision: str) -> dict:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(count)}
 
 
+def run_tasks(model, tokenizer, ev_cfg, dist: Dist) -> dict:
+    """The lm-eval hook: the configured tasks in process on rank 0; {"lm_eval/<task>/<metric>": value}."""
+    if not ev_cfg.task_list or tokenizer is None:
+        return {}
+    out = {}
+    if dist.is_main:
+        from lm.eval.harness import run_lm_eval
+
+        res = run_lm_eval(model, tokenizer, ev_cfg.task_list, num_fewshot=ev_cfg.num_fewshot,
+                          batch_size=ev_cfg.tasks_batch_size, limit=ev_cfg.tasks_limit,
+                          include_path=ev_cfg.include_path)
+        out = {f"lm_eval/{task}/{metric}": v for task, r in res["results"].items() for metric, v in r.items()}
+    dist.barrier()
+    return out
+
+
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:
     was = model.training
     model.eval()
@@ -431,6 +447,9 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                 logger.log({"event": "eval", "step": step, "tokens": step * t.global_batch_tokens, **ev})
                 if dist.is_main:
                     progress.write(f"step {step}: held-out loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f}")
+            tasks = run_tasks(model, tokenizer, cfg.eval, dist)
+            if tasks:
+                logger.log({"event": "lm_eval", "step": step, "tokens": step * t.global_batch_tokens, **tasks})
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at and not skipped:
             # (no periodic checkpoint right after a skipped step: keep the last K good ones)
             _save(engine, train_reader, dist, cfg, root, step, total_steps, phases, phase_i, bad_in_row, logger)
@@ -458,6 +477,10 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
         if ev:
             summary.update(ev)
             logger.log({"event": "eval", "step": step, "tokens": step * t.global_batch_tokens, **ev})
+        tasks = run_tasks(model, tokenizer, cfg.eval, dist)
+        if tasks:
+            summary.update(tasks)
+            logger.log({"event": "lm_eval", "step": step, "tokens": step * t.global_batch_tokens, **tasks})
     if finished and dist.is_main and cfg.eval.sample_tokens and tokenizer is not None:
         summary["sample"] = sample_text(model, tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, t.seed)
         logger.log({"event": "sample", "step": step, "text": summary["sample"]})
