@@ -315,3 +315,10 @@ def test_fixed_point_engine_on_a_contraction():
     for norm in ("l2", "inf", "inf_rows"):
         _, st = solve(f, torch.zeros_like(b), max_iter=500, tol=1e-6, norm=norm)
         assert bool(st.converged.all())
+
+
+def test_implicit_setting_on_explicit_model_is_refused():
+    model = AutoModelForCausalLM.from_config(small_config("mamba2"))
+    model.config.implicit = dict(max_iter=2)
+    with pytest.raises(ValueError, match="built explicit"):
+        model(torch.randint(0, V, (1, 4)))

@@ -164,3 +164,14 @@ def test_no_weight_decay_on_norms_biases_alog_dtbias():
     assert any(n.endswith("norm.weight") for n in nd) and any(n.endswith("conv1d.bias") for n in nd)
     assert all(not n.endswith(("A_log", "dt_bias", "bias")) and "norm" not in n.split(".")[-2] for n in d)
     assert any(n.endswith("in_proj.weight") for n in d) and any("injection.proj" in n for n in d)
+
+
+def test_paper_curriculum_only_for_the_paper_families():
+    import pytest
+
+    from lm.train.curriculum import paper_curriculum
+
+    assert paper_curriculum("lm_llama")[1].implicit["max_iter"] == 32
+    assert paper_curriculum("lm_mamba2")[1].implicit["max_iter"] == 24
+    with pytest.raises(ValueError, match="give the phases explicitly"):
+        paper_curriculum("lm_deltaproduct")

@@ -76,6 +76,8 @@ class Attention(Mixer):
         k = k.view(b, t, self.n_kv, hd).transpose(1, 2)
         v = v.view(b, t, self.n_kv, hd).transpose(1, 2)
 
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("Attention: cu_seqlens (packed training) cannot be combined with a generation cache")
         offset = cache.seen_tokens if cache is not None else 0
         pos = position_in_document(t, cu_seqlens, x.device) + offset
         cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)

@@ -214,6 +214,9 @@ class LMModel(LMPreTrainedModel):
         """Returns (hidden states after the final norm (b, t, d), stats dict or None)."""
         emb = self.embed_tokens(input_ids)
         settings = self.config.implicit_settings
+        if settings is not None and self.injection is None:
+            raise ValueError("config.implicit is set on a model built explicit (it has no injection module): "
+                             "build the model from a config with implicit={...} instead of setting it afterwards")
         stats: dict = {}
         if settings is None:
             h = self.norm_f(self._blocks(emb, None, cache, cu_seqlens))

@@ -36,7 +36,12 @@ class Phase:
 
 def paper_curriculum(model_type: str) -> list[Phase]:
     """(4+1) bounded for 80% of the tokens, then free: (24+4) Mamba2 / (32+4) Llama, tol 0.05."""
-    free = PAPER_FREE.get(model_type, PAPER_FREE["lm_mamba2"])
+    if model_type not in PAPER_FREE:
+        raise ValueError(
+            f"curriculum: 'paper' is defined for {sorted(PAPER_FREE)} (paper 003), not {model_type}; give the "
+            "phases explicitly, e.g. [{name: bounded, until: 0.8, implicit: {max_iter: 4, phantom_steps: 1}}, "
+            "{name: free, until: 1.0, implicit: {max_iter: 24, tol: 0.05, phantom_steps: 4}}]")
+    free = PAPER_FREE[model_type]
     return [
         Phase("bounded", PAPER_SWITCH, ImplicitSettings.from_value(dict(PAPER_BOUNDED)).to_dict()),
         Phase("free", 1.0, ImplicitSettings.from_value(dict(free)).to_dict()),

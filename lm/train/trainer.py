@@ -154,7 +154,7 @@ def build_model(cfg: TrainConfig, phases, data_vocab: int):
         if not Path(m.init_from).is_dir():
             raise ValueError(f"model.init_from: {m.init_from} is not a folder (an `lm export` output)")
         model = AutoModelForCausalLM.from_pretrained(m.init_from, dtype=torch.float32)
-        if phases:
+        if phases and model.config.is_implicit:
             apply_phase(model.config, phases[0])
     else:
         implicit = phases[0].implicit if phases else m.implicit
@@ -167,7 +167,8 @@ def build_model(cfg: TrainConfig, phases, data_vocab: int):
         model = MODEL_TYPES[config.model_type][2](config)
     if phases and not model.config.is_implicit:
         raise ValueError("curriculum: set for an explicit model (the curriculum switches solver settings of "
-                         "implicit models); remove it or use an implicit model")
+                         "implicit models, and an explicit model has no injection module); remove it or use "
+                         "an implicit model")
     if model.config.vocab_size < data_vocab:
         raise ValueError(f"model.overrides.vocab_size: the model's vocab_size {model.config.vocab_size} is smaller "
                          f"than the data's vocabulary {data_vocab}; set model.overrides.vocab_size >= {data_vocab}")
@@ -538,7 +539,7 @@ def _save(engine, reader, dist: Dist, cfg: TrainConfig, root: Path, step: int, t
     return root / tag
 
 
-def _resume(ckpt: Path, engine, reader, dist: Dist, cfg: TrainConfig) -> tuple[int, int]:
+def _resume(ckpt: Path, engine, reader, dist: Dist, cfg: TrainConfig) -> tuple[int, int, int]:
     client = json.loads((ckpt / "client.json").read_text())
     if client["world_size"] != dist.world:
         raise ValueError(f"checkpoint.resume: {ckpt} was written by {client['world_size']} ranks, this run has "
