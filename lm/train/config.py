@@ -34,7 +34,9 @@ class DataSection:
     path: str = "data/shakespeare"
     seq_len: int = 256
     tokenizer: Union[str, None] = None       # None: the shipped default (must match the shards)
-    cu_seqlens: bool = False                 # pass document boundaries (packed varlen) to the model
+    # pass document boundaries (packed varlen) to the model: the micro-batch becomes one (1, B*T) row, so
+    # an implicit model's tolerance-stopped solve then judges convergence over the whole micro-batch
+    cu_seqlens: bool = False
     synthetic_vocab: int = 256               # synthetic source: token ids drawn from [0, synthetic_vocab)
 
 
