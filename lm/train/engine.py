@@ -20,17 +20,7 @@ from pathlib import Path
 
 import torch
 
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim < 2 or getattr(p, "_no_weight_decay", False):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+from lm.optim import param_groups  # noqa: F401  (re-exported)
 
 
 def make_optimizer(model, *, lr, betas, eps, weight_decay, device) -> torch.optim.Optimizer:

@@ -280,13 +280,10 @@ def lr_at(step: int, total: int, base: float, schedule: str, warmup: int, min_lr
 
 
 def _optimizer(model: nn.Module, tr: dict) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tr["lr"], betas=tuple(tr["betas"]), eps=tr["eps"])
+    from lm.optim import param_groups
+
+    return torch.optim.AdamW(param_groups(model, tr["weight_decay"]), lr=tr["lr"], betas=tuple(tr["betas"]),
+                             eps=tr["eps"])
 
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
