@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+# CPU runs: OpenMP threads that sleep instead of spinning while they wait. Measured on 2 cores with the
+# default job: 46 s vs 43 s when idle, 35 s vs 51 s when another process competes for the cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 COMMANDS = {
     "train": ("lm.train.cli:main", "pretrain a model (DeepSpeed or single process)"),
