@@ -12,15 +12,71 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """y = x / rms(x) * weight, computed in at least float32 and cast back to x's dtype."""
-    dtype = x.dtype
-    acc = torch.promote_types(dtype, torch.float32)
-    xa = x.to(acc)
-    y = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.to(acc)
-    return y.to(dtype)
+class _RMSNormFn(torch.autograd.Function):
+    """(Gated, grouped) RMSNorm that saves only its inputs and the per-group rstd for backward.
+
+    Forward: u = x * silu(z) (or x), per group of `group` channels u * rsqrt(mean(u^2) + eps), times
+    weight; math in at least float32, output in x's dtype. Autograd through the plain formula would keep
+    three float32 copies of the activation; this keeps x and z in their own dtype (bf16 in training).
+    """
+
+    @staticmethod
+    def forward(ctx, x, z, weight, group: int, eps: float):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            u = x.to(acc)
+            if z is not None:
+                u = u * F.silu(z.to(acc))
+            shape = u.shape
+            ug = u.reshape(*shape[:-1], shape[-1] // group, group)
+            rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
+            y = (ug * rstd).reshape(shape)
+            if weight is not None:
+                y = y * weight.to(acc)
+        ctx.save_for_backward(x, z, weight, rstd)
+        ctx.group = group
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, weight, rstd = ctx.saved_tensors
+        group = ctx.group
+        acc = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            xa = x.to(acc)
+            if z is not None:
+                za = z.to(acc)
+                sig = torch.sigmoid(za)
+                gate = za * sig
+                u = xa * gate
+            else:
+                u = xa
+            shape = u.shape
+            xhat = (u.reshape(*shape[:-1], shape[-1] // group, group) * rstd).reshape(shape)
+            g = dy.to(acc)
+            dw = None
+            if weight is not None:
+                if ctx.needs_input_grad[2]:
+                    dw = (g * xhat).reshape(-1, shape[-1]).sum(0).to(weight.dtype)
+                g = g * weight.to(acc)
+            gg = g.reshape(*shape[:-1], shape[-1] // group, group)
+            xg = xhat.reshape_as(gg)
+            du = (rstd * (gg - xg * (gg * xg).mean(-1, keepdim=True))).reshape(shape)
+            dx = dz = None
+            if z is not None:
+                dx = du * gate
+                if ctx.needs_input_grad[1]:
+                    dz = (du * xa * sig * (1 + za * (1 - sig))).to(z.dtype)
+            else:
+                dx = du
+        return dx.to(x.dtype), dz, dw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, z: torch.Tensor | None = None,
+             group_size: int | None = None) -> torch.Tensor:
+    """y = u / rms(u) * weight with u = x * silu(z) (or x), per group of `group_size` channels (default:
+    all); computed in at least float32 and returned in x's dtype."""
+    return _RMSNormFn.apply(x, z, weight, group_size or x.shape[-1], eps)
 
 
 class RMSNorm(nn.Module):
@@ -45,15 +101,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = y.dtype
-        acc = torch.promote_types(dtype, torch.float32)
-        y = y.to(acc)
-        if z is not None:
-            y = y * F.silu(z.to(acc))
-        shape = y.shape
-        y = y.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y.reshape(shape) * self.weight.to(acc)).to(dtype)
+        return rms_norm(y, self.weight, self.eps, z=z, group_size=self.group_size)
 
 
 class SwiGLU(nn.Module):
