@@ -322,3 +322,18 @@ def test_implicit_setting_on_explicit_model_is_refused():
     model.config.implicit = dict(max_iter=2)
     with pytest.raises(ValueError, match="built explicit"):
         model(torch.randint(0, V, (1, 4)))
+
+
+def test_llama_varlen_attention_equals_dense_block_mask():
+    from lm.models.llama import varlen_causal_attention
+    from lm.models.layers import position_in_document
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 5, 12, 30, 31], dtype=torch.int32)  # includes an empty document
+    n = 31
+    q, k, v = (torch.randn(1, 3, n, 8, dtype=torch.float64) for _ in range(3))
+    doc = torch.searchsorted(cu.long()[1:], torch.arange(n), right=True)
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = varlen_causal_attention(q, k, v, cu, position_in_document(n, cu, q.device))
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

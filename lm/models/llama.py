@@ -97,15 +97,33 @@ class Attention(Mixer):
 
         s = k.shape[2]
         if cu_seqlens is not None:
-            doc = torch.searchsorted(cu_seqlens.to(x.device).long()[1:], torch.arange(t, device=x.device), right=True)
-            mask = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            o = varlen_causal_attention(q, k, v, cu_seqlens, pos)
         elif s == t:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # new tokens attend to all cached ones and causally among themselves
             mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * hd))
+
+
+def varlen_causal_attention(q, k, v, cu_seqlens, pos):
+    """Causal attention within each packed document: q, k, v (1, h, n, d), documents given by cu_seqlens,
+    pos (n,) each token's position inside its document. The documents are padded into a (num_docs, h, max_len, d) batch and
+    run through SDPA's causal path (flash kernels on GPU); memory is num_docs * max_len, not n^2.
+    (Padding sits at the end of each document, so real queries never see padded keys.)"""
+    _, h, n, d = q.shape
+    cu = cu_seqlens.to(q.device).long()
+    lens = cu[1:] - cu[:-1]
+    doc = torch.searchsorted(cu[1:], torch.arange(n, device=q.device), right=True)
+    max_len = int(lens.max())
+
+    def pad(t):
+        out = t.new_zeros(len(lens), h, max_len, d)
+        out[doc, :, pos] = t[0].transpose(0, 1)
+        return out
+
+    o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True)
+    return o[doc, :, pos].transpose(0, 1).unsqueeze(0)
 
 
 class LMLlamaModel(LMModel):
