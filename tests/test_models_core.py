@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from model_checks import overfit_losses
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lm  # noqa: F401  (registration)
@@ -50,14 +51,7 @@ def test_overfit_one_batch(family, implicit):
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(small_config(family, implicit))
     ids = torch.randint(0, V, (4, 16))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(30):
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = overfit_losses(model, ids)
     assert losses[-1] < 0.5 * losses[0], losses
 
 

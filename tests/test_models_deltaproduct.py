@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from model_checks import overfit_losses
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
@@ -199,14 +200,7 @@ def test_packed_equals_unpacked(name, implicit):
 def test_overfits_one_batch(implicit):
     model = make_model("gated_nh2", implicit).train()
     ids = torch.randint(0, 64, (2, 16))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(30):
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = overfit_losses(model, ids)
     assert losses[-1] < 0.3 * losses[0], losses
     if implicit is not None:
         assert model.model.injection.proj.weight.grad is not None
