@@ -13,3 +13,18 @@ def overfit_losses(model, ids, steps: int = 30, lr: float = 1e-2) -> list[float]
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def greedy_by_full_forward(model, ids, n: int, sequential: bool = False):
+    """Greedy decoding by repeated full forwards (no cache reuse); implicit models in the sequential
+    (token-by-token) mode from scratch, which is what cached generation must reproduce exactly."""
+    from lm.models import LMCache
+
+    for _ in range(n):
+        with torch.no_grad():
+            if sequential:
+                logits = model(ids, past_key_values=LMCache(model.config.num_hidden_layers), use_cache=True).logits
+            else:
+                logits = model(ids).logits
+        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+    return ids

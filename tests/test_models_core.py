@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from model_checks import overfit_losses
+from model_checks import greedy_by_full_forward, overfit_losses
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lm  # noqa: F401  (registration)
@@ -68,16 +68,6 @@ def test_save_load_identical_logits(family, implicit, tmp_path):
         assert torch.equal(model(ids).logits, loaded(ids).logits)
 
 
-def greedy_by_full_forward(model, prompt, n, sequential=False):
-    cur = prompt
-    for _ in range(n):
-        with torch.no_grad():
-            if sequential:  # implicit models: the sequential mode from scratch, no cache reuse
-                logits = model(cur, past_key_values=LMCache(), use_cache=True).logits
-            else:
-                logits = model(cur).logits
-        cur = torch.cat([cur, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return cur
 
 
 @pytest.mark.parametrize("family,implicit", VARIANTS, ids=IDS)

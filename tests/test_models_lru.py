@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from model_checks import overfit_losses
+from model_checks import greedy_by_full_forward, overfit_losses
 from transformers import AutoModelForCausalLM
 
 from lm.models import LMCache
@@ -162,15 +162,6 @@ def test_save_load_roundtrip(tmp_path, variant, implicit):
 
 
 # --- generation -----------------------------------------------------------------------------------
-def greedy_by_full_forward(model, ids, n, sequential):
-    for _ in range(n):
-        with torch.no_grad():
-            if sequential:  # implicit: the sequential (token-by-token) mode from scratch
-                logits = model(ids, past_key_values=LMCache(model.config.num_hidden_layers), use_cache=True).logits
-            else:
-                logits = model(ids).logits
-        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
-    return ids
 
 
 @pytest.mark.parametrize("variant,implicit", CASES, ids=CASE_IDS)
