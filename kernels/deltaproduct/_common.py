@@ -5,6 +5,8 @@ import torch
 
 L2NORM_EPS = 1e-6
 
+from ..varlen import check_cu_seqlens
+
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, computed in float32 (float64 stays float64)."""
@@ -42,16 +44,7 @@ def check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens):
         raise ValueError(f"g (log decay) must be (batch, seq_len, heads) = {(B, T, H)}, got {tuple(g.shape)}")
     N = B
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1 (packed sequences), got batch {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must be a 1-D tensor of token offsets (num_seqs+1,)")
-        if cu_seqlens.dtype.is_floating_point:
-            raise ValueError("cu_seqlens must be an integer tensor")
-        cs = cu_seqlens.tolist()
-        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs[:-1], cs[1:])):
-            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at seq_len={T}, got {cs}")
-        N = len(cs) - 1
+        N = check_cu_seqlens(cu_seqlens, B, T, "deltaproduct")
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
         raise ValueError(f"initial_state must be (num_states, heads, head_k_dim, head_v_dim) = {(N, H, K, V)} "
                          f"(num_states = batch, or number of sequences with cu_seqlens), "

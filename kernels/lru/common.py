@@ -5,6 +5,8 @@ import torch
 
 MAX_BLOCK = 8
 
+from ..varlen import check_cu_seqlens
+
 
 def compute_dtype(*tensors) -> torch.dtype:
     """float64 if any input is float64, else float32 (the accumulation dtype)."""
@@ -27,13 +29,8 @@ def check_args(A, x, initial_state, cu_seqlens):
         if not v.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor, got {v.dtype}")
     num_seqs = b
-    if cu_seqlens is not None:
-        if b != 1:
-            raise ValueError(f"cu_seqlens needs packed inputs with batch 1, got batch {b}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("cu_seqlens must be a 1-d int32/int64 tensor [0, ..., total_len] of length "
-                             f"num_seqs + 1, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-        num_seqs = cu_seqlens.numel() - 1
+    if cu_seqlens is not None:  # offsets not read on the host here (no sync in the fixed-point loop)
+        num_seqs = check_cu_seqlens(cu_seqlens, b, None, "block_scan")
     if initial_state is not None:
         if tuple(initial_state.shape) != (num_seqs, nb, m):
             what = "num_seqs" if cu_seqlens is not None else "batch"

@@ -6,6 +6,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..varlen import check_cu_seqlens
+
 
 def compute_dtype(*tensors) -> torch.dtype:
     """float64 when any floating input is float64, else float32 (the accumulation dtype)."""
@@ -60,16 +62,7 @@ def check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, ch
         raise ValueError(f"ssd: dt_limit must be (low, high) with low <= high, got {dt_limit!r}")
     num_seqs = b
     if cu_seqlens is not None:
-        if b != 1:
-            raise ValueError(f"ssd: cu_seqlens needs batch size 1 (packed documents), got batch {b}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("ssd: cu_seqlens must be 1-D (num_seqs + 1,) offsets starting at 0")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"ssd: cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-        cs = cu_seqlens.detach().cpu()
-        if int(cs[0]) != 0 or int(cs[-1]) != t or bool((cs[1:] < cs[:-1]).any()):
-            raise ValueError(f"ssd: cu_seqlens must be non-decreasing from 0 to seqlen ({t}), got {cs.tolist()}")
-        num_seqs = cu_seqlens.numel() - 1
+        num_seqs = check_cu_seqlens(cu_seqlens, b, t, "ssd")
     if initial_state is not None and initial_state.shape != (num_seqs, h, p, n):
         what = "num_seqs" if cu_seqlens is not None else "batch"
         raise _shape_err("initial_state", initial_state, f"({what}={num_seqs}, {h}, {p}, {n})")

@@ -1,0 +1,23 @@
+"""Validation of packed-sequence offsets, shared by every op (SSD, DeltaProduct, LRU scans)."""
+from __future__ import annotations
+
+import torch
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int | None, op: str) -> int:
+    """Check `cu_seqlens` (packed documents, batch 1) and return the number of sequences.
+
+    With `seq_len` the offsets are also checked to run non-decreasing from 0 to seq_len (this reads
+    them on the host); `seq_len=None` skips that check.
+    """
+    if batch != 1:
+        raise ValueError(f"{op}: cu_seqlens needs packed inputs with batch size 1, got batch {batch}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor (num_seqs + 1,) of offsets "
+                         f"[0, ..., seq_len], got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+    if seq_len is not None:
+        cs = cu_seqlens.detach().cpu()
+        if int(cs[0]) != 0 or int(cs[-1]) != seq_len or bool((cs[1:] < cs[:-1]).any()):
+            raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), "
+                             f"got {cs.tolist()}")
+    return cu_seqlens.numel() - 1
