@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-L2NORM_EPS = 1e-6
-
 from ..varlen import check_cu_seqlens
+
+L2NORM_EPS = 1e-6
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-MAX_BLOCK = 8
-
 from ..varlen import check_cu_seqlens
+
+MAX_BLOCK = 8
 
 
 def compute_dtype(*tensors) -> torch.dtype:
