@@ -28,3 +28,17 @@ def greedy_by_full_forward(model, ids, n: int, sequential: bool = False):
                 logits = model(ids).logits
         ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
     return ids
+
+
+def assert_incremental_equals_full(model, vocab: int = 64, split: int = 9, length: int = 14):
+    """Prefill `split` tokens with a cache, then single steps: the logits equal one full forward."""
+    from lm.models import LMCache
+
+    ids = torch.randint(0, vocab, (2, length))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = LMCache(model.config.num_hidden_layers)
+        parts = [model(ids[:, :split], past_key_values=cache, use_cache=True).logits]
+        for i in range(split, length):
+            parts.append(model(ids[:, i: i + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)

@@ -9,10 +9,9 @@ import re
 
 import pytest
 import torch
-from model_checks import greedy_by_full_forward, overfit_losses
+from model_checks import assert_incremental_equals_full, greedy_by_full_forward, overfit_losses
 from transformers import AutoModelForCausalLM
 
-from lm.models import LMCache
 from lm.models.lru import LMLRUConfig, LMLRUForCausalLM, l1_normalised_gates
 from lm.models.presets import count_parameters, list_presets, load_config
 from lm_kernels.lru import block_scan
@@ -179,14 +178,7 @@ def test_cached_generation_equals_full_forward_greedy(variant, implicit):
 def test_incremental_logits_equal_full_forward(variant):
     """Prefill (scan with a cache) + single steps (block_scan_step) == one full forward."""
     model = make_model(variant)
-    ids = torch.randint(0, 64, (2, 14))
-    with torch.no_grad():
-        full = model(ids).logits
-        cache = LMCache(model.config.num_hidden_layers)
-        parts = [model(ids[:, :9], past_key_values=cache, use_cache=True).logits]
-        for i in range(9, 14):
-            parts.append(model(ids[:, i: i + 1], past_key_values=cache, use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
+    assert_incremental_equals_full(model)
 
 
 # --- packed documents -----------------------------------------------------------------------------
