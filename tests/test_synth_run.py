@@ -182,6 +182,24 @@ def test_lr_schedules():
     assert lr_at(100, 100, 1.0, "cosine", 10, 0.1) == pytest.approx(0.1)
     assert lr_at(55, 100, 1.0, "linear", 10, 0.0) == pytest.approx(0.5)
     assert lr_at(99, 100, 1.0, "constant", 0, 0.0) == 1.0
+    # a wall-clock budget moves the decay on when it runs out first; the step budget still counts
+    assert lr_at(20, 100, 1.0, "cosine", 10, 0.0, time_frac=0.5) == pytest.approx(0.5)
+    assert lr_at(20, 100, 1.0, "cosine", 10, 0.1, time_frac=1.0) == pytest.approx(0.1)
+    assert lr_at(55, 100, 1.0, "cosine", 10, 0.0, time_frac=0.1) == pytest.approx(0.5)
+    assert lr_at(5, 100, 1.0, "cosine", 10, 0.0, time_frac=0.9) == pytest.approx(0.6)  # warm-up in steps
+
+
+def test_time_budget_stops_training_and_still_evaluates(tmp_path, one_thread):
+    cfg = load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml",
+                      [f"output_dir={tmp_path}", "train.steps=100000", "train.max_minutes=0.02", "train.log_every=1",
+                       "train.target_accuracy=null"])
+    res = run(cfg, progress=False)
+    assert 1 <= res["steps_run"] < 100000 and res["train_time_s"] < 30
+    assert res["train_log"][-1]["step"] == res["steps_run"]
+    assert res["train_log"][-1]["lr"] < 0.5 * cfg["train"]["lr"]  # the cosine followed the time budget
+    assert set(res["eval"]) == {str(n) for n in cfg["eval"]["lengths"]}
+    with pytest.raises(ValueError, match="train.max_minutes"):
+        load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", ["train.max_minutes=0"])
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])

@@ -16,6 +16,8 @@ A recipe (configs/synth/*.yaml) has these sections; overrides use dotted keys (`
            schedule (cosine | linear | constant), warmup_steps | warmup_fraction, min_lr, grad_clip,
            examples (null = a fresh batch every step; N = a fixed training set of N sequences, MAD style),
            target_accuracy (stop early, checked at log steps, once the running train accuracy reaches it),
+           max_minutes (null = none; a wall-clock budget for training: the LR schedule then runs on
+           max(step / steps, elapsed / budget), so it finishes its decay when the first budget runs out),
            log_every, eval_every
     eval:  lengths (null = the task's), examples (sequences per length), batch_size, seed,
            task (task parameters changed for evaluation, e.g. {p: 0.5} for the D_p mixture's harder
@@ -70,6 +72,7 @@ DEFAULTS: dict = {
         "grad_clip": None,
         "examples": None,
         "target_accuracy": None,
+        "max_minutes": None,
         "log_every": 50,
         "eval_every": 0,
     },
@@ -187,6 +190,9 @@ def validate_recipe(cfg: dict) -> None:
     for k in ("lr", "weight_decay", "eps", "min_lr"):
         if isinstance(tr[k], bool) or not isinstance(tr[k], (int, float)) or tr[k] < 0:
             bad(f"train.{k}", f"must be a number >= 0, got {tr[k]!r}")
+    if tr["max_minutes"] is not None and (isinstance(tr["max_minutes"], bool)
+                                          or not isinstance(tr["max_minutes"], (int, float)) or tr["max_minutes"] <= 0):
+        bad("train.max_minutes", f"must be null or a number of minutes > 0, got {tr['max_minutes']!r}")
     for k in ("grad_clip", "target_accuracy", "warmup_fraction", "warmup_steps"):
         if tr[k] is not None and (isinstance(tr[k], bool) or not isinstance(tr[k], (int, float)) or tr[k] < 0):
             bad(f"train.{k}", f"must be null or a number >= 0, got {tr[k]!r}")
@@ -268,12 +274,15 @@ def build_model(cfg: dict, task: Task) -> SynthModel:
 
 
 # --- training ------------------------------------------------------------------------------------------
-def lr_at(step: int, total: int, base: float, schedule: str, warmup: int, min_lr: float) -> float:
+def lr_at(step: int, total: int, base: float, schedule: str, warmup: int, min_lr: float,
+          time_frac: float = 0.0) -> float:
+    """LR at `step` of `total`; `time_frac` (elapsed / wall-clock budget) moves the decay on when the
+    time budget runs out before the step budget (warm-up stays counted in steps)."""
     if warmup and step < warmup:
         return base * (step + 1) / warmup
     if schedule == "constant":
         return base
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    frac = min(1.0, max((step - warmup) / max(1, total - warmup), time_frac))
     if schedule == "linear":
         return min_lr + (base - min_lr) * (1.0 - frac)
     return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
@@ -573,8 +582,11 @@ def run(cfg: dict, progress: bool = True) -> dict:
     try:
         model.train()
         step = 0
+        budget_s = 60.0 * tr["max_minutes"] if tr["max_minutes"] else None
+        eval_s = 0.0  # time spent in periodic evaluations: not charged to the training budget
         for step in range(1, steps + 1):
-            lr = lr_at(step - 1, steps, tr["lr"], tr["schedule"], warmup, tr["min_lr"])
+            time_frac = 0.0 if budget_s is None else (time.time() - t0 - eval_s) / budget_s
+            lr = lr_at(step - 1, steps, tr["lr"], tr["schedule"], warmup, tr["min_lr"], time_frac)
             for g in opt.param_groups:
                 g["lr"] = lr
             b = data.next()
@@ -591,7 +603,8 @@ def run(cfg: dict, progress: bool = True) -> dict:
             with torch.no_grad():  # kept on the device: no host sync except at log steps
                 acc_t = ((logits.argmax(-1) == y) & mask).sum() / mask.sum().clamp_min(1)
                 running_t = acc_t if running_t is None else 0.9 * running_t + 0.1 * acc_t
-            if step % tr["log_every"] == 0 or step == steps:
+            out_of_time = budget_s is not None and time.time() - t0 - eval_s >= budget_s
+            if step % tr["log_every"] == 0 or step == steps or out_of_time:
                 loss_v = float(loss.detach())
                 if not math.isfinite(loss_v):
                     raise FloatingPointError(f"loss is {loss_v} at step {step}; lower train.lr or set train.grad_clip")
@@ -610,10 +623,14 @@ def run(cfg: dict, progress: bool = True) -> dict:
                     break
             if bar is not None:
                 bar.update(1)
+            if out_of_time:
+                break
             if tr["eval_every"] and step % tr["eval_every"] == 0 and step != steps:
+                t_eval = time.time()
                 res = evaluate(model, eval_task, eval_lengths, ev["examples"], ev["batch_size"], ev["seed"], device,
                                cfg["dtype"])
-                history.append({"step": step, **summarize(eval_task, res)})
+                history.append({"step": step, "time_s": t_eval - t0, **summarize(eval_task, res)})
+                eval_s += time.time() - t_eval
     finally:
         data.close()
     if bar is not None:
