@@ -47,7 +47,8 @@ def run_case(args) -> dict:
     tokens_per_step = args.micro * args.accum * args.seq_len
     cfg = config_from_dict({
         "run_dir": str(run_dir),
-        "model": {"preset": preset, "implicit": implicit, "activation_checkpointing": args.act_ckpt},
+        "model": {"preset": preset, "implicit": implicit, "activation_checkpointing": args.act_ckpt,
+                  "compile": args.compile == "on"},
         "data": {"source": "synthetic", "seq_len": args.seq_len, "synthetic_vocab": vocab},
         "optim": {"lr": 1e-3},
         "schedule": {"kind": "constant", "warmup": 0},
@@ -69,7 +70,8 @@ def run_case(args) -> dict:
 
     fpt = flops_per_token(load_config(preset, implicit=implicit), args.seq_len)["train"]
     out = {
-        "case": args.case, "preset": preset, "implicit": implicit, "params": start["params"],
+        "case": args.case + ("+compile" if args.compile == "on" else ""), "compile": args.compile == "on",
+        "preset": preset, "implicit": implicit, "params": start["params"],
         "engine": start["engine"], "device": start["device"], "precision": args.precision,
         "seq_len": args.seq_len, "micro_batch_size": args.micro, "accumulation": args.accum,
         "tokens_per_step": tokens_per_step, "measured_steps": len(steps), "step_time_s": st,
@@ -98,6 +100,8 @@ def main() -> int:
     ap.add_argument("--engine", default="deepspeed", choices=["deepspeed", "torch"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing")
+    ap.add_argument("--compile", default="off", choices=["off", "on", "both"],
+                    help="model.compile (torch.compile per block); both: each case eager, then compiled")
     ap.add_argument("--peak-flops", type=float, default=989e12)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per case")
     ap.add_argument("--out", default=None, help="JSON file for the results")
@@ -107,13 +111,14 @@ def main() -> int:
         return 0
 
     results = []
-    for case in args.cases.split(","):
+    modes = ["off", "on"] if args.compile == "both" else [args.compile]
+    for case, mode in [(c, m) for c in args.cases.split(",") for m in modes]:
         micro, accum = args.micro, args.accum
         while True:
             cmd = [sys.executable, __file__, "--case", case, "--size", args.size, "--seq-len", str(args.seq_len),
                    "--micro", str(micro), "--accum", str(accum), "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--precision", args.precision, "--engine", args.engine,
-                   "--device", args.device, "--peak-flops", str(args.peak_flops)] + (["--act-ckpt"] if args.act_ckpt else [])
+                   "--device", args.device, "--peak-flops", str(args.peak_flops), "--compile", mode] + (["--act-ckpt"] if args.act_ckpt else [])
             t0 = time.time()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -124,23 +129,23 @@ def main() -> int:
             if line:
                 r = json.loads(line[7:])
                 results.append(r)
-                print(f"{case:22s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {100 * r['mfu']:5.1f}%  step "
+                print(f"{r['case']:30s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {100 * r['mfu']:5.1f}%  step "
                       f"{1e3 * r['step_time_s']:8.1f} ms  mem {r['mem_gb']:5.1f} GB  (case wall {time.time() - t0:.0f}s)",
                       flush=True)
                 break
             if "out of memory" in text.lower() and micro > 1:
                 micro, accum = micro // 2, accum * 2
-                print(f"{case}: out of memory, retrying with micro-batch {micro} x {accum}", flush=True)
+                print(f"{case} (compile {mode}): out of memory, retrying with micro-batch {micro} x {accum}", flush=True)
                 continue
-            print(f"{case}: FAILED (rc {rc})\n{text[-4000:]}", flush=True)
-            results.append({"case": case, "error": text[-4000:]})
+            print(f"{case} (compile {mode}): FAILED (rc {rc})\n{text[-4000:]}", flush=True)
+            results.append({"case": case + ("+compile" if mode == "on" else ""), "error": text[-4000:]})
             break
     by = {r["case"]: r for r in results if "error" not in r}
     ratios = {}
-    for fam in ("mamba2", "llama"):
-        e, i = by.get(f"{fam}-explicit"), by.get(f"{fam}-implicit-4+1")
+    for fam, sfx in [(f, s) for f in ("mamba2", "llama") for s in ("", "+compile")]:
+        e, i = by.get(f"{fam}-explicit{sfx}"), by.get(f"{fam}-implicit-4+1{sfx}")
         if e and i:
-            ratios[f"{fam}_implicit_over_explicit_step_time"] = (
+            ratios[f"{fam}{sfx}_implicit_over_explicit_step_time"] = (
                 i["step_time_s"] / i["tokens_per_step"]) / (e["step_time_s"] / e["tokens_per_step"])
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}")

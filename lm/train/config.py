@@ -26,6 +26,7 @@ class ModelSection:
     implicit: Union[dict, None] = None       # solver settings when there is no curriculum (None: explicit)
     init_from: Union[str, None] = None       # an HF folder (lm export output) to start from
     activation_checkpointing: bool = False   # model.gradient_checkpointing_enable()
+    compile: bool = False                    # torch.compile each block (the scan kernels stay opaque calls)
 
 
 @dataclasses.dataclass

@@ -177,6 +177,9 @@ def build_model(cfg: TrainConfig, phases, data_vocab: int):
         enable()
         if not getattr(model.model, "gradient_checkpointing", False):
             raise ValueError("model.activation_checkpointing: this model does not support activation checkpointing")
+    if m.compile:  # per block: the solver loop, the cache and the kernels stay eager
+        for layer in model.model.layers:
+            layer.compile()
     return model
 
 
