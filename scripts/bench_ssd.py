@@ -29,6 +29,20 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
+DEFAULT_VARIANTS = ["flat=flat/old/split", "flat2=flat2/pnfast/split", "fused=-/-/fused"]
+
+
+def parse_variants(specs):
+    """["NAME=SCAN/STATE/NOGRAD", ...] -> [(NAME, {env var: value}), ...]."""
+    out = []
+    for spec in specs:
+        name, _, val = spec.partition("=")
+        parts = val.split("/")
+        if not name or len(parts) != 3:
+            raise ValueError(f"--variants: {spec!r} is not NAME=SCAN/STATE/NOGRAD")
+        env = {k: v for k, v in zip(("LM_SSD_SCAN", "LM_SSD_STATE", "LM_SSD_NOGRAD"), parts) if v != "-"}
+        out.append((name, env))
+    return out
 
 
 def make_inputs(shape, device, dtype, seed=0):
@@ -118,7 +132,11 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--rep", type=int, default=300)
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="kernel variants to time, each NAME=SCAN/STATE/NOGRAD (LM_SSD_SCAN, LM_SSD_STATE, "
+                         f"LM_SSD_NOGRAD; '-' leaves one unset); default: {' '.join(DEFAULT_VARIANTS)}")
     args = ap.parse_args(argv)
+    variants = parse_variants(args.variants if args.variants is not None else DEFAULT_VARIANTS)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
@@ -148,23 +166,40 @@ def main(argv=None):
         row["ours_first_call_s"] = round(time.time() - t0, 2)
         with torch.no_grad():
             row["ours_nograd_fwd_ms"] = bench(ours_ng, args.warmup, args.rep)
+            y_default = ours_ng()
+            y_peer = peer_fn(inp, chunk)() if peer else None
         row["ours_fwd_ms"] = bench(ours, args.warmup, args.rep)
-        # the two forward scan kernels (heads batched per program or not), no-grad forward
-        prev = os.environ.get("LM_SSD_SCAN")
-        for variant in ("flat", "hb", "fact"):
-            os.environ["LM_SSD_SCAN"] = variant
+        # kernel variants (environment switches read at each call): no-grad and grad-enabled forward
+        for vname, venv in variants:
+            saved = {k: os.environ.get(k) for k in venv}
+            os.environ.update(venv)
             try:
                 with torch.no_grad():
-                    ours_ng()
-                    row[f"ours_nograd_fwd_ms_{variant}"] = bench(ours_ng, args.warmup, args.rep)
+                    yv = ours_ng()
+                    row[f"ours_nograd_fwd_ms_{vname}"] = bench(ours_ng, args.warmup, args.rep)
+                    row[f"y_rel_{vname}_vs_default"] = rel(yv, y_default)
+                    if peer:
+                        row[f"y_rel_{vname}_vs_mamba"] = rel(yv, y_peer)
+                if venv.get("LM_SSD_NOGRAD", "split") != "fused":
+                    ours()
+                    row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
+                if device == "cuda" and not args.no_profile:
+                    def ng():
+                        with torch.no_grad():
+                            ours_ng()
+                    row[f"kernels_ms_nograd_{vname}"] = [(n, round(t, 4)) for n, t in profile_kernels([("v", ng)])["v"][:8]]
             except Exception as e:  # a variant that fails to compile must not cost the rest of the run
-                print(f"scan variant {variant} failed: {e!r}", file=sys.stderr)
-                row[f"ours_nograd_fwd_ms_{variant}"] = float("nan")
-                row[f"error_{variant}"] = repr(e)[:500]
-        if prev is None:
-            os.environ.pop("LM_SSD_SCAN")
-        else:
-            os.environ["LM_SSD_SCAN"] = prev
+                print(f"variant {vname} failed: {e!r}", file=sys.stderr)
+                row[f"ours_nograd_fwd_ms_{vname}"] = float("nan")
+                row[f"error_{vname}"] = repr(e)[:500]
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        with torch.no_grad():
+            row["ours_nograd_fwd_ms_repeat"] = bench(ours_ng, args.warmup, args.rep)  # spread of one version
         row["ours_fwd_bwd_ms"] = bench(fwd_bwd(ours, gy), args.warmup, args.rep, grad_to_none=list(gin.values()))
         if peer:
             pin = with_grad(inp)
@@ -196,15 +231,21 @@ def main(argv=None):
             row["kernels_ms"] = {k: [(n, round(t, 4)) for n, t in v[:14]] for k, v in profile_kernels(fns).items()}
         result["shapes"][name] = row
         print_row(name, row)
+        if args.json:  # after every shape, so a run cut short keeps what it measured
+            write_json(args.json, result)
         del inp, gin
         if device == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     return result
+
+
+def write_json(path, result):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def print_row(name, row):
@@ -217,8 +258,17 @@ def print_row(name, row):
         ratio = row.get(f"ratio_{key}")
         print(f"{label:14s}{ours:10.3f}{theirs if theirs is not None else float('nan'):10.3f}"
               f"{ratio if ratio is not None else float('nan'):8.3f}{TARGETS[tkey]:8.2f}")
-    print("our no-grad fwd by scan kernel: " + ", ".join(f"{v}={row[f'ours_nograd_fwd_ms_{v}']:.3f} ms"
-                                                        for v in ("flat", "hb", "fact")))
+    names = [k[len("ours_nograd_fwd_ms_"):] for k in row if k.startswith("ours_nograd_fwd_ms_")]
+    mf = row.get("mamba_fwd_ms")
+    for v in names:
+        ng, fw = row[f"ours_nograd_fwd_ms_{v}"], row.get(f"ours_fwd_ms_{v}")
+        print(f"  variant {v:12s} nograd {ng:.3f} ms" + (f" ({ng / mf:.3f})" if mf else "")
+              + (f"  fwd {fw:.3f} ms" + (f" ({fw / mf:.3f})" if mf else "") if fw is not None else "")
+              + f"  y vs default {row.get(f'y_rel_{v}_vs_default', float('nan')):.1e}"
+              + (f" vs mamba {row[f'y_rel_{v}_vs_mamba']:.1e}" if f"y_rel_{v}_vs_mamba" in row else ""))
+        ks = row.get(f"kernels_ms_nograd_{v}")
+        if ks:
+            print("      " + ", ".join(f"{n[:28]}={t:.3f}" for n, t in ks[:6]))
     if "ours_vs_mamba_rel" in row:
         print("ours vs mamba_ssm (relative L2):", {k: f"{v:.2e}" for k, v in row["ours_vs_mamba_rel"].items()})
     for label, ks in row.get("kernels_ms", {}).items():

@@ -70,11 +70,13 @@ def compare(d, dtype, tol, **kw):
         assert rel(gt[k], gr[k]) < tol, f"grad {k}: {rel(gt[k], gr[k])}"
 
 
-@pytest.mark.parametrize("variant", ["hb", "flat", "fact"])
-def test_triton_fp32_all_options_matches_reference(variant, monkeypatch):
+@pytest.mark.parametrize("variant,state", [("hb", "old"), ("flat", "old"), ("fact", "old"), ("grid", "pnfast"),
+                                           ("flat2", "bn128")])
+def test_triton_fp32_all_options_matches_reference(variant, state, monkeypatch):
     # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp;
-    # both forward scan kernels (heads batched per program, or one head per program)
+    # every forward scan kernel and state-kernel layout
     monkeypatch.setenv("LM_SSD_SCAN", variant)
+    monkeypatch.setenv("LM_SSD_STATE", state)
     compare(make(2, 45, 4, 16, 2, 16), torch.float32, 2e-5, chunk_size=16, dt_limit=(0.05, 2.0))
 
 
@@ -84,9 +86,10 @@ def test_triton_fp32_odd_sizes_D_hp_no_gate_no_softplus():
     compare(d, torch.float32, 2e-5, chunk_size=16, dt_softplus=False)
 
 
-@pytest.mark.parametrize("variant", ["hb", "fact"])
+@pytest.mark.parametrize("variant", ["hb", "fact", "flat2"])
 def test_triton_head_blocked_scans_several_row_blocks(variant, monkeypatch):
-    """Chunks of 64 rows: several row blocks per chunk, so "fact" takes its factorised below-diagonal path."""
+    """Chunks of 64 rows: several row blocks per chunk, so "fact" and "flat2" take their factorised
+    below-diagonal path (and "flat2" its diagonal block in several k-steps)."""
     monkeypatch.setenv("LM_SSD_SCAN", variant)
     compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
 
@@ -113,6 +116,27 @@ def test_triton_varlen_matches_reference_and_separate_runs():
             one["initial_state"] = d["initial_state"][s:s + 1]
             ys, fs = ssd_scan(**one, chunk_size=16, return_final_state=True, backend="triton")
             assert rel(y[:, a:e], ys.double()) < 1e-5 and rel(f[s:s + 1], fs.double()) < 1e-5
+
+
+@pytest.mark.parametrize("chunk,T,varlen", [(64, 100, False), (16, 61, True)])
+def test_triton_fused_nograd_forward_matches_reference(chunk, T, varlen, monkeypatch):
+    """The fused no-grad forward (state carried in registers across chunks, never stored): several row
+    blocks per chunk (factorised decay below the diagonal), D per (head, p), gate, init and final states,
+    packed documents; and it equals the two-kernel no-grad path."""
+    monkeypatch.setenv("LM_SSD_NOGRAD", "fused")
+    kw = dict(chunk_size=chunk, dt_limit=(0.0, 3.0))
+    if varlen:
+        lens = [9, 0, 33, 19]
+        kw["cu_seqlens"] = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        d = make(1, sum(lens), 4, 16, 2, 16, D="hp", ns=len(lens))
+    else:
+        d = make(2, T, 4, 16, 2, 16, D="hp")
+    y, f, _ = run("triton", d, torch.float32, grad=False, **kw)
+    yr, fr, _ = run("reference", d, F64, grad=False, **kw)
+    assert rel(y, yr) < 2e-5 and rel(f, fr) < 2e-5, (rel(y, yr), rel(f, fr))
+    monkeypatch.setenv("LM_SSD_NOGRAD", "split")
+    ys, fs, _ = run("triton", d, torch.float32, grad=False, **kw)
+    assert rel(y, ys.double()) < 1e-6 and rel(f, fs.double()) < 1e-6
 
 
 def test_triton_bf16_forward_backward():

@@ -115,11 +115,18 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
                      s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
                      L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """Per (sequence, head, p-block x n-block): walk the chunks in order, store each chunk's start state."""
-    pid_s = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_pn = tl.program_id(2)
+                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PN_FAST: tl.constexpr = False):
+    """Per (sequence, head, p-block x n-block): walk the chunks in order, store each chunk's start state.
+    PN_FAST: grid (p-block x n-block, head, sequence), so the programs that read the same x rows (one per
+    n-block) run together and share them through L2; else (sequence, head, p-block x n-block)."""
+    if PN_FAST:
+        pid_pn = tl.program_id(0)
+        h = tl.program_id(1)
+        pid_s = tl.program_id(2)
+    else:
+        pid_s = tl.program_id(0)
+        h = tl.program_id(1)
+        pid_pn = tl.program_id(2)
     n_nb = tl.cdiv(N, BN)
     offs_p = (pid_pn // n_nb) * BP + tl.arange(0, BP)
     offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
@@ -249,6 +256,187 @@ def chunk_scan_fwd_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_p
                      mask=mp_mask, other=0.0).to(tl.float32)
         acc = acc * zv * tl.sigmoid(zv)
     tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
+
+
+@triton.jit
+def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h, St, offs_p, pmask, offs_n,
+               nmask, P, s_x_t, s_B_t,
+               L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
+               FACT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """y rows m0..m0+BM of one chunk and head (before the z gate), float32 (BM, BP), and the x rows m0..m0+BM:
+        y_m = e^{cs_m} C_m S^T + sum_{k <= m} CB[m, k] e^{cs_m - cs_k} dt_k x_k + D x_m,   St = S^T (BNF, BP).
+    Blocks strictly below the diagonal (k < m0 <= m, BK divides BM) need no mask; with FACT their decay
+    factorises through the k-block's last row r: e^{cs_m - cs_k} = e^{cs_m - cs_r} e^{cs_r - cs_k}, both
+    exponents <= 0 (cs falls within a chunk), so underflow is the worst case, and BM + BK exponentials
+    replace BM * BK. The diagonal block keeps the exact masked decay."""
+    rows_m = m0 + tl.arange(0, BM)
+    mmask = rows_m < clen
+    cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+    Cm = tl.load(C_base + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :], mask=mmask[:, None] & nmask[None, :],
+                 other=0.0).to(DOT_DT)
+    acc = tl.dot(Cm, St, input_precision=DOT_PREC) * tl.where(mmask, tl.exp(cs_m), 0.0)[:, None]
+    for k in range(0, m0, BK):  # below the diagonal: every row valid (k + BK <= m0 < clen)
+        rows_k = k + tl.arange(0, BK)
+        cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+        cs_k = tl.load(cs_ptr + tok0 + rows_k)
+        dt_k = tl.load(dtp_ptr + tok0 + rows_k)
+        if FACT:
+            cs_r = tl.load(cs_ptr + tok0 + k + BK - 1)
+            fm = tl.where(mmask, tl.exp(cs_m - cs_r), 0.0)
+            cb = cb * fm[:, None] * (tl.exp(cs_r - cs_k) * dt_k)[None, :]
+        else:
+            dec = tl.exp(tl.where(mmask[:, None], cs_m[:, None] - cs_k[None, :], float("-inf")))
+            cb = cb * dec * dt_k[None, :]
+        xk = tl.load(x_base + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :], mask=pmask[None, :], other=0.0)
+        acc = tl.dot(cb.to(DOT_DT), xk.to(DOT_DT), acc, input_precision=DOT_PREC)
+    if BK == BM:  # one diagonal block; its x tile is x_m (reused for D and by the fused state update)
+        causal = (rows_m[:, None] >= rows_m[None, :]) & mmask[None, :] & mmask[:, None]
+        cb = tl.load(cb_base + rows_m[:, None] * L + rows_m[None, :], mask=causal, other=0.0).to(tl.float32)
+        dt_m = tl.load(dtp_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+        dec = tl.exp(tl.where(causal, cs_m[:, None] - cs_m[None, :], float("-inf")))
+        cb = cb * dec * dt_m[None, :]
+        xm = tl.load(x_base + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :], mask=mmask[:, None] & pmask[None, :],
+                     other=0.0)
+        acc = tl.dot(cb.to(DOT_DT), xm.to(DOT_DT), acc, input_precision=DOT_PREC)
+    else:
+        k_end = tl.minimum(m0 + BM, clen)
+        for k in range(m0, k_end, BK):
+            rows_k = k + tl.arange(0, BK)
+            kmask = rows_k < clen
+            causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :] & mmask[:, None]
+            cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=causal, other=0.0).to(tl.float32)
+            cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+            dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+            dec = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+            cb = cb * dec * dt_k[None, :]
+            xk = tl.load(x_base + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :],
+                         mask=kmask[:, None] & pmask[None, :], other=0.0)
+            acc = tl.dot(cb.to(DOT_DT), xk.to(DOT_DT), acc, input_precision=DOT_PREC)
+        xm = tl.load(x_base + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :], mask=mmask[:, None] & pmask[None, :],
+                     other=0.0)
+    if HAS_D:
+        if D_HP:
+            Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            Dv = tl.load(D_ptr + h).to(tl.float32)
+        acc += Dv * xm.to(tl.float32)
+    return acc, xm
+
+
+@triton.jit
+def _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P, s_z_b, s_z_t, s_z_h,
+             HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr):
+    mp_mask = mmask[:, None] & pmask[None, :]
+    y_off = (b * T + t0 + rows_m[:, None]).to(tl.int64) * (H * P) + h * P + offs_p[None, :]
+    if STORE_PRE:
+        tl.store(ypre_ptr + y_off, acc.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
+    if HAS_Z:
+        zv = tl.load(z_ptr + b * s_z_b + (t0 + rows_m[:, None]) * s_z_t + h * s_z_h + offs_p[None, :],
+                     mask=mp_mask, other=0.0).to(tl.float32)
+        acc = acc * zv * tl.sigmoid(zv)
+    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
+
+
+@triton.jit
+def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
+                           chunk_t0_ptr, chunk_len_ptr,
+                           T, H, P, N, NC, BT, R, G,
+                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                           L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                           BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+                           STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, FACT: tl.constexpr,
+                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """chunk_scan_fwd_kernel with the grid (m-block x p-block, head, chunk): the row blocks of one (chunk,
+    head) run next to each other (x tiles and the chunk's start state are re-read from L2, not HBM), then
+    the heads of the chunk (the group's C rows and CB tiles stay in L2); row blocks run heaviest first."""
+    pid_mp = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    n_pb = tl.cdiv(P, BP)
+    n_mb = tl.cdiv(L, BM)
+    m0 = (n_mb - 1 - pid_mp // n_pb) * BM
+    offs_p = (pid_mp % n_pb) * BP + tl.arange(0, BP)
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if m0 >= clen:
+        return
+    g = h // R
+    tok0 = h * BT + b * T + t0
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    pmask = offs_p < P
+    St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(DOT_DT)  # (BNF, BP) = S^T
+    acc, xm = _scan_rows(x_ptr + b * s_x_b + h * s_x_h, C_ptr + b * s_B_b + g * s_B_g,
+                         CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h,
+                         St, offs_p, pmask, offs_n, nmask, P, s_x_t, s_B_t,
+                         L, BM, BK, HAS_D, D_HP, FACT, DOT_DT, DOT_PREC)
+    rows_m = m0 + tl.arange(0, BM)
+    _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H, P,
+             s_z_b, s_z_t, s_z_h, HAS_Z, STORE_PRE)
+
+
+@triton.jit
+def ssd_fused_fwd_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, init_ptr, final_ptr, D_ptr, z_ptr, y_ptr,
+                         cu_ptr, chunk_first_ptr,
+                         T, H, P, N, NC, BT, R, G,
+                         s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                         L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BNF: tl.constexpr,
+                         HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
+                         HAS_Z: tl.constexpr, IS_VARLEN: tl.constexpr, FACT: tl.constexpr, S_BF16: tl.constexpr,
+                         DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """No-grad forward in one pass per (p-block, head, sequence): walk the chunks in order with the state
+    S (BP, N) in registers (float32); per chunk, each row block's output uses S (rounded to the dot dtype,
+    as the stored states of the two-kernel path) and adds its rows' share sum_l w_l x_l B_l^T to the next
+    state, from the x tile it already loaded. No chunk states are written or read, x is read once."""
+    pid_p = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    pmask = offs_p < P
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    pn_mask = pmask[:, None] & nmask[None, :]
+    pn_off = offs_p[:, None] * N + offs_n[None, :]
+    g = h // R
+    b, t_begin, seqlen, c_begin, n_chunks = _seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
+    if HAS_INIT:
+        S = tl.load(init_ptr + (pid_s * H + h) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BP, BNF), dtype=tl.float32)
+    x_base = x_ptr + b * s_x_b + h * s_x_h
+    B_base = B_ptr + b * s_B_b + g * s_B_g
+    C_base = C_ptr + b * s_B_b + g * s_B_g
+    for i in range(0, n_chunks):
+        c = c_begin + i
+        t0 = t_begin + i * L
+        clen = tl.minimum(L, seqlen - i * L)
+        tok0 = h * BT + b * T + t0
+        a = tl.load(cs_ptr + tok0 + clen - 1)
+        if S_BF16:  # the two-kernel path stores the chunk states in bfloat16 for bfloat16 inputs
+            St = tl.trans(S.to(tl.bfloat16).to(DOT_DT))  # (BNF, BP)
+        else:
+            St = tl.trans(S.to(DOT_DT))
+        cb_base = CB_ptr + (c.to(tl.int64) * G + g) * L * L
+        upd = tl.zeros((BP, BNF), dtype=tl.float32)
+        for mb in range(0, tl.cdiv(clen, BM)):
+            m0 = mb * BM
+            acc, xm = _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h,
+                                 St, offs_p, pmask, offs_n, nmask, P, s_x_t, s_B_t,
+                                 L, BM, BM, HAS_D, D_HP, FACT, DOT_DT, DOT_PREC)
+            rows_m = m0 + tl.arange(0, BM)
+            mmask = rows_m < clen
+            _store_y(y_ptr, y_ptr, z_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P,
+                     s_z_b, s_z_t, s_z_h, HAS_Z, False)
+            cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+            dt_m = tl.load(dtp_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+            w = tl.where(mmask, tl.exp(a - cs_m) * dt_m, 0.0)
+            Bm = tl.load(B_base + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :],
+                         mask=mmask[:, None] & nmask[None, :], other=0.0).to(DOT_DT)
+            xw = (xm.to(tl.float32) * w[:, None]).to(DOT_DT)
+            upd = tl.dot(tl.trans(xw), Bm, upd, input_precision=DOT_PREC)
+        S = tl.exp(a) * S + upd
+    if HAS_FINAL:
+        tl.store(final_ptr + (pid_s * H + h) * P * N + pn_off, S, mask=pn_mask)
 
 
 @triton.jit

@@ -47,7 +47,7 @@ _dt_fwd = K.dt_fwd_kernel
 _dt_bwd = K.dt_bwd_kernel
 _gate_bwd = K.gate_bwd_kernel
 _cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
-_state_fwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.state_fwd_kernel)
+_state_fwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R", "BN"])(K.state_fwd_kernel)
 def _prune_bm(configs, named_args, **kwargs):
     """Drop row blocks larger than the chunk (keeps at least the first config)."""
     L = kwargs.get("L", named_args.get("L"))
@@ -90,6 +90,38 @@ _scan_fwd_fact = triton.autotune(
     configs=(_scan_fact_cfgs[-1:] if _INTERPRET  # 16-row blocks: the interpreter tests use 16-32 row chunks
              else _scan_fact_cfgs[:1] if os.environ.get("LM_SSD_AUTOTUNE", "1") == "0" else _scan_fact_cfgs),
     key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_fact})(K.chunk_scan_fwd_fact_kernel)
+def _prune_fwd2(configs, named_args, **kwargs):
+    """Row blocks inside the chunk, k-blocks dividing the row block (BK <= BM, both powers of two)."""
+    L = kwargs.get("L", named_args.get("L"))
+    keep = [c for c in configs if c.kwargs["BM"] <= L and c.kwargs["BK"] <= c.kwargs["BM"]]
+    return keep or [c for c in configs if c.kwargs["BK"] <= c.kwargs["BM"]][-1:]
+
+
+_AUTOTUNE = not (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
+_scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_stages=st)
+                   for bm, bk, bp, w, st in ((64, 64, 64, 4, 2), (64, 32, 64, 4, 2), (64, 32, 64, 4, 3),
+                                             (128, 64, 64, 8, 2), (128, 32, 64, 8, 3), (64, 32, 32, 4, 2),
+                                             (64, 64, 64, 8, 2), (32, 32, 64, 4, 2), (128, 128, 64, 8, 2),
+                                             (32, 16, 16, 4, 2))]  # the last: interpreter tests (small chunks)
+_scan_fwd2 = triton.autotune(
+    configs=(_scan_fwd2_cfgs if _AUTOTUNE else _scan_fwd2_cfgs[-1:] if _INTERPRET else _scan_fwd2_cfgs[:1]),
+    key=["P", "N", "R", "L", "FACT"], prune_configs_by={"early_config_prune": _prune_fwd2})(K.chunk_scan_fwd2_kernel)
+
+
+def _prune_fused(configs, named_args, **kwargs):
+    L = kwargs.get("L", named_args.get("L"))
+    keep = [c for c in configs if c.kwargs["BM"] <= L]
+    return keep or configs[-1:]
+
+
+_fused_cfgs = [triton.Config(dict(BP=bp, BM=bm), num_warps=w, num_stages=st)
+               for bp, bm, w, st in ((32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2),
+                                     (16, 32, 4, 2), (64, 32, 4, 2), (32, 128, 8, 2),
+                                     (16, 16, 4, 2))]  # the last: interpreter tests (small chunks)
+_fused_fwd = triton.autotune(
+    configs=(_fused_cfgs if _AUTOTUNE else _fused_cfgs[-1:] if _INTERPRET else _fused_cfgs[:1]),
+    key=["P", "N", "R", "L", "NC", "FACT"], prune_configs_by={"early_config_prune": _prune_fused})(
+        K.ssd_fused_fwd_kernel)
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R"], reset_to_zero=["dda_ptr", "ddarange_ptr"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
@@ -159,19 +191,43 @@ class _Plan:
         self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
 
 
+_SCAN_VARIANTS = ("flat", "grid", "flat2", "hb", "fact")
+
+
 def _scan_variant(plan):
-    """The forward scan kernel: "flat" (one head per program, the default), "hb" (heads batched per
-    program with 3D products, sharing the C and CB loads; slower on an H100) or "fact" (heads share 2D
-    products below the diagonal block through a stable factorised decay; not yet timed on a GPU).
-    LM_SSD_SCAN=flat|hb|fact overrides."""
+    """The forward scan kernel. "flat": one head per program, grid (chunk, head, row block); "grid": the
+    same math on the grid (row block, head, chunk) (chunk_scan_fwd2_kernel); "flat2": "grid" plus the
+    exponential-free factorised decay below the diagonal; "hb" (heads batched per program with 3D
+    products) and "fact" (heads share 2D products below the diagonal) were slower on an H100.
+    LM_SSD_SCAN overrides the default."""
     v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
-    if v not in ("", "hb", "flat", "fact"):
-        raise ValueError(f"LM_SSD_SCAN={v!r} must be 'flat', 'hb' or 'fact' (or unset)")
-    if plan.R % 2:  # head blocks (HB >= 2) must stay inside one group
+    if v and v not in _SCAN_VARIANTS:
+        raise ValueError(f"LM_SSD_SCAN={v!r} must be one of {_SCAN_VARIANTS} (or unset)")
+    if v in ("hb", "fact") and plan.R % 2:  # head blocks (HB >= 2) must stay inside one group
         return "flat"
-    if v:
-        return v
-    return "flat"  # measured on an H100 (B8 T2048 H64 P64 N128): flat 0.618 ms, hb 0.675 ms
+    return v or "flat"
+
+
+_STATE_VARIANTS = ("old", "pnfast", "bn128")
+
+
+def _state_variant():
+    """state_fwd layout: "old" grid (sequence, head, p x n block) with 64-wide n blocks; "pnfast" grid
+    (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head).
+    LM_SSD_STATE overrides the default."""
+    v = os.environ.get("LM_SSD_STATE", "").strip().lower()
+    if v and v not in _STATE_VARIANTS:
+        raise ValueError(f"LM_SSD_STATE={v!r} must be one of {_STATE_VARIANTS} (or unset)")
+    return v or "old"
+
+
+def _nograd_variant(plan):
+    """No-grad forward: "split" (state kernel, then the scan kernel) or "fused" (one pass per head walking
+    the chunks with the state in registers; nothing stored but y). LM_SSD_NOGRAD overrides the default."""
+    v = os.environ.get("LM_SSD_NOGRAD", "").strip().lower()
+    if v and v not in ("split", "fused"):
+        raise ValueError(f"LM_SSD_NOGRAD={v!r} must be 'split' or 'fused' (or unset)")
+    return v or "split"
 
 
 def _limits(dt_limit):
@@ -192,56 +248,57 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
         pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), lo, hi,
         L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         IS_VARLEN=pl.varlen, num_warps=4)
-    state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)
     final = torch.empty(pl.nseq, H, P, N, dtype=torch.float32, device=dev) if want_final else None
     prec = _dot_prec(x.dtype)
-    _state_fwd[(pl.nseq, H, pl.npn)](
-        x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
-        final if final is not None else dtp, pl.cu, pl.chunk_first,
-        pl.T, H, P, N, pl.NC, pl.BT, pl.R,
-        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
-        IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     cb_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype, device=dev)
     _cb_fwd[(pl.NCB, pl.G, (L // pl.BM) * (L // pl.BK))](
         B, C, CB, pl.chunk_t0, pl.chunk_len, pl.T, N, pl.NC, pl.G, B.stride(0), B.stride(1), B.stride(2),
         L=L, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     y = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
+    zz = z if z is not None else x
+    common = (pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
+              x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+              zz.stride(0), zz.stride(1), zz.stride(2))
+    flags = dict(HAS_D=D is not None, D_HP=D is not None and D.dim() == 2, HAS_Z=z is not None,
+                 IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    if not save and _nograd_variant(pl) == "fused":
+        _fused_fwd[lambda META: (triton.cdiv(P, META["BP"]), H, pl.nseq)](
+            x, B, C, CB, dtp, cs, initial_state if initial_state is not None else dtp,
+            final if final is not None else dtp, D if D is not None else dtp, zz, y, pl.cu, pl.chunk_first,
+            *common, L=L, BNF=pl.BNF, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+            FACT=True, S_BF16=x.dtype == torch.bfloat16, **flags)
+        return y, final, None
+    state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)
+    sv = _state_variant()
+    bn = min(128, pl.BNF) if sv == "bn128" else pl.BN
+    npn = triton.cdiv(P, pl.BP) * triton.cdiv(N, bn)
+    grid = (npn, H, pl.nseq) if sv != "old" else (pl.nseq, H, npn)
+    _state_fwd[grid](
+        x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
+        final if final is not None else dtp, pl.cu, pl.chunk_first,
+        pl.T, H, P, N, pl.NC, pl.BT, pl.R,
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        L=L, BP=pl.BP, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+        IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype), PN_FAST=sv != "old")
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
-    zz = z if z is not None else x
-    if _scan_variant(pl) == "fact":
-        zz = z if z is not None else x
+    scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
+                 pl.chunk_t0, pl.chunk_len, *common)
+    variant = _scan_variant(pl)
+    if variant in ("grid", "flat2"):
+        _scan_fwd2[lambda META: (triton.cdiv(L, META["BM"]) * triton.cdiv(P, META["BP"]), H, pl.NCB)](
+            *scan_args, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2", **flags)
+    elif variant == "fact":
         _scan_fwd_fact[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
-            x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
-            pl.chunk_t0, pl.chunk_len,
-            pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
-            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-            zz.stride(0), zz.stride(1), zz.stride(2),
-            L=L, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
-            HAS_Z=z is not None, STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
-        return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
-    if _scan_variant(pl) == "hb":
-        zz = z if z is not None else x
+            *scan_args, L=L, BPF=pl.BPF, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
+    elif variant == "hb":
         _scan_fwd_hb[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
-            x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
-            pl.chunk_t0, pl.chunk_len,
-            pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
-            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-            zz.stride(0), zz.stride(1), zz.stride(2),
-            L=L, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
-            HAS_Z=z is not None, STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
-        return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
-    _scan_fwd[lambda META: (pl.NCB, H, triton.cdiv(L, META["BM"]) * triton.cdiv(P, pl.BP))](
-        x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
-        pl.chunk_t0, pl.chunk_len,
-        pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
-        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        zz.stride(0), zz.stride(1), zz.stride(2),
-        L=L, BP=pl.BP, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2,
-        HAS_Z=z is not None, STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+            *scan_args, L=L, BPF=pl.BPF, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
+    else:
+        _scan_fwd[lambda META: (pl.NCB, H, triton.cdiv(L, META["BM"]) * triton.cdiv(P, pl.BP))](
+            *scan_args, L=L, BP=pl.BP, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
     return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
 
 
