@@ -13,11 +13,15 @@ MINUTES=${2:-7.5}
 OUT_DIR=${3:-runs/synth_gpu}
 mkdir -p "$OUT_DIR"
 pids=()
-while read -r name recipe rest; do
+while read -r name recipe rest || [[ -n "${name:-}" ]]; do
   [[ -z "${name:-}" || "$name" == \#* ]] && continue
-  # shellcheck disable=SC2086
-  python -m lm.cli synth "$recipe" name="$name" output_dir="$OUT_DIR/$name" device="${DEVICE:-cuda}" --quiet \
-    train.max_minutes="$MINUTES" train.eval_every=0 $rest >"$OUT_DIR/$name.log" 2>&1 &
+  envs=(); overrides=()
+  for tok in $rest; do  # LM_*=value tokens set the environment of that run (e.g. a kernel backend)
+    if [[ "$tok" =~ ^LM_[A-Z_]+= ]]; then envs+=("$tok"); else overrides+=("$tok"); fi
+  done
+  env "${envs[@]}" python -m lm.cli synth "$recipe" name="$name" output_dir="$OUT_DIR/$name" \
+    device="${DEVICE:-cuda}" --quiet train.max_minutes="$MINUTES" train.eval_every=0 "${overrides[@]}" \
+    >"$OUT_DIR/$name.log" 2>&1 &
   pids+=($!)
   echo "started $name ($recipe $rest)"
 done <"$SUITE"
