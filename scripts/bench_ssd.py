@@ -29,7 +29,7 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-DEFAULT_VARIANTS = ["flat=flat/old/split", "flat2=flat2/pnfast/split", "fused=-/-/fused"]
+DEFAULT_VARIANTS = ["flat=flat/old/split", "grid=grid/pnfast/split", "fused=-/-/fused"]  # default: flat2/pnfast/split
 
 
 def parse_variants(specs):
@@ -95,6 +95,31 @@ def fwd_bwd(f, gy):
     def run():
         f().backward(gy)
     return run
+
+
+def host_ms(fn, n=100):
+    """Host time per call (ms): n calls queued without waiting for the device (launch queue not full)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t) / n * 1e3
+    torch.cuda.synchronize()
+    return dt
+
+
+def autotuned_configs():
+    """{kernel: {autotune key: chosen config}} of our autotuned kernels."""
+    from triton.runtime.autotuner import Autotuner
+
+    import lm_kernels.ssd.triton_ssd as ts
+    out = {}
+    for name, obj in vars(ts).items():
+        if isinstance(obj, Autotuner) and getattr(obj, "cache", None):
+            out[name] = {str(k): str(v) for k, v in obj.cache.items()}
+    return out
 
 
 def rel(a, b):
@@ -200,6 +225,8 @@ def main(argv=None):
                         os.environ[k] = v
         with torch.no_grad():
             row["ours_nograd_fwd_ms_repeat"] = bench(ours_ng, args.warmup, args.rep)  # spread of one version
+            row["ours_nograd_host_ms"] = host_ms(ours_ng)
+        row["ours_fwd_host_ms"] = host_ms(ours)
         row["ours_fwd_bwd_ms"] = bench(fwd_bwd(ours, gy), args.warmup, args.rep, grad_to_none=list(gin.values()))
         if peer:
             pin = with_grad(inp)
@@ -209,10 +236,13 @@ def main(argv=None):
             fwd_bwd(theirs, gy)()
             row["mamba_first_call_s"] = round(time.time() - t0, 2)
             row["mamba_fwd_ms"] = bench(theirs, args.warmup, args.rep)
+            row["mamba_fwd_host_ms"] = host_ms(theirs)
             row["mamba_fwd_bwd_ms"] = bench(fwd_bwd(theirs, gy), args.warmup, args.rep,
                                             grad_to_none=list(pin.values()))
             with torch.no_grad():
                 row["mamba_nograd_fwd_ms"] = bench(peer_fn(inp, chunk), args.warmup, args.rep)
+                row["mamba_nograd_host_ms"] = host_ms(peer_fn(inp, chunk))
+            row["ratio_nograd_vs_mamba_nograd"] = row["ours_nograd_fwd_ms"] / row["mamba_nograd_fwd_ms"]
             row["ratio_fwd"] = row["ours_fwd_ms"] / row["mamba_fwd_ms"]
             row["ratio_fwd_bwd"] = row["ours_fwd_bwd_ms"] / row["mamba_fwd_bwd_ms"]
             row["ratio_nograd_fwd"] = row["ours_nograd_fwd_ms"] / row["mamba_fwd_ms"]
@@ -229,6 +259,7 @@ def main(argv=None):
             if peer:
                 fns += [("mamba fwd", theirs), ("mamba fwd+bwd", fwd_bwd(theirs, gy))]
             row["kernels_ms"] = {k: [(n, round(t, 4)) for n, t in v[:14]] for k, v in profile_kernels(fns).items()}
+        row["autotuned"] = autotuned_configs()
         result["shapes"][name] = row
         print_row(name, row)
         if args.json:  # after every shape, so a run cut short keeps what it measured
@@ -269,6 +300,11 @@ def print_row(name, row):
         ks = row.get(f"kernels_ms_nograd_{v}")
         if ks:
             print("      " + ", ".join(f"{n[:28]}={t:.3f}" for n, t in ks[:6]))
+    if "mamba_nograd_fwd_ms" in row:
+        print(f"mamba no-grad fwd {row['mamba_nograd_fwd_ms']:.3f} ms (ours no-grad / it: "
+              f"{row['ratio_nograd_vs_mamba_nograd']:.3f}); host ms per call: ours no-grad "
+              f"{row['ours_nograd_host_ms']:.3f}, ours fwd {row['ours_fwd_host_ms']:.3f}, mamba fwd "
+              f"{row['mamba_fwd_host_ms']:.3f}, mamba no-grad {row['mamba_nograd_host_ms']:.3f}")
     if "ours_vs_mamba_rel" in row:
         print("ours vs mamba_ssm (relative L2):", {k: f"{v:.2e}" for k, v in row["ours_vs_mamba_rel"].items()})
     for label, ks in row.get("kernels_ms", {}).items():
