@@ -103,6 +103,7 @@ _scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_sta
                    for bm, bk, bp, w, st in ((64, 64, 64, 4, 2), (64, 32, 64, 4, 2), (64, 32, 64, 4, 3),
                                              (128, 64, 64, 8, 2), (128, 32, 64, 8, 3), (64, 32, 32, 4, 2),
                                              (64, 64, 64, 8, 2), (32, 32, 64, 4, 2), (128, 128, 64, 8, 2),
+                                             (64, 64, 64, 4, 3), (128, 64, 64, 8, 3),
                                              (32, 16, 16, 4, 2))]  # the last: interpreter tests (small chunks)
 _scan_fwd2 = triton.autotune(
     configs=(_scan_fwd2_cfgs if _AUTOTUNE else _scan_fwd2_cfgs[-1:] if _INTERPRET else _scan_fwd2_cfgs[:1]),
