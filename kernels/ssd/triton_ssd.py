@@ -1,9 +1,11 @@
-"""Triton SSD scan: launches (forward 3 kernels, backward 5-6) and the autograd.Function.
+"""Triton SSD scan: launches (forward 4 kernels, backward 5-6) and the autograd.Function.
 
-Forward:  dt_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A)
+Forward:  dt_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A), cb_fwd (C.B per chunk and group)
           state_fwd (chunk states and the chunk-to-chunk pass fused: one program walks a sequence's
                      chunks and stores every chunk's start state; the final state stays float32)
-          chunk_scan_fwd (y = inter-chunk + intra-chunk + D skip, then the z gate)
+          chunk_scan_fwd2 (y = inter-chunk + intra-chunk + D skip, then the z gate; grid (row block,
+                     head, chunk)). Other scan kernels / layouts: LM_SSD_SCAN, LM_SSD_STATE and
+                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md).
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate, fused with the per-chunk dstate)
           -> dcb_bwd (per group dy.x^T * decay * dt) -> dx_bwd -> dbdc_bwd -> dt_bwd.
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs
