@@ -8,6 +8,11 @@ enabled (also writes the chunk states for backward), our forward+backward, and f
 backward is refused on triton 3.6 Hopper). It also checks, at the bench shape, our output against fla's and
 against a float64 reference on a slice of the batch (relative error, forward and every gradient).
 fla is optional: without it only our numbers are reported. --quick runs tiny shapes (CPU interpreter).
+
+--variants A B ... times kernel variants (VARIANTS below: module switches and fixed launch configs) side by
+side in one process, and on CUDA prints each compiled kernel's registers and spills (triton's metadata).
+--warm ours|fla only compiles (one call of each path): run such processes beside the GPU tests so that the
+timing process starts with triton's disk cache filled (set FLA_CACHE_RESULTS=0 so fla re-times its configs).
 """
 from __future__ import annotations
 
@@ -19,6 +24,61 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+
+# Candidate kernel choices compared side by side in one process (--variants): module attributes of
+# lm_kernels.deltaproduct.triton_chunk set before each variant's timings.
+VARIANTS = {
+    # session 1's kernels (prep at 4 warps and main at 8 warps/1 stage: what they were autotuned to)
+    "base": dict(H_O_IMPL="v1", DH_IMPL="v1", TM_IN_K_DTYPE=False, PREP_SCALE_T=False, PREP_REBASE=False,
+                 MAIN_REBASE=False, FIXED={"main": ({"BV": 64}, 8, 1), "prep": ({}, 4, 1)}),
+    "new": dict(),  # the module defaults
+    "prep_plain": dict(PREP_SCALE_T=False, PREP_REBASE=False),
+    "prep_full": dict(PREP_SCALE_T=True, PREP_REBASE=True),
+    "prep_noscale": dict(PREP_SCALE_T=False, PREP_REBASE=True),
+    "main_norebase": dict(MAIN_REBASE=False),
+    "intra1": dict(INTRA_MIN_NH=1),  # nh=1 also puts the S-independent output terms in the parallel prep kernel
+    "new_ho1": dict(H_O_IMPL="v1"),  # the defaults with session 1's sequential forward kernel
+    "ho_64w8": dict(FIXED={"h_o": ({"BV": 64}, 8, 2)}),
+    "ho_32w4": dict(FIXED={"h_o": ({"BV": 32}, 4, 2)}),
+    "main_32s2": dict(FIXED={"main": ({"BV": 32}, 8, 2)}),
+}
+
+
+def set_variant(name):
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    defaults = getattr(set_variant, "defaults", None)
+    if defaults is None:
+        keys = {k for v in VARIANTS.values() for k in v}
+        defaults = set_variant.defaults = {k: getattr(tc, k) for k in keys}
+    for k, v in {**defaults, **VARIANTS[name]}.items():
+        setattr(tc, k, {n: c for n, c in v.items() if c is not None} if k == "FIXED" else v)
+
+
+def compile_stats():
+    """Per compiled Triton kernel of the op: registers, spills, warps, stages, shared memory, and the
+    autotuner's choice (from triton's own caches; CUDA only)."""
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    out = []
+    for name in dir(tc):
+        obj = getattr(tc, name)
+        if not name.startswith("_") or not name.endswith("_kernel"):
+            continue
+        fn, best = obj, None
+        if hasattr(obj, "cache") and isinstance(getattr(obj, "cache"), dict):
+            best = {str(k): str(v) for k, v in obj.cache.items()}
+        while hasattr(fn, "fn") and not hasattr(fn, "device_caches"):
+            fn = fn.fn
+        for dev_cache in getattr(fn, "device_caches", {}).values():
+            kc = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+            for ck in kc.values():
+                md = ck.metadata
+                out.append(dict(kernel=name, n_regs=getattr(ck, "n_regs", None), n_spills=getattr(ck, "n_spills", None),
+                                num_warps=getattr(md, "num_warps", None), num_stages=getattr(md, "num_stages", None),
+                                shared=getattr(md, "shared", None)))
+        if best:
+            out.append(dict(kernel=name, autotune_choice=best))
+    return out
 
 
 def rel(a, b):
@@ -99,6 +159,11 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--quick", action="store_true", help="tiny shapes, host timer (CPU interpreter debug)")
     p.add_argument("--profile", action="store_true", help="per-kernel device times (CUDA only)")
+    p.add_argument("--variants", nargs="+", default=None, choices=sorted(VARIANTS),
+                   help="time these kernel variants side by side (default: the module defaults only)")
+    p.add_argument("--warm", choices=["ours", "fla"], default=None,
+                   help="only compile (call each path once, no timing): run several such processes beside the "
+                        "tests so that the timing process finds triton's disk cache filled")
     a = p.parse_args(argv)
     if a.quick:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -123,8 +188,46 @@ def main(argv=None):
         pass
     for nh in a.nh:
         q, k, v, beta, g, h0 = make_inputs(a.B, a.T, a.H, a.K, a.V, nh, device, dtype)
-        r = dict(nh=nh)
+        if a.warm:
+            warm(a, nh, q, k, v, beta, g, fla_fwd, chunk_deltaproduct)
+            continue
+        for var in (a.variants or [None]):
+            if var is not None:
+                set_variant(var)
+            r = dict(nh=nh, variant=var or "default")
+            run_one(a, r, rows, nh, var, q, k, v, beta, g, h0, device, fla_fwd, chunk_deltaproduct)
+        if a.variants:
+            set_variant(a.variants[-1])
+        del q, k, v, beta, g, h0
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if not a.warm:
+        finish(a, info, rows, dtype, device)
+    return rows
 
+
+def warm(a, nh, q, k, v, beta, g, fla_fwd, chunk_deltaproduct):
+    t0 = time.perf_counter()
+    if a.warm == "fla":
+        if fla_fwd is not None:
+            with torch.no_grad():
+                fla_fwd(q, k, v, g, beta, num_householder=nh)
+    else:
+        for var in (a.variants or [None]):
+            if var is not None:
+                set_variant(var)
+            with torch.no_grad():
+                chunk_deltaproduct(q, k, v, beta, g, num_householder=nh, backend="triton")
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v, beta, g)]
+            o, _ = chunk_deltaproduct(*leaves, num_householder=nh, backend="triton")
+            torch.autograd.grad(o, leaves, torch.randn_like(o))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"warm {a.warm} nh={nh} {a.variants}: {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def run_one(a, r, rows, nh, var, q, k, v, beta, g, h0, device, fla_fwd, chunk_deltaproduct):
+    if True:  # noqa: SIM108 (kept flat for the diff)
         def ours_fwd():
             return chunk_deltaproduct(q, k, v, beta, g, num_householder=nh, backend="triton")
 
@@ -155,21 +258,26 @@ def main(argv=None):
             r["ratio_nograd_fwd_vs_fla"] = r["ours_fwd_nograd_ms"] / r["fla_fwd_ms"]
             r["ratio_grad_fwd_vs_fla"] = r["ours_fwd_grad_ms"] / r["fla_fwd_ms"]
             r["rel_err_ours_vs_fla_o"] = rel(o_ours, o_fla)
-        if a.profile and device == "cuda":
+        if a.profile and device == "cuda" and var in (None, "new"):
             with torch.no_grad():
                 r["kernels_fwd_nograd_ms"] = kernel_breakdown(ours_fwd)
             r["kernels_fwd_bwd_ms"] = kernel_breakdown(ours_fwd_bwd)
             if fla_fwd is not None:
                 with torch.no_grad():
                     r["kernels_fla_fwd_ms"] = kernel_breakdown(fla_call)
-        if a.check_batch > 0:
+        if a.check_batch > 0 and var in (None, "new"):
             r["check_vs_float64"] = check_vs_reference(q, k, v, beta, g, h0, nh, a.check_batch)
         rows.append(r)
         print(json.dumps(r), flush=True)
-        del q, k, v, beta, g, h0, leaves
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    hdr = f"{'nh':>3} {'ours fwd':>9} {'ours fwd(g)':>11} {'ours f+b':>9} {'fla fwd':>8} {'ours/fla':>9} " \
+
+
+def finish(a, info, rows, dtype, device):
+    if device == "cuda":
+        info["compile_stats"] = compile_stats()
+        for cs in info["compile_stats"]:
+            print("compile:", json.dumps(cs), flush=True)
+    hdr = f"{'nh':>3} {'variant':>8} {'ours fwd':>9} {'ours fwd(g)':>11} {'ours f+b':>9} {'fla fwd':>8} " \
+          f"{'ours/fla':>9} {'(g)/fla':>9} " \
           f"{'f+b/fwd':>8} {'f+b/fwd(g)':>10} {'err o':>8} {'worst grad err':>15}"
     print(f"\nDeltaProduct chunk op, {info['device']}, B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} {dtype}, gated "
           f"(ms, median)")
@@ -177,15 +285,16 @@ def main(argv=None):
     for r in rows:
         chk = r.get("check_vs_float64", {})
         worst = max((v for n, v in chk.items() if n.startswith("d")), default=float("nan"))
-        print(f"{r['nh']:>3} {r['ours_fwd_nograd_ms']:>9.3f} {r['ours_fwd_grad_ms']:>11.3f} "
+        print(f"{r['nh']:>3} {r['variant']:>8} {r['ours_fwd_nograd_ms']:>9.3f} {r['ours_fwd_grad_ms']:>11.3f} "
               f"{r['ours_fwd_bwd_ms']:>9.3f} {r.get('fla_fwd_ms', float('nan')):>8.3f} "
-              f"{r.get('ratio_nograd_fwd_vs_fla', float('nan')):>9.3f} {r['ours_fwdbwd_over_nograd_fwd']:>8.2f} "
+              f"{r.get('ratio_nograd_fwd_vs_fla', float('nan')):>9.3f} "
+              f"{r.get('ratio_grad_fwd_vs_fla', float('nan')):>9.3f} "
+              f"{r['ours_fwdbwd_over_nograd_fwd']:>8.2f} "
               f"{r['ours_bwd_over_fwd']:>10.2f} "
               f"{chk.get('o', float('nan')):>8.1e} {worst:>15.1e}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(info=info, rows=rows), f, indent=1)
-    return rows
 
 
 if __name__ == "__main__":

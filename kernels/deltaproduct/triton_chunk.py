@@ -39,8 +39,46 @@ SUPPORTED_CHUNKS = (16, 32, 64)
 # From which nh the S-independent output terms are computed in the parallel _prep_kernel (O = O_loc + Qe S)
 # instead of inside the sequential _fwd_h_o_kernel. Measured on an H100 (B8 T2048 H16 K128 V256 bf16):
 # nh=1 1.03 ms inside vs 1.36 ms in prep (the 64-token query tile of nh=1 overloads the prep kernel);
-# nh=2 2.04 ms inside vs 1.58 ms in prep.
+# nh=2 2.04 ms inside vs 1.58 ms in prep (session 1); again with the kernels of session 2 at nh=1: 1.275 in
+# prep vs 1.074 inside.
 INTRA_MIN_NH = int(os.environ.get("LM_DELTAPRODUCT_INTRA_MIN_NH", "2"))
+# Kernel choices, each measured side by side on an H100 (B8 T2048 H16 K128 V256 bf16, triton 3.6, one run,
+# forward no-grad / forward with grad, ms; see BENCH.md).
+# Sequential forward kernel: "v2" _fwd_h_o_v2_kernel (restructured, no spills on sm_90) or "v1" _fwd_h_o_kernel.
+# One kernel for the no-grad and the grad forward, so that both give the same output (v1 and v2 round the
+# state update differently in bf16: ~2.5e-3 relative apart in a float32 emulation at nh=2, over the 2e-3
+# that tests/test_deltaproduct_op_gpu.py allows between the two paths).
+# v2: nh=1 1.027 / 1.097 (v1 1.003 / 1.208 against v2's 1.074 / 1.145 with the prep kernel's nh>=2
+# settings), nh=2 1.378 / 1.815 (v1 1.427 / 1.652), nh=3 1.988 / 2.625 (v1 2.032 / 2.375): v2 is what
+# brings the nh>=2 no-grad forward under 0.9 of fla's; f+b is faster with it at nh=1 and slower at nh>=2
+# (4.948 vs 4.788, 7.033 vs 6.777 ms): see BENCH.md.
+H_O_IMPL = os.environ.get("LM_DELTAPRODUCT_H_O", "v2")
+# Sequential backward kernel: "v2" (_bwd_dh_v2_kernel; nh=1 f+b 3.097 vs 3.267 ms with v1) or "v1".
+DH_IMPL = os.environ.get("LM_DELTAPRODUCT_DH", "v2")
+# T = (I + A)^-1 stored in k's dtype (it is only ever used as a tensor-core operand in that dtype) or float32
+TM_IN_K_DTYPE = True
+# prep kernel: SCALE_T folds beta and the decay into T's columns instead of scaling the K and V tiles; REBASE
+# uses int32 tile offsets from per-chunk int64 base pointers. Both on for nh>=2 (nh=3 no-grad 1.988 vs 2.022
+# with both off), both off for nh=1 (1.027 vs 1.074 with both on). None: that choice; True/False force it.
+PREP_SCALE_T = None
+PREP_REBASE = None
+# REBASE for the main backward kernel (f+b nh=1/2/3: 3.070/4.948/7.033 vs 3.152/5.093/7.594 without)
+MAIN_REBASE = True
+# Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
+# e.g. {"main": ({"BV": 64}, 8, 1)}; names: prep, h_o, dvloc, dh, main.
+FIXED: dict = {}
+
+
+def _launch(kern, name, grid, args, kw):
+    """kern[grid](*args, **kw), autotuned, or with the fixed config FIXED[name] (compiled GPU runs only).
+    grid is a tuple or a function of the meta-parameters."""
+    fixed = FIXED.get(name)
+    if fixed is not None and not _INTERPRET:
+        meta, nw, ns = fixed
+        kw = {**kw, **meta}
+        kern.fn[grid(kw) if callable(grid) else grid](*args, **kw, num_warps=nw, num_stages=ns)
+    else:
+        kern[grid](*args, **kw)
 
 
 def _configs(warps, stages):
@@ -97,27 +135,54 @@ def _mm(a, b):
 def _store_blk(T, r0, eos, i_h, i: tl.constexpr, j: tl.constexpr, X, H: tl.constexpr, BT: tl.constexpr):
     rows = r0 + i * 16 + tl.arange(0, 16)
     cols = j * 16 + tl.arange(0, 16)
-    tl.store(T + (rows[:, None] * H + i_h) * BT + cols[None, :], X, mask=(rows < eos)[:, None])
+    tl.store(T + (rows[:, None] * H + i_h) * BT + cols[None, :], X.to(T.dtype.element_ty), mask=(rows < eos)[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs([4, 8], [1]), key=["H", "K", "V", "BT", "NH", "INTRA"])
+# One config per kernel, the fastest the autotuner found on an H100 at B8 T2048 H16 K128 V256 nh=1 bf16
+# (among those named beside each); a single config compiles once and is never re-timed at start.
+def _prep_configs():
+    # among 4/1, 8/1, 8/2 (warps/stages)
+    return _configs([4], [1])
+
+
+@triton.autotune(configs=_prep_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "REBASE"])
 @triton.jit
 def _prep_kernel(q, k, v, beta, g, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu_rows, scale,
                  NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                 INTRA: tl.constexpr, PREC: tl.constexpr):
+                 INTRA: tl.constexpr, PREC: tl.constexpr, SCALE_T: tl.constexpr, REBASE: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
     eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    ph = 0
+    if REBASE:
+        # move every pointer to this chunk's first row / token and head once (int64), so that all tile
+        # offsets below are small int32 (fewer registers than int64 offsets per element)
+        ph = (r0 % NH).to(tl.int32)  # sub-step of the chunk's first row
+        t0 = r0 // NH
+        k += (r0 * H + i_h) * K
+        w += (r0 * H + i_h) * K
+        v += (r0 * H + i_h) * V
+        u += (r0 * H + i_h) * V
+        beta += r0 * H + i_h
+        gc += r0 * H + i_h
+        Tm += (r0 * H + i_h) * BT
+        g += t0 * H + i_h
+        q += (t0 * H + i_h) * K
+        qe += (t0 * H + i_h) * K
+        o += (t0 * H + i_h) * V
+        eos = (eos - r0).to(tl.int32)
+        r0 = 0
+        i_h = 0
     o_t = tl.arange(0, BT)
     rows = r0 + o_t
     m_t = rows < eos
     if USE_G:
-        gl = tl.load(g + (rows // NH) * H + i_h, mask=m_t & (rows % NH == 0), other=0.0).to(tl.float32)
+        gl = tl.load(g + ((rows + ph) // NH) * H + i_h, mask=m_t & ((rows + ph) % NH == 0), other=0.0).to(tl.float32)
     else:
         gl = tl.zeros([BT], dtype=tl.float32)
     gcs = tl.cumsum(gl, 0)
@@ -164,9 +229,17 @@ def _prep_kernel(q, k, v, beta, g, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
                   other=0.0)
     kdt = b_k.dtype
-    b_T = b_T.to(kdt)
-    b_kb = (b_k.to(tl.float32) * (b_b * tl.exp(gcs))[:, None]).to(kdt)
-    b_w = tl.dot(b_T, b_kb, input_precision=PREC).to(kdt)
+    if SCALE_T:
+        # W = T diag(beta e^g) K, U = T diag(beta) V: scale T's 64 columns, not the K and V tiles, so K and
+        # V go from memory to the tensor-core products untouched (fewer registers)
+        b_Tf = b_T.to(tl.float32)
+        b_Tw = (b_Tf * (b_b * tl.exp(gcs))[None, :]).to(kdt)
+        b_T = (b_Tf * b_b[None, :]).to(kdt)
+        b_w = tl.dot(b_Tw, b_k, input_precision=PREC).to(kdt)
+    else:
+        b_T = b_T.to(kdt)
+        b_kb = (b_k.to(tl.float32) * (b_b * tl.exp(gcs))[:, None]).to(kdt)
+        b_w = tl.dot(b_T, b_kb, input_precision=PREC).to(kdt)
     tl.store(w + (rows[:, None] * H + i_h) * K + o_k[None, :], b_w.to(w.dtype.element_ty),
              mask=m_t[:, None] & (o_k < K)[None, :])
     if INTRA:
@@ -175,7 +248,7 @@ def _prep_kernel(q, k, v, beta, g, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu
         re = tl.minimum(r0 + BT, eos)
         o_q = tl.arange(0, BQ)
         toks = r0 // NH + o_q
-        rq = toks * NH + NH - 1
+        rq = toks * NH + NH - 1 - ph
         m_q = rq < re
         b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & (o_k < K)[None, :],
                       other=0.0)
@@ -191,8 +264,11 @@ def _prep_kernel(q, k, v, beta, g, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu
         o_v = i_v * BV + tl.arange(0, BV)
         mv = m_t[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mv, other=0.0)
-        b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
-        b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
+        if SCALE_T:
+            b_u = tl.dot(b_T, b_v, input_precision=PREC).to(kdt)  # b_T holds T diag(beta) here
+        else:
+            b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
+            b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
         tl.store(u + (rows[:, None] * H + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
         if INTRA:
             b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
@@ -204,6 +280,13 @@ def _h_o_configs():
     if _INTERPRET:
         return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BV": bv}, num_warps=w, num_stages=2) for bv, w in ((32, 4), (64, 4), (64, 8))]
+
+
+def _h_o_v2_configs():
+    # among BV 32/2 warps, 32/4, 64/4, 64/8 (all 2 stages)
+    if _INTERPRET:
+        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
 
 
 @triton.autotune(configs=_h_o_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA"], restore_value=["o"])
@@ -277,10 +360,88 @@ def _fwd_h_o_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, s
                  mask=mk[:, None] & mv[None, :])
 
 
+@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA"], restore_value=["o"])
+@triton.jit
+def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale,
+                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
+                    STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr):
+    """_fwd_h_o_kernel restructured for registers: K^T is loaded directly (one tile serves Q K^T and K^T Vn),
+    the decays scale the small row operands (Vn rows, output rows) instead of the K and Q tiles, so that w,
+    k, q go from memory to the tensor-core products untouched, and tile offsets are int32 from an int64
+    chunk base. Compiled for sm_90 (triton 3.6) it has no spills where _fwd_h_o_kernel spills 96-224 B/thread."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_rows + i_n)
+    eos = tl.load(cu_rows + i_n + 1)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk = o_k < K
+    mv = o_v < V
+    kdt = k.dtype.element_ty
+    # in-tile offsets (int32); the chunk's base offset is int64
+    off_tk = o_t[:, None] * (H * K) + o_k[None, :]
+    off_kt = o_k[:, None] + o_t[None, :] * (H * K)
+    off_tv = o_t[:, None] * (H * V) + o_v[None, :]
+    off_qk = o_q[:, None] * (H * K) + o_k[None, :]
+    off_qv = o_q[:, None] * (H * V) + o_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    m_kv = mk[:, None] & mv[None, :]
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+    for c in range(tl.cdiv(eos - bos, BT)):
+        r0 = bos + c * BT
+        re = tl.minimum(r0 + BT, eos)
+        t0 = r0 // NH
+        nt = re - r0
+        if SAVE:
+            tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
+        bk = (r0.to(tl.int64) * H + i_h) * K
+        bv = (r0.to(tl.int64) * H + i_h) * V
+        m_t = o_t < nt
+        m_tk = m_t[:, None] & mk[None, :]
+        m_tv = m_t[:, None] & mv[None, :]
+        b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        g_last = tl.load(gc + (re - 1) * H + i_h)
+        b_w = tl.load(w + bk + off_tk, mask=m_tk, other=0.0)
+        b_u = tl.load(u + bv + off_tv, mask=m_tv, other=0.0)
+        b_kt = tl.load(k + bk + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
+        b_Sk = b_S.to(kdt)
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
+        if SAVE:
+            tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        rq = (t0 + o_q) * NH + NH - 1
+        m_q = rq < re
+        bq = (t0.to(tl.int64) * H + i_h) * K
+        bo = (t0.to(tl.int64) * H + i_h) * V
+        m_qv = m_q[:, None] & mv[None, :]
+        if INTRA:
+            b_qe = tl.load(qe + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
+            b_ol = tl.load(o + bo + off_qv, mask=m_qv, other=0.0)
+            b_o = b_ol.to(tl.float32) + tl.dot(b_qe, b_Sk, input_precision=PREC)
+        else:
+            b_q = tl.load(q + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
+            b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+            m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+            b_A = tl.dot(b_q, b_kt, input_precision=PREC)
+            b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
+            b_o = tl.dot(b_q, b_Sk, input_precision=PREC) * tl.exp(b_gq)[:, None] \
+                + tl.dot(b_A.to(kdt), b_vn.to(kdt), input_precision=PREC)
+            b_o = b_o * scale
+        tl.store(o + bo + off_qv, b_o.to(o.dtype.element_ty), mask=m_qv)
+        b_vd = (b_vn * tl.exp(g_last - b_g)[:, None]).to(kdt)
+        b_S = b_S * tl.exp(g_last) + tl.dot(b_kt, b_vd, input_precision=PREC)
+    if STORE_FINAL:
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_S, mask=m_kv)
+
+
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs([4, 8], [1]), key=["H", "K", "V", "BT", "NH", "BV"])
+@triton.autotune(configs=_configs([4], [1]), key=["H", "K", "V", "BT", "NH", "BV"])  # among 4/1, 8/1
 @triton.jit
 def _bwd_dvloc_kernel(q, k, gc, do, dvn, chunk_seq, chunk_row, cu_rows, scale,
                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -377,19 +538,117 @@ def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale
                  mask=mk[:, None] & mv[None, :])
 
 
-@triton.autotune(configs=_configs([4, 8], [1]), key=["H", "K", "V", "BT", "NH", "BV"])
+# among 4/2, 8/2
+@triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV"], restore_value=["dvn"])
+@triton.jit
+def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale,
+                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
+                      STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+    """_bwd_dh_kernel restructured like _fwd_h_o_v2_kernel: Q^T and W^T are loaded directly, the decays
+    scale dO rows and the (K dS) rows instead of the Q and K tiles, int32 tile offsets."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_rows + i_n)
+    eos = tl.load(cu_rows + i_n + 1)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk = o_k < K
+    mv = o_v < V
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    kdt = k.dtype.element_ty
+    off_tk = o_t[:, None] * (H * K) + o_k[None, :]
+    off_kt = o_k[:, None] + o_t[None, :] * (H * K)
+    off_kq = o_k[:, None] + o_q[None, :] * (H * K)
+    off_tv = o_t[:, None] * (H * V) + o_v[None, :]
+    off_qv = o_q[:, None] * (H * V) + o_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    m_kv = mk[:, None] & mv[None, :]
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dS += tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+    NT = tl.cdiv(eos - bos, BT)
+    for cc in range(NT):
+        c = NT - 1 - cc
+        r0 = bos + c * BT
+        re = tl.minimum(r0 + BT, eos)
+        t0 = r0 // NH
+        tl.store(dh + ((c0 + c) * H + i_h) * K * V + off_kv, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+        bk = (r0.to(tl.int64) * H + i_h) * K
+        bv = (r0.to(tl.int64) * H + i_h) * V
+        m_t = o_t < re - r0
+        m_tv = m_t[:, None] & mv[None, :]
+        b_k = tl.load(k + bk + off_tk, mask=m_t[:, None] & mk[None, :], other=0.0)
+        b_wt = tl.load(w + bk + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
+        b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        g_last = tl.load(gc + (re - 1) * H + i_h)
+        rq = (t0 + o_q) * NH + NH - 1
+        m_q = rq < re
+        bq = (t0.to(tl.int64) * H + i_h) * K
+        bo = (t0.to(tl.int64) * H + i_h) * V
+        b_qt = tl.load(q + bq + off_kq, mask=mk[:, None] & m_q[None, :], other=0.0)
+        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+        b_do = tl.load(do + bo + off_qv, mask=m_q[:, None] & mv[None, :], other=0.0)
+        p_dvn = dvn + bv + off_tv
+        b_dvl = tl.load(p_dvn, mask=m_tv, other=0.0)  # Aqk^T dO, from _bwd_dvloc_kernel
+        b_dSk = b_dS.to(kdt)
+        b_dvn = b_dvl.to(tl.float32) + tl.dot(b_k, b_dSk, input_precision=PREC) * tl.exp(g_last - b_g)[:, None]
+        b_dvn = tl.where(m_t[:, None], b_dvn, 0.0)
+        tl.store(p_dvn, b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
+        b_dog = (b_do.to(tl.float32) * (scale * tl.exp(b_gq))[:, None]).to(kdt)
+        b_dS = b_dS * tl.exp(g_last) + tl.dot(b_qt, b_dog, input_precision=PREC) \
+            - tl.dot(b_wt, b_dvn.to(kdt), input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_dS, mask=m_kv)
+
+
+def _main_configs():
+    # among BV/warps/stages 64/8/1, 64/8/2, 32/8/2, 32/8/3: stages >= 2 pipeline the V loop's loads (one
+    # program per SM at 8 warps: nothing else hides them) and also lower the spills on sm_90
+    if _INTERPRET:
+        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
+
+
+@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PREC: tl.constexpr, REBASE: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
     bos = tl.load(cu_rows + n).to(tl.int64)
     eos = tl.load(cu_rows + n + 1).to(tl.int64)
     c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
+    ph = 0
+    if REBASE:
+        # every pointer moved once to this chunk (int64): the tile offsets below are small int32
+        ph = (r0 % NH).to(tl.int32)  # sub-step of the chunk's first row
+        t0 = r0 // NH
+        k += (r0 * H + i_h) * K
+        dk += (r0 * H + i_h) * K
+        v += (r0 * H + i_h) * V
+        vn += (r0 * H + i_h) * V
+        dvn += (r0 * H + i_h) * V
+        dv += (r0 * H + i_h) * V
+        beta += r0 * H + i_h
+        db += r0 * H + i_h
+        gc += r0 * H + i_h
+        Tm += (r0 * H + i_h) * BT
+        q += (t0 * H + i_h) * K
+        dq += (t0 * H + i_h) * K
+        do += (t0 * H + i_h) * V
+        dg += t0 * H + i_h
+        hs += (c_glob * H + i_h) * K * V
+        dh += (c_glob * H + i_h) * K * V
+        eos = (eos - r0).to(tl.int32)
+        r0 = 0
+        i_h = 0
+        c_glob = 0
     o_t = tl.arange(0, BT)
     o_q = tl.arange(0, BQ)
     o_k = tl.arange(0, BK)
@@ -407,7 +666,7 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
     b_Tk = b_T.to(kdt)
     toks = r0 // NH + o_q
-    rq = toks * NH + NH - 1
+    rq = toks * NH + NH - 1 - ph
     m_q = rq < re
     b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
     b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
@@ -436,8 +695,7 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
         b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
         b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
         b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
-        b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
-        b_dvnvb += tl.dot(b_dvn, tl.trans(b_vb), input_precision=PREC)
+        b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
         b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
         tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
                  (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
@@ -467,7 +725,7 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     # WY representation: W = T Kb, U = T Vb
     b_eb = b_b * tl.exp(b_g)
     b_kb = b_k.to(tl.float32) * b_eb[:, None]
-    b_dT = tl.dot(b_dw.to(kdt), tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb
+    b_dT = tl.dot(b_dw.to(kdt), tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb * b_b[None, :]
     b_dkb = tl.dot(tl.trans(b_Tk), b_dw.to(kdt), input_precision=PREC)
     b_dk += b_dkb * b_eb[:, None]
     b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
@@ -492,7 +750,8 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     if USE_G:
         b_dg = tl.where(m_t, b_dg, 0.0)
         b_dgl = tl.sum(b_dg, 0) - tl.cumsum(b_dg, 0) + b_dg  # reverse cumsum
-        tl.store(dg + (rows // NH) * H + i_h, b_dgl.to(dg.dtype.element_ty), mask=m_t & (rows % NH == 0))
+        tl.store(dg + ((rows + ph) // NH) * H + i_h, b_dgl.to(dg.dtype.element_ty),
+                 mask=m_t & ((rows + ph) % NH == 0))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -550,23 +809,29 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     BQ = max(16, triton.next_power_of_2(triton.cdiv(BT, nh)))
     prec = _prec(k.dtype)
     gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
-    Tm = torch.empty(1, L, H, BT, dtype=torch.float32, device=dev)
+    # T = (I + A)^-1 is only ever used as a tensor-core operand in k's dtype: store it in that dtype
+    Tm = torch.empty(1, L, H, BT, dtype=k.dtype if TM_IN_K_DTYPE else torch.float32, device=dev)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     intra = nh >= INTRA_MIN_NH
     qe = torch.empty_like(q) if intra else gc
     o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
-    _prep_kernel[(NT, H)](q, k, v, beta, g if g is not None else gc, gc, Tm, w, u, qe, o, cseq, crow, cu_rows,
-                          scale, NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_G=g is not None,
-                          INTRA=intra, PREC=prec)
+    _launch(_prep_kernel, "prep", (NT, H),
+            (q, k, v, beta, g if g is not None else gc, gc, Tm, w, u, qe, o, cseq, crow, cu_rows, scale),
+            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_G=g is not None, INTRA=intra, PREC=prec,
+                 SCALE_T=intra if PREP_SCALE_T is None else PREP_SCALE_T,
+                 REBASE=intra if PREP_REBASE is None else PREP_REBASE))
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
     vn = torch.empty_like(v) if save else None
-    _fwd_h_o_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), N, H)](
-        q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
-        hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale,
-        NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
-        SAVE=save, INTRA=intra, PREC=prec)
+    if H_O_IMPL not in ("v1", "v2"):
+        raise ValueError(f"LM_DELTAPRODUCT_H_O must be 'v1' or 'v2', got {H_O_IMPL!r}")
+    kern = _fwd_h_o_v2_kernel if H_O_IMPL == "v2" else _fwd_h_o_kernel
+    args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
+            hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale)
+    kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
+              SAVE=save, INTRA=intra, PREC=prec)
+    _launch(kern, "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H), args, kw)
     return o, ht, (gc, Tm, w, hs, vn)
 
 
@@ -587,7 +852,7 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
     _bwd_dvloc_kernel[(NT, H)](q, k, gc, do, dvn, cseq, crow, cu_rows, scale, NH=nh, H=H, K=K, V=V, BT=BT,
                                BK=BK, BV=BV, BQ=BQ, PREC=prec)
-    _bwd_dh_kernel[(triton.cdiv(V, BV), N, H)](
+    (_bwd_dh_v2_kernel if DH_IMPL == "v2" else _bwd_dh_kernel)[(triton.cdiv(V, BV), N, H)](
         q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn, cu_rows,
         coff, scale, NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None,
         STORE_DH0=h0 is not None, PREC=prec)
@@ -596,10 +861,10 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dv = torch.empty_like(v)
     db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
-    _bwd_main_kernel[(NT, H)](
-        q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
-        cseq, crow, cu_rows, coff, scale, NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ,
-        USE_G=g is not None, PREC=prec)
+    _launch(_bwd_main_kernel, "main", (NT, H),
+            (q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
+             cseq, crow, cu_rows, coff, scale),
+            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE))
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
