@@ -9,12 +9,15 @@ length and varlen share every kernel.
 Forward:  _prep_kernel   (parallel over chunks)  gate cumsum, A = beta KK^T o Gam, T = (I+A)^-1 by
                                                   16x16 block inversion + merges, W = T beta e^g K, U = T beta V;
                                                   for nh >= 2 also O_loc = Aqk U and Qe = e^g Q - Aqk W
-          _fwd_h_o_kernel (parallel over V blocks x heads x sequences, sequential over chunks)
+          _fwd_h_o_v2_kernel (parallel over V blocks x heads x sequences, sequential over chunks)
                                                   Vn = U - W S, o (= O_loc + Qe S for nh >= 2), S <- e^gC S + Kd^T Vn
                                                   (with grad: also saves S per chunk and Vn)
 Backward: _bwd_dvloc_kernel (parallel)            Aqk^T dO, the state-independent part of dVn
-          _bwd_dh_kernel  (sequential, reverse)   dVn and the state gradient entering each chunk
+          _bwd_dh_v2_kernel (sequential, reverse) dVn and the state gradient entering each chunk
           _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
+_fwd_h_o_kernel and _bwd_dh_kernel are the first versions of the two sequential kernels, kept selectable
+(LM_DELTAPRODUCT_H_O / LM_DELTAPRODUCT_DH = v1) as the measured baselines; the module constants below
+say which variant runs and why (H100 timings in BENCH.md).
 
 The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
     dVn = (Q K^T o Gam o M)^T dO + Kd dS'                 dS = e^gC dS' + (e^g Q)^T dO - W^T dVn
