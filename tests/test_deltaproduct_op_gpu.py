@@ -33,12 +33,12 @@ def make(B, T, H, K, V, nh, n_states, dtype):
     return [q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), g, s0]
 
 
-def check(ins, N, nh, dtype, tol_o, tol_g, cu=None):
+def check(ins, N, nh, dtype, tol_o, tol_g, cu=None, chunk_size=64):
     q, v = ins[0], ins[2]
     B, T, H, K = q.shape
     wo = torch.randn(B, T, H, v.shape[-1], dtype=torch.float64, device="cuda")
     ws = torch.randn(N, H, K, v.shape[-1], dtype=torch.float64, device="cuda")
-    kw = dict(num_householder=nh, cu_seqlens=cu)
+    kw = dict(num_householder=nh, cu_seqlens=cu, chunk_size=chunk_size)
     ref = run("reference", ins, wo, ws, torch.float64, **kw)
     tri = run_mixed(ins, wo, ws, dtype, **kw)
     errs = {n: rel(a, b) for n, a, b in zip(NAMES, tri, ref)}
@@ -92,3 +92,11 @@ def test_gpu_no_grad_equals_grad_forward():
     assert o1.grad_fn is None and o2.grad_fn is not None
     # the two paths are separately compiled (and autotuned) kernels: equal up to bf16 rounding
     assert rel(o1, o2.detach()) < 2e-3
+
+
+@pytest.mark.parametrize("nh,chunk", [(4, 64), (1, 16)])
+def test_gpu_fp32_small_heads_16_token_chunks(nh, chunk):
+    """The S5 recipe's shape (12 heads of 32, nh = 4, float32 inputs as `lm synth` passes them): chunks of
+    16 tokens, which crashed the backward on an H100 before token tiles got at least 32 rows."""
+    ins = make(3, 160, 12, 32, 32, nh, 3, torch.float32)
+    check(ins, 3, nh, torch.float32, tol_o=1e-4, tol_g=1e-4, chunk_size=chunk)

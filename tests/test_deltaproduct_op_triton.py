@@ -41,6 +41,7 @@ CASES = [
     (1, 23, 1, 8, 16, 2, 32, True, True, None, True),
     (1, 40, 1, 16, 16, 2, 64, True, True, None, False),
     (1, 26, 1, 16, 16, 3, 16, True, True, [0, 5, 6, 20, 26], False),
+    (1, 40, 2, 32, 32, 4, 64, False, False, None, False),  # the S5 recipe's nh = 4, 16 tokens per chunk
 ]
 
 

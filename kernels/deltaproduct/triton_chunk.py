@@ -790,6 +790,15 @@ def _tables(cu_tok, nh, BT, device):
     return hit
 
 
+def _bq(BT: int, nh: int) -> int:
+    """Token-tile rows: the tokens whose last sub-step lies in a chunk (~BT/nh), at least 32. 16-row
+    tiles (nh = 4 at chunk 64, or nh = 1 at chunk 16) were never run on a GPU before, and the nh = 4
+    S5 runs crashed on an H100 (triton 3.6, illegal memory access by the backward) while nh = 1..3 with
+    32- and 64-row tiles pass; no out-of-bounds access shows under scripts/triton_bounds_check.py. The
+    extra rows are masked."""
+    return max(32, triton.next_power_of_2(triton.cdiv(BT, nh)))
+
+
 def _prec(dtype):
     # float32 inputs: 3xTF32 on the GPU (about float32 accuracy on the tensor cores)
     return "tf32x3" if dtype == torch.float32 else "tf32"
@@ -809,7 +818,7 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     dev = k.device
     cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
     BK, BV = _blocks(K, V)
-    BQ = max(16, triton.next_power_of_2(triton.cdiv(BT, nh)))
+    BQ = _bq(BT, nh)
     prec = _prec(k.dtype)
     gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
     # T = (I + A)^-1 is only ever used as a tensor-core operand in k's dtype: store it in that dtype
@@ -846,7 +855,7 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dev = k.device
     cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
     BK, BV = _blocks(K, V)
-    BQ = max(16, triton.next_power_of_2(triton.cdiv(BT, nh)))
+    BQ = _bq(BT, nh)
     prec = _prec(k.dtype)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None  # autograd may hand over expanded (stride-0) grads
