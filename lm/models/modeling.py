@@ -27,6 +27,7 @@ from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache
 from .config import LMConfig
 from .layers import RMSNorm, SwiGLU
+from .loss import linear_cross_entropy
 
 try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as init
@@ -302,10 +303,13 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
+        fused_loss: bool = False,
         **kwargs,
     ) -> LMOutput:
         """`labels`: Hugging Face convention (shifted inside, -100 ignored). `targets`: already aligned with
-        input_ids (targets[:, i] is the token after input_ids[:, i]), as the pretraining reader yields."""
+        input_ids (targets[:, i] is the token after input_ids[:, i]), as the pretraining reader yields.
+        `fused_loss`: with labels/targets, compute the loss chunk by chunk from the hidden states
+        (lm.models.loss) and return no logits: the (tokens x vocab) logits are never held (training)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             warnings.warn(
                 "lm models are recurrent and ignore attention_mask: padded positions enter the state. "
@@ -318,15 +322,19 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
+        if labels is not None and targets is None:
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            if logits_to_keep:
+                targets = targets[:, -logits_to_keep:]
+        if fused_loss and targets is not None and self.lm_head.bias is None:
+            return LMOutput(loss=linear_cross_entropy(h, self.lm_head.weight, targets), logits=None,
+                            past_key_values=cache, fixed_point_stats=stats)
         logits = self.lm_head(h)
         loss = None
-        if labels is not None or targets is not None:
-            if targets is None:
-                targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-                if logits_to_keep:
-                    targets = targets[:, -logits_to_keep:]
-            loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
+        if targets is not None:
+            loss = F.cross_entropy(  # fp32 softmax math for bf16/fp16 logits; fp64 stays fp64
+                logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1]),
+                targets.reshape(-1), ignore_index=-100,
             )
         return LMOutput(loss=loss, logits=logits, past_key_values=cache, fixed_point_stats=stats)
 

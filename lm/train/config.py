@@ -73,6 +73,7 @@ class TrainSection:
     max_bad_steps: int = 5                   # stop after this many non-finite steps in a row
     stop_after_steps: Union[int, None] = None  # stop early (the schedule still spans all steps)
     num_threads: Union[int, None] = None     # torch.set_num_threads on CPU
+    fused_loss: bool = True                  # LM-head cross-entropy in token chunks: no (tokens x vocab) logits held
 
 
 @dataclasses.dataclass

@@ -374,6 +374,8 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
         result = None
         for micro in range(accumulation):
             inputs = to_model_inputs(next(train_reader), dist.device)
+            if t.fused_loss:
+                inputs["fused_loss"] = True
             out = engine.forward(inputs)
             if "after_forward" in hooks:
                 out = hooks["after_forward"](step, micro, out)
