@@ -793,9 +793,11 @@ def _tables(cu_tok, nh, BT, device):
 def _bq(BT: int, nh: int) -> int:
     """Token-tile rows: the tokens whose last sub-step lies in a chunk (~BT/nh), at least 32. 16-row
     tiles (nh = 4 at chunk 64, or nh = 1 at chunk 16) were never run on a GPU before, and the nh = 4
-    S5 runs crashed on an H100 (triton 3.6, illegal memory access by the backward) while nh = 1..3 with
-    32- and 64-row tiles pass; no out-of-bounds access shows under scripts/triton_bounds_check.py. The
-    extra rows are masked."""
+    S5 runs crashed on an H100 (triton 3.6, illegal memory access while autotuning the old backward)
+    while nh = 1..3 with 32- and 64-row tiles pass, and no out-of-bounds access shows under
+    lm_kernels.bounds_check: a shape/config-dependent Hopper code-generation fault like those flash-linear-
+    attention works around (fla #984: num_warps=4 at 64-row chunks -> illegal address; #640: tl.trans of
+    an MMA-layout result fed to another dot). The extra rows are masked."""
     return max(32, triton.next_power_of_2(triton.cdiv(BT, nh)))
 
 
