@@ -66,10 +66,16 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     d = h.shape[-1]
     if weight.shape[-1] != d:
         raise ValueError(f"weight has {weight.shape[-1]} input features, h has {d}")
-    if h.dtype != weight.dtype:  # autocast: the head runs in the autocast dtype, as nn.Linear would
-        dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else weight.dtype
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        # the head runs in the autocast dtype, as nn.Linear would; the function itself runs with autocast
+        # off so that its backward recomputes the logits in the same dtype as its forward
+        dt = torch.get_autocast_dtype(dev)
         h, weight = h.to(dt), weight.to(dt)
-    return _LinearCrossEntropy.apply(h.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens, ignore_index)
+    elif h.dtype != weight.dtype:
+        raise ValueError(f"h is {h.dtype} and weight {weight.dtype}: cast one, or run under torch.autocast")
+    with torch.autocast(dev, enabled=False):
+        return _LinearCrossEntropy.apply(h.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens, ignore_index)
 
 
 def reference_cross_entropy(h, weight, targets, ignore_index: int = -100):
