@@ -83,6 +83,9 @@ def run_case(args) -> dict:
     }
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()
+        # allocator retries (cudaFree + retry on fragmentation) stall every stream: near-full memory shows here
+        out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        out["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     return out
 
 
@@ -130,7 +133,9 @@ def main() -> int:
                 r = json.loads(line[7:])
                 results.append(r)
                 print(f"{r['case']:30s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {100 * r['mfu']:5.1f}%  step "
-                      f"{1e3 * r['step_time_s']:8.1f} ms  mem {r['mem_gb']:5.1f} GB  (case wall {time.time() - t0:.0f}s)",
+                      f"{1e3 * r['step_time_s']:8.1f} ms  mem {r['mem_gb']:5.1f} GB"
+                      + (f"  alloc retries {r['alloc_retries']}" if "alloc_retries" in r else "")
+                      + f"  (case wall {time.time() - t0:.0f}s)",
                       flush=True)
                 break
             if "out of memory" in text.lower() and micro > 1:
