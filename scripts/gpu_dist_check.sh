@@ -41,18 +41,19 @@ def run(name):
     steps = {r["step"]: r for r in recs if "event" not in r}
     start = next(r for r in recs if r.get("event") == "start")
     return steps, start
-base, s1 = run("gpu1")
+runs = {n: run(n) for n in ("gpu1", "gpu2", "gpu2_ds")}
+base, s1 = runs["gpu1"]
 res = {"gpu1": {"world_size": s1.get("world_size"), "accumulation": s1.get("accumulation")}}
 print(f"gpu1: world {s1.get('world_size')} accumulation {s1.get('accumulation')}")
 for name in ("gpu2", "gpu2_ds"):
-    other, st = run(name)
+    other, st = runs[name]
     rel = [abs(other[k]["loss"] - base[k]["loss"]) / abs(base[k]["loss"]) for k in base]
     res[name] = {"world_size": st.get("world_size"), "accumulation": st.get("accumulation"),
                  "max_rel_loss_diff": max(rel), "mean_rel_loss_diff": sum(rel) / len(rel),
                  "final_loss": other[max(other)]["loss"], "tokens_per_s": other[max(other)].get("tokens_per_s")}
     print(f"{name}: world {st.get('world_size')} accumulation {st.get('accumulation')}  per-step loss vs 1 GPU: "
           f"max rel diff {max(rel):.2e}, mean {sum(rel) / len(rel):.2e}")
-res["losses"] = {n: [run(n)[0][k]["loss"] for k in sorted(base)] for n in ("gpu1", "gpu2", "gpu2_ds")}
+res["losses"] = {n: [steps[k]["loss"] for k in sorted(base)] for n, (steps, _) in runs.items()}
 res["gpu1_final_loss"] = base[max(base)]["loss"]
 print("loss step 1 -> last:", {n: (v[0], v[-1]) for n, v in res["losses"].items()})
 (out / "dist_check.json").write_text(json.dumps(res, indent=1))

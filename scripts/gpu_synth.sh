@@ -29,6 +29,7 @@ for p in "${pids[@]}"; do wait "$p"; done
 python - "$OUT_DIR" <<'EOF'
 import json, sys
 from pathlib import Path
+from lm.data.synthetic.run import iterations_of
 out = Path(sys.argv[1])
 rows = []
 for f in sorted(out.glob("*/results.json")):
@@ -36,9 +37,7 @@ for f in sorted(out.glob("*/results.json")):
     m = r["task"]["metric"]
     acc = {k: round(v[m], 3) for k, v in r["eval"].items()}
     last = {k: round(v["last_accuracy"], 3) for k, v in r["eval"].items()}
-    it = {k: round(it_v, 1) for k, v in r["eval"].items()
-          if (it_v := next((v["fixed_point"][x] for x in ("mean_sample_iterations", "layer_mean_sample_iterations")
-                            if x in v.get("fixed_point", {})), None)) is not None}
+    it = {k: round(iterations_of(v), 1) for k, v in r["eval"].items() if iterations_of(v) is not None}
     tl = r["train_log"][-1] if r["train_log"] else {}
     rows.append({"name": r["name"], "steps": r["steps_run"], "train_s": round(r["train_time_s"]),
                  "params": r["parameters"], "final_loss": tl.get("loss"), "train_acc": tl.get("running_accuracy"),

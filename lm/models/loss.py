@@ -78,8 +78,13 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         return _LinearCrossEntropy.apply(h.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens, ignore_index)
 
 
-def reference_cross_entropy(h, weight, targets, ignore_index: int = -100):
-    """The unfused path: what `linear_cross_entropy` must equal."""
-    logits = F.linear(h, weight)
+def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of logits (..., V) against targets (...): fp32 softmax math for bf16/fp16
+    logits, fp64 stays fp64."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
+
+
+def reference_cross_entropy(h, weight, targets, ignore_index: int = -100):
+    """The unfused path: what `linear_cross_entropy` must equal."""
+    return logits_cross_entropy(F.linear(h, weight), targets, ignore_index)

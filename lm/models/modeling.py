@@ -27,7 +27,7 @@ from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache
 from .config import LMConfig
 from .layers import RMSNorm, SwiGLU
-from .loss import linear_cross_entropy
+from .loss import linear_cross_entropy, logits_cross_entropy
 
 try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as init
@@ -330,12 +330,7 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
             return LMOutput(loss=linear_cross_entropy(h, self.lm_head.weight, targets), logits=None,
                             past_key_values=cache, fixed_point_stats=stats)
         logits = self.lm_head(h)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(  # fp32 softmax math for bf16/fp16 logits; fp64 stays fp64
-                logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1]),
-                targets.reshape(-1), ignore_index=-100,
-            )
+        loss = logits_cross_entropy(logits, targets) if targets is not None else None
         return LMOutput(loss=loss, logits=logits, past_key_values=cache, fixed_point_stats=stats)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
