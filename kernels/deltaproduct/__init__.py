@@ -59,6 +59,7 @@ def resolve_backend(backend, device: torch.device) -> str:
     return backend
 
 
+@torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
 def chunk_deltaproduct(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
                        output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64,
                        backend=None):

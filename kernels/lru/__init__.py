@@ -55,6 +55,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
+@torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
 def block_scan(A: torch.Tensor, x: torch.Tensor, *, initial_state: torch.Tensor | None = None,
                cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
                return_final_state: bool = False, backend: str | None = None):

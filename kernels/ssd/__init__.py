@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from .naive import ssd_scan_naive, ssd_step
 from .reference import ssd_scan_reference
 
@@ -55,6 +57,7 @@ def resolve_backend(backend, x) -> str:
     return backend
 
 
+@torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
 def ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
              dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None, return_final_state=False,
              backend=None):

@@ -31,11 +31,8 @@ import torch.nn.functional as F
 from lm_kernels.deltaproduct import chunk_deltaproduct, deltaproduct_step
 
 from .config import LMConfig
-from .layers import RMSNorm, causal_conv1d, dt_init, kernel_op
+from .layers import RMSNorm, causal_conv1d, dt_init
 from .modeling import LMForCausalLM, LMModel, Mixer, init
-
-chunk_deltaproduct = kernel_op(chunk_deltaproduct)
-deltaproduct_step = kernel_op(deltaproduct_step)  # torch.compile: opaque calls
 
 
 CHUNK_SIZES = (16, 32, 64)  # what lm_kernels.deltaproduct's Triton path accepts

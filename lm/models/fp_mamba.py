@@ -47,11 +47,8 @@ from lm_kernels.ssd import ssd_scan, ssd_step
 from ..fixed_point import FixedPointStats, phantom, solve
 from .channel_mixers import ACTIVATIONS, KRONECKER_NORMS, MIXER_TYPES, make_channel_mixer
 from .config import LMConfig
-from .layers import GatedRMSNorm, causal_conv1d, dt_init, kernel_op, position_in_document
+from .layers import GatedRMSNorm, causal_conv1d, dt_init, position_in_document
 from .modeling import LMForCausalLM, LMModel, Mixer, init
-
-ssd_scan = kernel_op(ssd_scan)
-ssd_step = kernel_op(ssd_step)  # torch.compile: opaque calls
 
 MIXER_INPUTS = ("concat", "sum", "x")
 

@@ -12,12 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def kernel_op(fn):
-    """A scan op of lm_kernels as seen by torch.compile: one opaque call (its Triton launches and
-    autograd.Function stay out of the graph; the ops around it are compiled). Eager: the same function."""
-    return torch.compiler.disable(fn)
-
-
 class _RMSNormFn(torch.autograd.Function):
     """(Gated, grouped) RMSNorm that saves only its inputs and the per-group rstd for backward.
 

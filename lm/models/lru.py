@@ -42,11 +42,7 @@ import torch.nn.functional as F
 from lm_kernels.lru import block_scan, block_scan_step, companion, lru_lambda_blocks
 
 from .config import LMConfig
-from .layers import kernel_op
 from .modeling import LMForCausalLM, LMModel, Mixer, init
-
-block_scan = kernel_op(block_scan)
-block_scan_step = kernel_op(block_scan_step)  # torch.compile: opaque calls
 
 VARIANTS = ("lru", "hlru", "bdlru")
 MAX_BLOCK = 8  # largest block the scan op supports

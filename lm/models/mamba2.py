@@ -13,11 +13,8 @@ import torch.nn as nn
 from lm_kernels.ssd import ssd_scan, ssd_step
 
 from .config import LMConfig
-from .layers import GatedRMSNorm, causal_conv1d, dt_init, kernel_op
+from .layers import GatedRMSNorm, causal_conv1d, dt_init
 from .modeling import LMForCausalLM, LMModel, Mixer, init
-
-ssd_scan = kernel_op(ssd_scan)
-ssd_step = kernel_op(ssd_step)  # torch.compile: opaque calls
 
 
 class LMMamba2Config(LMConfig):
