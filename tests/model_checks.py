@@ -42,3 +42,20 @@ def assert_incremental_equals_full(model, vocab: int = 64, split: int = 9, lengt
         for i in range(split, length):
             parts.append(model(ids[:, i: i + 1], past_key_values=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def assert_generation_and_packing(model, implicit: bool, vocab: int = 256):
+    """On the model's device: greedy `generate` equals greedy by full forwards (implicit: the sequential
+    mode from scratch), and three packed documents (cu_seqlens) give the logits of the batched forward."""
+    dev = next(model.parameters()).device
+    prompt = torch.randint(1, vocab, (2, 7), device=dev)
+    with torch.no_grad():
+        gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+        assert torch.equal(gen, greedy_by_full_forward(model, prompt, 10, sequential=implicit))
+        docs = torch.randint(0, vocab, (3, 70), device=dev)
+        batch = model(docs).logits
+        cu = torch.tensor([0, 70, 140, 210], device=dev, dtype=torch.int32)
+        packed = model(docs.reshape(1, -1), cu_seqlens=cu).logits
+        err = ((packed.reshape(3, 70, -1).float() - batch.float()).norm() / batch.float().norm().clamp_min(1e-30))
+        assert err.item() < 1e-4

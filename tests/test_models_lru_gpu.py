@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_checks import assert_generation_and_packing
 
-from lm.models import LMCache
 from lm.models.lru import LMLRUConfig, LMLRUForCausalLM
 
 pytestmark = pytest.mark.gpu
@@ -70,18 +70,4 @@ def test_bf16_training_steps(variant, implicit):
                          ids=["bdlru", "lru", "implicit_bdlru"])
 def test_cached_generation_and_packing_on_gpu(variant, implicit):
     model = make(variant, implicit).eval()
-    prompt = torch.randint(1, 256, (2, 7), device="cuda")
-    with torch.no_grad():
-        gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-        ids = prompt
-        for _ in range(10):
-            cache = LMCache(model.config.num_hidden_layers) if implicit else None
-            logits = model(ids, past_key_values=cache, use_cache=cache is not None).logits
-            ids = torch.cat([ids, logits[:, -1:].argmax(-1)], 1)
-        assert torch.equal(gen, ids)
-        docs = torch.randint(0, 256, (3, 70), device="cuda")
-        batch = model(docs).logits
-        cu = torch.tensor([0, 70, 140, 210], device="cuda", dtype=torch.int32)
-        packed = model(docs.reshape(1, -1), cu_seqlens=cu).logits
-        assert rel(packed.reshape(3, 70, -1), batch) < 1e-4
+    assert_generation_and_packing(model, implicit is not None)
