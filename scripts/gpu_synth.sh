@@ -7,6 +7,11 @@
 #   scripts/gpu_synth.sh configs/synth/gpu_suite.txt 7.5 runs/synth_gpu
 #
 # The small synthetic models leave an H100 mostly idle; 8 concurrent runs fit in memory and CPU.
+#
+# Longer than one allocation: MINUTES is then the whole budget and SLICE=m stops every run after m
+# minutes with OUT_DIR/NAME/checkpoint.pt; the same command again resumes each run from its checkpoint
+# (the LR schedule counts the training time of every slice):
+#   SLICE=8 scripts/gpu_synth.sh SUITE 16 runs/synth_gpu   # twice
 set -uo pipefail
 SUITE=${1:?suite file}
 MINUTES=${2:-7.5}
@@ -19,11 +24,17 @@ while read -r name recipe rest || [[ -n "${name:-}" ]]; do
   for tok in $rest; do  # LM_*=value tokens set the environment of that run (e.g. a kernel backend)
     if [[ "$tok" =~ ^LM_[A-Z_]+= ]]; then envs+=("$tok"); else overrides+=("$tok"); fi
   done
+  if [[ -n "${SLICE:-}" ]]; then overrides+=("train.stop_after_minutes=$SLICE"); fi
+  how="started"
+  if [[ -f "$OUT_DIR/$name/checkpoint.pt" ]]; then  # an earlier slice of this run
+    if grep -q '"complete": true' "$OUT_DIR/$name/results.json" 2>/dev/null; then echo "done: $name"; continue; fi
+    overrides+=("resume=$OUT_DIR/$name/checkpoint.pt"); how="resumed"
+  fi
   env "${envs[@]}" python -m lm.cli synth "$recipe" name="$name" output_dir="$OUT_DIR/$name" \
     device="${DEVICE:-cuda}" --quiet train.max_minutes="$MINUTES" train.eval_every=0 "${overrides[@]}" \
-    >"$OUT_DIR/$name.log" 2>&1 &
+    >>"$OUT_DIR/$name.log" 2>&1 &
   pids+=($!)
-  echo "started $name ($recipe $rest)"
+  echo "$how $name ($recipe $rest)"
 done <"$SUITE"
 for p in "${pids[@]}"; do wait "$p"; done
 python - "$OUT_DIR" <<'EOF'
@@ -39,10 +50,10 @@ for f in sorted(out.glob("*/results.json")):
     last = {k: round(v["last_accuracy"], 3) for k, v in r["eval"].items()}
     it = {k: round(iterations_of(v), 1) for k, v in r["eval"].items() if iterations_of(v) is not None}
     tl = r["train_log"][-1] if r["train_log"] else {}
-    rows.append({"name": r["name"], "steps": r["steps_run"], "train_s": round(r["train_time_s"]),
+    rows.append({"name": r["name"], "steps": r["steps_run"], "complete": r.get("complete", True), "train_s": round(r["train_time_s"]),
                  "params": r["parameters"], "final_loss": tl.get("loss"), "train_acc": tl.get("running_accuracy"),
                  "metric": m, "per_length": acc, "last_accuracy": last, "iterations": it, "summary": r["summary"]})
-    print(f"{r['name']:34s} steps {r['steps_run']:6d} loss {tl.get('loss', float('nan')):.3f} "
+    print(f"{r['name']:34s} steps {r['steps_run']:6d}{'' if r.get('complete', True) else ' (sliced)'} loss {tl.get('loss', float('nan')):.3f} "
           f"train_acc {tl.get('running_accuracy', float('nan')):.3f}\n    {m}: {acc}"
           + (f"\n    last: {last}" if m != "last_accuracy" else "")
           + (f"\n    iters: {it}" if it else ""))

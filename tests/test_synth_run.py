@@ -254,3 +254,47 @@ def test_recipe_errors(tmp_path, capsys):
 
     assert lm_main(["synth", "--list-tasks"]) == 0  # `lm synth` routes here
     assert "mod_arithmetic" in capsys.readouterr().out
+
+
+def test_sliced_run_resumes_to_completion(tmp_path, one_thread):
+    """A run cut by train.stop_after_minutes saves checkpoint.pt; resume= continues it to the step budget."""
+    over = [f"output_dir={tmp_path}", "train.steps=60", "train.log_every=5", "train.target_accuracy=null"]
+    cfg = load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", over + ["train.stop_after_minutes=0.0005"])
+    first = run(cfg, progress=False)
+    ckpt = tmp_path / "checkpoint.pt"
+    assert not first["complete"] and ckpt.is_file() and first["checkpoint"] == str(ckpt)
+    k = first["steps_run"]
+    assert 1 <= k < 60 and first["train_log"][-1]["step"] == k
+    second = run(load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", over + [f"resume={tmp_path}"]),
+                 progress=False)
+    assert second["complete"] and second["steps_run"] == 60 and second["resumed_from"]["step"] == k
+    steps = [r["step"] for r in second["train_log"]]
+    assert steps[: len(first["train_log"])] == [r["step"] for r in first["train_log"]]  # the log goes on
+    assert steps == sorted(set(steps)) and steps[-1] == 60
+    assert second["train_log"][-1]["lr"] < 0.05 * cfg["train"]["lr"]  # the cosine ran to its end over both slices
+
+
+def test_resume_restores_the_model_exactly(tmp_path, one_thread):
+    over = [f"output_dir={tmp_path}", "train.steps=25", "train.target_accuracy=null", "train.save_checkpoint=true"]
+    done = run(load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", over), progress=False)
+    assert done["complete"] and (tmp_path / "checkpoint.pt").is_file()
+    again = run(load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml",
+                            over + [f"resume={tmp_path / 'checkpoint.pt'}", f"output_dir={tmp_path / 'b'}"]),
+                progress=False)
+    assert again["steps_run"] == 25 and again["resumed_from"]["step"] == 25  # nothing left to train
+    assert again["eval"] == done["eval"]  # same weights, same fixed evaluation set
+
+
+def test_resume_errors(tmp_path, one_thread):
+    base = ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml"
+    with pytest.raises(ValueError, match="not found"):
+        run(load_recipe(base, [f"output_dir={tmp_path}", f"resume={tmp_path / 'nothing'}"]), progress=False)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable synth checkpoint"):
+        run(load_recipe(base, [f"output_dir={tmp_path}", f"resume={tmp_path / 'junk.pt'}"]), progress=False)
+    run(load_recipe(base, [f"output_dir={tmp_path}", "train.steps=3", "train.save_checkpoint=true"]), progress=False)
+    with pytest.raises(ValueError, match="model differ"):
+        run(load_recipe(base, [f"output_dir={tmp_path / 'b'}", "train.steps=3", "model.hidden_size=32",
+                               f"resume={tmp_path}"]), progress=False)
+    with pytest.raises(ValueError, match="train.stop_after_minutes"):
+        load_recipe(base, ["train.stop_after_minutes=-1"])

@@ -18,11 +18,17 @@ A recipe (configs/synth/*.yaml) has these sections; overrides use dotted keys (`
            target_accuracy (stop early, checked at log steps, once the running train accuracy reaches it),
            max_minutes (null = none; a wall-clock budget for training: the LR schedule then runs on
            max(step / steps, elapsed / budget), so it finishes its decay when the first budget runs out),
-           log_every, eval_every
+           stop_after_minutes (null = none; stop this process after that much training and save
+           output_dir/checkpoint.pt, so a job longer than one allocation runs in slices: resume with
+           `resume=...` and the same max_minutes; the schedule counts the training time of every slice),
+           save_checkpoint (also save checkpoint.pt when training ends), log_every, eval_every
     eval:  lengths (null = the task's), examples (sequences per length), batch_size, seed,
            task (task parameters changed for evaluation, e.g. {p: 0.5} for the D_p mixture's harder
            out-of-distribution test; the training distribution is then evaluated too)
     save_model: false            save_pretrained the trained model into output_dir/model
+    resume: null                 a checkpoint.pt (or the run folder holding it) to continue from: model,
+                                 optimizer, step, training time and logs; task, model, seed and
+                                 train.steps must match the run that wrote it
 
 The loss is the mean cross-entropy over every position with a target (IGNORE elsewhere), on the
 model's logits at that position (no next-token shift: the targets are already aligned).
@@ -55,6 +61,7 @@ DEFAULTS: dict = {
     "device": "auto",
     "dtype": "float32",
     "save_model": False,
+    "resume": None,
     "task": {"name": None},
     "model": {"model_type": None},
     "train": {
@@ -73,6 +80,8 @@ DEFAULTS: dict = {
         "examples": None,
         "target_accuracy": None,
         "max_minutes": None,
+        "stop_after_minutes": None,
+        "save_checkpoint": False,
         "log_every": 50,
         "eval_every": 0,
     },
@@ -190,9 +199,13 @@ def validate_recipe(cfg: dict) -> None:
     for k in ("lr", "weight_decay", "eps", "min_lr"):
         if isinstance(tr[k], bool) or not isinstance(tr[k], (int, float)) or tr[k] < 0:
             bad(f"train.{k}", f"must be a number >= 0, got {tr[k]!r}")
-    if tr["max_minutes"] is not None and (isinstance(tr["max_minutes"], bool)
-                                          or not isinstance(tr["max_minutes"], (int, float)) or tr["max_minutes"] <= 0):
-        bad("train.max_minutes", f"must be null or a number of minutes > 0, got {tr['max_minutes']!r}")
+    for k in ("max_minutes", "stop_after_minutes"):
+        if tr[k] is not None and (isinstance(tr[k], bool) or not isinstance(tr[k], (int, float)) or tr[k] <= 0):
+            bad(f"train.{k}", f"must be null or a number of minutes > 0, got {tr[k]!r}")
+    if not isinstance(tr["save_checkpoint"], bool):
+        bad("train.save_checkpoint", f"must be true or false, got {tr['save_checkpoint']!r}")
+    if cfg["resume"] is not None and not isinstance(cfg["resume"], (str, Path)):
+        bad("resume", f"must be null or the path of a checkpoint.pt / run folder, got {cfg['resume']!r}")
     for k in ("grad_clip", "target_accuracy", "warmup_fraction", "warmup_steps"):
         if tr[k] is not None and (isinstance(tr[k], bool) or not isinstance(tr[k], (int, float)) or tr[k] < 0):
             bad(f"train.{k}", f"must be null or a number >= 0, got {tr[k]!r}")
@@ -321,9 +334,11 @@ class TrainingData:
     producer, so the batch sequence is the same as without it)."""
 
     def __init__(self, task: Task, lengths: tuple[int, int], batch_size: int, examples: int | None, seed: int,
-                 prefetch: int = 0):
+                 prefetch: int = 0, stream: int = 0):
         self.task, self.lengths, self.batch_size = task, lengths, batch_size
-        self.rng = np.random.default_rng([seed, 1])
+        # `stream` > 0 (a resumed run: the step it resumes at) draws a new batch sequence; the fixed
+        # training set of `examples` depends on the seed alone, so a resumed run trains on the same set
+        self.rng = np.random.default_rng([seed, 1] + ([stream] if stream else []))
         self.pool = None
         if examples is not None:
             if lengths[0] != lengths[1]:
@@ -550,6 +565,51 @@ def compare_runs(paths, out_png: str | Path, metric: str | None = None) -> dict:
     return table
 
 
+CHECKPOINT = "checkpoint.pt"
+_RESUME_MUST_MATCH = (("task",), ("model",), ("seed",), ("dtype",), ("train", "steps"), ("train", "batch_size"),
+                      ("train", "lengths"), ("train", "examples"))
+
+
+def _at(cfg: dict, key: tuple):
+    for k in key:
+        cfg = cfg[k]
+    return cfg
+
+
+def load_checkpoint(path: str | Path, cfg: dict) -> dict:
+    """Read a synth checkpoint (a file, or the run folder holding checkpoint.pt) and check that it was
+    written by the same experiment (task, model, seed, dtype, step budget and data); ValueError if not."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CHECKPOINT
+    if not p.is_file():
+        raise ValueError(f"resume: {str(p)!r} not found; give the checkpoint.pt that a run with "
+                         f"train.stop_after_minutes or train.save_checkpoint=true wrote (or its folder)")
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or foreign file
+        raise ValueError(f"resume: {str(p)!r} is not a readable synth checkpoint ({type(e).__name__}: {e}); "
+                         f"start the run again without resume=") from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != "lm-synth-checkpoint-1":
+        raise ValueError(f"resume: {str(p)!r} is not a checkpoint written by `lm synth`")
+    diff = [".".join(k) for k in _RESUME_MUST_MATCH if _at(ckpt["config"], k) != _at(cfg, k)]
+    if diff:
+        raise ValueError(f"resume: {str(p)!r} was written by a different experiment ({', '.join(diff)} differ); "
+                         f"resume with the recipe and overrides of that run, or drop resume= to start afresh")
+    ckpt["path"] = str(p)
+    return ckpt
+
+
+def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, step: int,
+                    train_s: float, running_acc: float | None, log: list, history: list) -> None:
+    """Write atomically (a temporary file renamed over the old one), so a kill mid-write loses nothing."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format": "lm-synth-checkpoint-1", "config": cfg, "step": step, "train_s": train_s,
+                "running_accuracy": running_acc, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "train_log": log, "eval_history": history}, tmp)
+    tmp.replace(path)
+
+
 def run(cfg: dict, progress: bool = True) -> dict:
     """Train and evaluate as the recipe says; returns the results dict (also written as JSON)."""
     validate_recipe(cfg)
@@ -563,28 +623,40 @@ def run(cfg: dict, progress: bool = True) -> dict:
     out_dir = Path(cfg["output_dir"] or Path("runs/synth") / cfg["name"])
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    ckpt = load_checkpoint(cfg["resume"], cfg) if cfg["resume"] is not None else None
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg, task).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, tr)
-    data = TrainingData(task, lengths, tr["batch_size"], tr["examples"], cfg["seed"],
-                        prefetch=4 if device.type == "cuda" else 0)
+    start, done_s, log, history, running_t = 0, 0.0, [], [], None
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        start, done_s, log, history = ckpt["step"], ckpt["train_s"], ckpt["train_log"], ckpt["eval_history"]
+        if ckpt["running_accuracy"] is not None:
+            running_t = torch.tensor(ckpt["running_accuracy"], device=device)
+        torch.manual_seed(cfg["seed"] + start)
     steps = tr["steps"]
     warmup = tr["warmup_steps"] or (int(tr["warmup_fraction"] * steps) if tr["warmup_fraction"] else 0)
+    budget_s = 60.0 * tr["max_minutes"] if tr["max_minutes"] else None
+    slice_s = 60.0 * tr["stop_after_minutes"] if tr["stop_after_minutes"] else None
+    finished = start >= steps or (budget_s is not None and done_s >= budget_s)
+    data = TrainingData(task, lengths, tr["batch_size"], tr["examples"], cfg["seed"],
+                        prefetch=4 if device.type == "cuda" and not finished else 0, stream=start)
 
-    log, history = [], []
-    running_t, t0 = None, time.time()
+    t0 = time.time() - done_s  # the training clock goes on from the checkpoint's
+    t_slice = time.time()
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, desc=cfg["name"], dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=steps, initial=start, desc=cfg["name"], dynamic_ncols=True, file=sys.stderr)
+    sliced = False  # stopped by train.stop_after_minutes: the run goes on in a later slice
     try:
         model.train()
-        step = 0
-        budget_s = 60.0 * tr["max_minutes"] if tr["max_minutes"] else None
+        step = start
         eval_s = 0.0  # time spent in periodic evaluations: not charged to the training budget
-        for step in range(1, steps + 1):
+        for step in range(start + 1, (start if finished else steps) + 1):
             time_frac = 0.0 if budget_s is None else (time.time() - t0 - eval_s) / budget_s
             lr = lr_at(step - 1, steps, tr["lr"], tr["schedule"], warmup, tr["min_lr"], time_frac)
             for g in opt.param_groups:
@@ -604,7 +676,9 @@ def run(cfg: dict, progress: bool = True) -> dict:
                 acc_t = ((logits.argmax(-1) == y) & mask).sum() / mask.sum().clamp_min(1)
                 running_t = acc_t if running_t is None else 0.9 * running_t + 0.1 * acc_t
             out_of_time = budget_s is not None and time.time() - t0 - eval_s >= budget_s
-            if step % tr["log_every"] == 0 or step == steps or out_of_time:
+            sliced = (not out_of_time and step < steps and slice_s is not None
+                      and time.time() - t_slice - eval_s >= slice_s)
+            if step % tr["log_every"] == 0 or step == steps or out_of_time or sliced:
                 loss_v = float(loss.detach())
                 if not math.isfinite(loss_v):
                     raise FloatingPointError(f"loss is {loss_v} at step {step}; lower train.lr or set train.grad_clip")
@@ -620,10 +694,11 @@ def run(cfg: dict, progress: bool = True) -> dict:
                 if tr["target_accuracy"] is not None and step >= 20 and running_acc >= tr["target_accuracy"]:
                     if bar is not None:
                         bar.update(1)
+                    sliced = False
                     break
             if bar is not None:
                 bar.update(1)
-            if out_of_time:
+            if out_of_time or sliced:
                 break
             if tr["eval_every"] and step % tr["eval_every"] == 0 and step != steps:
                 t_eval = time.time()
@@ -636,6 +711,11 @@ def run(cfg: dict, progress: bool = True) -> dict:
     if bar is not None:
         bar.close()
     train_time = time.time() - t0
+    checkpoint = None
+    if sliced or (tr["save_checkpoint"] and step > start):
+        checkpoint = out_dir / CHECKPOINT
+        save_checkpoint(checkpoint, model, opt, cfg, step, train_time - eval_s,
+                        None if running_t is None else float(running_t), log, history)
 
     per_length = evaluate(model, eval_task, eval_lengths, ev["examples"], ev["batch_size"], ev["seed"], device,
                           cfg["dtype"])
@@ -652,6 +732,9 @@ def run(cfg: dict, progress: bool = True) -> dict:
         "parameters": n_params,
         "steps_run": step,
         "train_time_s": train_time,
+        "complete": not sliced,
+        "resumed_from": None if ckpt is None else {"path": ckpt["path"], "step": start},
+        "checkpoint": None if checkpoint is None else str(checkpoint),
         "train_lengths": list(lengths),
         "summary": summary,
         "eval_task": {"name": eval_task.name, **eval_task.params},
@@ -715,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lm synth: {e}", file=sys.stderr)
         return 2
     s = res["summary"]
-    print(json.dumps({"name": res["name"], "steps": res["steps_run"], **s}))
+    print(json.dumps({"name": res["name"], "steps": res["steps_run"], "complete": res["complete"], **s}))
     return 0
 
 
