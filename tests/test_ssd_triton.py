@@ -71,7 +71,7 @@ def compare(d, dtype, tol, **kw):
 
 
 @pytest.mark.parametrize("variant,state", [("hb", "old"), ("flat", "old"), ("fact", "old"), ("grid", "pnfast"),
-                                           ("flat2", "bn128")])
+                                           ("flat2", "bn128"), ("chunk", "pnfast")])
 def test_triton_fp32_all_options_matches_reference(variant, state, monkeypatch):
     # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp;
     # every forward scan kernel and state-kernel layout
@@ -86,10 +86,11 @@ def test_triton_fp32_odd_sizes_D_hp_no_gate_no_softplus():
     compare(d, torch.float32, 2e-5, chunk_size=16, dt_softplus=False)
 
 
-@pytest.mark.parametrize("variant", ["hb", "fact", "flat2"])
+@pytest.mark.parametrize("variant", ["hb", "fact", "flat2", "chunk"])
 def test_triton_head_blocked_scans_several_row_blocks(variant, monkeypatch):
     """Chunks of 64 rows: several row blocks per chunk, so "fact" and "flat2" take their factorised
-    below-diagonal path (and "flat2" its diagonal block in several k-steps)."""
+    below-diagonal path (and "flat2" its diagonal block in several k-steps), and "chunk" walks 4 row blocks
+    of state and causal tiles in one loop."""
     monkeypatch.setenv("LM_SSD_SCAN", variant)
     compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
 
@@ -99,6 +100,18 @@ def test_triton_state_kernels_multi_step_chunks(monkeypatch):
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "STATE_STEP_ROWS", 16)
     compare(make(1, 50, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=32)
+
+
+@pytest.mark.parametrize("heads,groups", [(3, 1), (4, 2)])
+def test_triton_chunk_scan_odd_sizes_varlen(heads, groups, monkeypatch):
+    """The whole-chunk scan kernel ("chunk"; chunk states in the (n, p) layout, also read by the backward):
+    odd head counts per group (one head per program) and pairs of heads (two per program), headdim and
+    dstate not powers of two, D per (head, p), packed documents with chunks cut short."""
+    monkeypatch.setenv("LM_SSD_SCAN", "chunk")
+    lens = [9, 0, 30, 1, 20]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    d = make(1, sum(lens), heads, 12, groups, 10, D="hp", ns=len(lens))
+    compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
 def test_triton_varlen_matches_reference_and_separate_runs():

@@ -112,13 +112,15 @@ def _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, o
 @triton.jit
 def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_ptr, cu_ptr, chunk_first_ptr,
                      T, H, P, N, NC, BT, R,
-                     s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
+                     s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                      L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                      DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PN_FAST: tl.constexpr = False):
     """Per (sequence, head, p-block x n-block): walk the chunks in order, store each chunk's start state.
     PN_FAST: grid (p-block x n-block, head, sequence), so the programs that read the same x rows (one per
-    n-block) run together and share them through L2; else (sequence, head, p-block x n-block)."""
+    n-block) run together and share them through L2; else (sequence, head, p-block x n-block).
+    Chunk state (c, h) element (p, n) is stored at (c * H + h) * P * N + p * s_sp + n * s_sn ("PN" layout:
+    s_sp = N, s_sn = 1; "NP": s_sp = 1, s_sn = P)."""
     if PN_FAST:
         pid_pn = tl.program_id(0)
         h = tl.program_id(1)
@@ -132,6 +134,7 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
     offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
     pn_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
     pn_off = offs_p[:, None] * N + offs_n[None, :]
+    st_off = offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     g = h // R
     b, t_begin, seqlen, c_begin, n_chunks = _seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
     dtype = DOT_DT
@@ -145,7 +148,7 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
         c = c_begin + i
         t0 = t_begin + i * L
         clen = tl.minimum(L, seqlen - i * L)
-        tl.store(states_ptr + (c.to(tl.int64) * H + h) * P * N + pn_off, S.to(states_ptr.dtype.element_ty),
+        tl.store(states_ptr + (c.to(tl.int64) * H + h) * P * N + st_off, S.to(states_ptr.dtype.element_ty),
                  mask=pn_mask)
         tok0 = h * BT + b * T + t0
         a = tl.load(cs_ptr + tok0 + clen - 1)
@@ -341,7 +344,7 @@ def _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask
 def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
                            chunk_t0_ptr, chunk_len_ptr,
                            T, H, P, N, NC, BT, R, G,
-                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h, s_sp, s_sn,
                            L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, FACT: tl.constexpr,
@@ -364,7 +367,7 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     offs_n = tl.arange(0, BNF)
     nmask = offs_n < N
     pmask = offs_p < P
-    St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+    St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * s_sp + offs_n[:, None] * s_sn,
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(DOT_DT)  # (BNF, BP) = S^T
     acc, xm = _scan_rows(x_ptr + b * s_x_b + h * s_x_h, C_ptr + b * s_B_b + g * s_B_g,
                          CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h,
@@ -373,6 +376,108 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     rows_m = m0 + tl.arange(0, BM)
     _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H, P,
              s_z_b, s_z_t, s_z_h, HAS_Z, STORE_PRE)
+
+
+@triton.jit
+def _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok, rows_m, mmask, cols, klim, causal):
+    """A operand of one tile for one head (float32): the state tile's C[m, n] e^{cs_m}, or the causal tile's
+    CB[m, k] e^{cs_m - cs_k} dt_k; zero outside the causal / valid region (CB's upper triangle is never
+    written, so it is selected away, not multiplied by zero)."""
+    cs_m = tl.load(cs_ptr + tok + rows_m, mask=mmask, other=0.0)
+    kmask = cols < klim  # no k rows in a state tile (klim 0)
+    cs_k = tl.load(cs_ptr + tok + cols, mask=kmask, other=0.0)
+    dt_k = tl.load(dtp_ptr + tok + cols, mask=kmask, other=1.0)
+    return tl.where(causal, raw * tl.exp(cs_m[:, None] - cs_k[None, :]) * dt_k[None, :], 0.0)
+
+
+@triton.jit
+def _chunk_y_out(acc, xm, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P,
+                 s_z_b, s_z_t, s_z_h, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+                 STORE_PRE: tl.constexpr):
+    if HAS_D:
+        if D_HP:
+            Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            Dv = tl.load(D_ptr + h).to(tl.float32)
+        acc += Dv * xm.to(tl.float32)
+    _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P, s_z_b, s_z_t, s_z_h,
+             HAS_Z, STORE_PRE)
+
+
+@triton.jit
+def chunk_scan_fwd3_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
+                           chunk_t0_ptr, chunk_len_ptr,
+                           T, H, P, N, NC, BT, R, G,
+                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                           L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, HB: tl.constexpr, BNF: tl.constexpr,
+                           HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+                           STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                           DOT_DT: tl.constexpr):
+    """The whole chunk per program, for HB (1 or 2) heads of one group: grid (p-block, head block, chunk).
+    Chunk states in the "NP" layout (S^T rows contiguous in p, like x rows). One loop over the chunk's tiles
+    (so the loads of the next tiles are in flight across row-block boundaries): for row block mi, first NS
+    state tiles (A = C[m, n block] e^{cs_m}, B = S^T[n block, p]), then the causal tiles k = 0..mi
+    (A = CB[m, k] e^{cs_m - cs_k} dt_k, B = x[k block, p]; tile width BM, so the last one is the diagonal
+    block and its x tile is x_m); after the diagonal tile the row block's y (+ D x, gate) is stored.
+    A and B tiles of either kind come from one load each (pointer base and row stride picked per tile), and
+    A's raw tile (C or CB, per group) is loaded once for the HB heads."""
+    NS: tl.constexpr = (BNF + BM - 1) // BM  # state tiles per row block
+    pid_p = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if clen <= 0:
+        return
+    h0 = pid_h * HB
+    g = h0 // R
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    pmask = offs_p < P
+    ar = tl.arange(0, BM)
+    n_mb = tl.cdiv(clen, BM)
+    n_it = n_mb * NS + n_mb * (n_mb + 1) // 2
+    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
+    C_base = C_ptr + b * s_B_b + g * s_B_g + t0 * s_B_t
+    x_base = x_ptr + b * s_x_b + h0 * s_x_h + t0 * s_x_t
+    st_base = states_ptr + (pid_c.to(tl.int64) * H + h0) * P * N
+    tok = h0 * BT + b * T + t0
+    acc0 = tl.zeros((BM, BP), dtype=tl.float32)
+    acc1 = tl.zeros((BM, BP), dtype=tl.float32)
+    for j in range(0, n_it):
+        mi = j * 0
+        for q in tl.static_range(1, L // BM):
+            mi += tl.where(j >= q * NS + q * (q + 1) // 2, 1, 0)
+        r = j - (mi * NS + mi * (mi + 1) // 2)
+        is_state = r < NS
+        klim = tl.where(is_state, 0, clen)
+        rb = tl.where(is_state, r, r - NS)
+        rows_m = mi * BM + ar
+        mmask = rows_m < clen
+        cols = rb * BM + ar
+        cmask = cols < tl.where(is_state, N, clen)
+        a_base = tl.where(is_state, C_base, cb_base)
+        a_rs = tl.where(is_state, s_B_t, L)
+        raw = tl.load(a_base + rows_m[:, None] * a_rs + cols[None, :], mask=mmask[:, None] & cmask[None, :],
+                      other=0.0).to(tl.float32)
+        causal = (is_state | (rows_m[:, None] >= cols[None, :])) & cmask[None, :] & mmask[:, None]
+        b_base = tl.where(is_state, st_base, x_base)
+        b_rs = tl.where(is_state, P, s_x_t)
+        b_hs = tl.where(is_state, P * N, s_x_h)
+        bmask = cmask[:, None] & pmask[None, :]
+        a0 = _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok, rows_m, mmask, cols, klim, causal)
+        b0 = tl.load(b_base + cols[:, None] * b_rs + offs_p[None, :], mask=bmask, other=0.0)
+        acc0 = tl.dot(a0.to(DOT_DT), b0.to(DOT_DT), acc0, input_precision=DOT_PREC)
+        if HB == 2:
+            a1 = _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok + BT, rows_m, mmask, cols, klim, causal)
+            b1 = tl.load(b_base + b_hs + cols[:, None] * b_rs + offs_p[None, :], mask=bmask, other=0.0)
+            acc1 = tl.dot(a1.to(DOT_DT), b1.to(DOT_DT), acc1, input_precision=DOT_PREC)
+        if r == NS + mi:  # the diagonal tile: y rows of this row block are complete (b0/b1 are x_m)
+            _chunk_y_out(acc0, b0, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, h0, rows_m, mmask, offs_p, pmask, T, H, P,
+                         s_z_b, s_z_t, s_z_h, HAS_D, D_HP, HAS_Z, STORE_PRE)
+            acc0 = tl.zeros((BM, BP), dtype=tl.float32)
+            if HB == 2:
+                _chunk_y_out(acc1, b1, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, h0 + 1, rows_m, mmask, offs_p, pmask,
+                             T, H, P, s_z_b, s_z_t, s_z_h, HAS_D, D_HP, HAS_Z, STORE_PRE)
+                acc1 = tl.zeros((BM, BP), dtype=tl.float32)
 
 
 @triton.jit
@@ -634,7 +739,7 @@ def _dstate_rows(dy_base, C_base, cs_ptr, tok0, t0, clen, k, offs_p, offs_n, P, 
 def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr, dinit_ptr, passing_ptr,
                       cu_ptr, chunk_first_ptr,
                       T, H, P, N, NC, BT, R,
-                      s_dy_b, s_dy_t, s_dy_h, s_B_b, s_B_t, s_B_g,
+                      s_dy_b, s_dy_t, s_dy_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                       L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                       DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
@@ -667,7 +772,8 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr
         tok0 = h * BT + b * T + t0
         a = tl.load(cs_ptr + tok0 + clen - 1)
         ea = tl.exp(a)
-        S = tl.load(states_ptr + st_off, mask=pn_mask, other=0.0).to(tl.float32)
+        S = tl.load(states_ptr + (c.to(tl.int64) * H + h) * P * N + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
+                    mask=pn_mask, other=0.0).to(tl.float32)
         tl.store(passing_ptr + (c.to(tl.int64) * H + h) * n_pn + pid_pn, tl.sum(tl.sum(G * S, 1), 0) * ea)
         if BK >= L:
             acc = _dstate_rows(dy_base, C_base, cs_ptr, tok0, t0, clen, 0, offs_p, offs_n, P, N, s_dy_t, s_B_t,
@@ -749,7 +855,7 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddara
 def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, Q_ptr, dB_ptr, dC_ptr,
                     chunk_t0_ptr, chunk_len_ptr,
                     T, H, P, N, NC, BT, R, G,
-                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
+                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                     L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BN: tl.constexpr,
                     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Per (chunk, group, m-block x n-block): dC = sum_h e^{cs} dy S + Q B, dB = sum_h w x G' + Q^T C."""
@@ -783,7 +889,8 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
                      mask=pm, other=0.0).to(tl.float32)
         st_off = (pid_c.to(tl.int64) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :]
         pn = pmask[:, None] & nmask[None, :]
-        S = tl.load(states_ptr + st_off, mask=pn, other=0.0).to(dtype)
+        S = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
+                    mask=pn, other=0.0).to(dtype)
         Gd = tl.load(dstates_ptr + st_off, mask=pn, other=0.0).to(dtype)
         e_m = tl.where(mmask, tl.exp(cs_m), 0.0)
         w_m = tl.where(mmask, tl.exp(a - cs_m) * dt_m, 0.0)
@@ -820,7 +927,7 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
 def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, D_ptr,
                   dx_ptr, ddt_ptr, dcs_ptr, q_ptr, dD_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
-                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
+                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums."""
@@ -870,7 +977,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     # y_off = e^{cs_l} S C_l in float32 from the stored state (for dcs; the intra part comes from dcb_bwd)
     Cl = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :],
                  mask=lmask[:, None] & nmask[None, :], other=0.0).to(dtype)
-    St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+    St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * s_sp + offs_n[:, None] * s_sn,
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = S^T
     yoff = tl.dot(Cl, St, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(cs_l), 0.0)[:, None]
     t = dxs + dxi

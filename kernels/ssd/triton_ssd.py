@@ -112,6 +112,40 @@ _scan_fwd2 = triton.autotune(
     key=["P", "N", "R", "L", "FACT"], prune_configs_by={"early_config_prune": _prune_fwd2})(K.chunk_scan_fwd2_kernel)
 
 
+def _prune_fwd3(configs, named_args, **kwargs):
+    """Row blocks inside the chunk (keeps at least the last config)."""
+    L = kwargs.get("L", named_args.get("L"))
+    return [c for c in configs if c.kwargs["BM"] <= L] or configs[-1:]
+
+
+_scan_fwd3_cfgs = [triton.Config(dict(BM=bm, BP=bp, HB=hb), num_warps=w, num_stages=st)
+                   for bm, bp, hb, w, st in ((64, 64, 2, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 2), (64, 64, 2, 4, 2),
+                                             (64, 64, 2, 8, 3), (64, 64, 1, 8, 3), (64, 32, 1, 4, 3), (128, 64, 1, 8, 3),
+                                             (16, 16, 2, 4, 2))]  # the last: interpreter tests (small chunks)
+
+
+def _fwd3_tuner(hb_ok):
+    """Autotuned chunk_scan_fwd3_kernel; hb_ok False keeps single-head configs only (odd heads per group). The
+    head block is chosen here and not by pruning: a single config is never pruned (interpreter,
+    LM_SSD_AUTOTUNE=0)."""
+    cfgs = [c if hb_ok else triton.Config(dict(c.kwargs, HB=1), num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in _scan_fwd3_cfgs]
+    if not hb_ok:  # drop the duplicates made by HB=1
+        seen, uniq = set(), []
+        for c in cfgs:
+            k = (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
+            if k not in seen:
+                seen.add(k)
+                uniq.append(c)
+        cfgs = uniq
+    cfgs = cfgs[:-1] if _AUTOTUNE else cfgs[-1:] if _INTERPRET else cfgs[:1]
+    return triton.autotune(configs=cfgs, key=["P", "N", "R", "L"],
+                           prune_configs_by={"early_config_prune": _prune_fwd3})(K.chunk_scan_fwd3_kernel)
+
+
+_scan_fwd3 = {True: _fwd3_tuner(True), False: _fwd3_tuner(False)}  # by R % 2 == 0
+
+
 def _prune_fused(configs, named_args, **kwargs):
     L = kwargs.get("L", named_args.get("L"))
     keep = [c for c in configs if c.kwargs["BM"] <= L]
@@ -207,14 +241,16 @@ class _Plan:
         self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
 
 
-_SCAN_VARIANTS = ("flat", "grid", "flat2", "hb", "fact")
+_SCAN_VARIANTS = ("flat", "grid", "flat2", "hb", "fact", "chunk")
 
 
 def _scan_variant(plan):
     """The forward scan kernel. "flat": one head per program, grid (chunk, head, row block); "grid": the
     same math on the grid (row block, head, chunk) (chunk_scan_fwd2_kernel); "flat2": "grid" plus the
     exponential-free factorised decay below the diagonal; "hb" (heads batched per program with 3D
-    products) and "fact" (heads share 2D products below the diagonal) were slower on an H100.
+    products) and "fact" (heads share 2D products below the diagonal) were slower on an H100; "chunk": one
+    program per (p block, 1-2 heads, chunk) walking the chunk's state and causal tiles in one pipelined
+    loop (chunk_scan_fwd3_kernel; chunk states stored in the "NP" layout).
     LM_SSD_SCAN overrides the default."""
     v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
     if v and v not in _SCAN_VARIANTS:
@@ -289,7 +325,9 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
             FACT=True, S_BF16=x.dtype == torch.bfloat16, **flags)
         return y, final, None
     state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)
+    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)  # (p, n) or (n, p) per (chunk, head)
+    variant = _scan_variant(pl)
+    st_strides = (1, P) if variant == "chunk" else (N, 1)  # (s_sp, s_sn): "NP" or "PN" layout
     sv = _state_variant()
     bn = min(128, pl.BNF) if sv == "bn128" else pl.BN
 
@@ -300,17 +338,19 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
         x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
         final if final is not None else dtp, pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, pl.R,
-        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
         IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype), PN_FAST=sv != "old")
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
                  pl.chunk_t0, pl.chunk_len, *common)
-    variant = _scan_variant(pl)
-    if variant in ("grid", "flat2"):
+    if variant == "chunk":
+        _scan_fwd3[pl.R % 2 == 0][lambda META: (triton.cdiv(P, META["BP"]), H // META["HB"], pl.NCB)](
+            *scan_args, L=L, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
+    elif variant in ("grid", "flat2"):
         _scan_fwd2[lambda META: (triton.cdiv(L, META["BM"]) * triton.cdiv(P, META["BP"]), H, pl.NCB)](
-            *scan_args, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2", **flags)
+            *scan_args, *st_strides, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2", **flags)
     elif variant == "fact":
         _scan_fwd_fact[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
             *scan_args, L=L, BPF=pl.BPF, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
@@ -320,14 +360,14 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     else:
         _scan_fwd[lambda META: (pl.NCB, H, triton.cdiv(L, META["BM"]) * triton.cdiv(P, pl.BP))](
             *scan_args, L=L, BP=pl.BP, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
-    return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
+    return y, final, (dtp, cs, states, st_strides, CB, ypre if store_pre else y)
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit, aux):
     pl = plan
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
-    dtp, cs, states, CB, ypre = aux
+    dtp, cs, states, st_strides, CB, ypre = aux
     prec = _dot_prec(x.dtype)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -351,7 +391,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         dy, C, cs, states, dfinal if dfinal is not None else cs, dstates, dinit if dinit is not None else cs,
         passing, pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, R,
-        dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
         IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     # per-group dy.x^T (decayed), for dB and dC
@@ -375,7 +415,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         dx, ddt_dir, dcs, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2),
+        B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
         D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     # dB, dC
@@ -385,7 +425,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2),
+        B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_dbdc, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     # dt, dA, dt_bias
     has_limit, lo, hi = _limits(dt_limit)
@@ -417,10 +457,10 @@ class SSDScanFn(torch.autograd.Function):
         plan = _Plan(x, B, cu_seqlens, chunk_size)
         y, final, aux = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit,
                                  return_final_state, save=True)
-        dtp, cs, states, CB, ypre = aux
+        dtp, cs, states, st_strides, CB, ypre = aux
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, CB,
                               ypre if z is not None else None)  # the pre-gate output, for dz
-        ctx.plan, ctx.dt_softplus, ctx.dt_limit = plan, dt_softplus, dt_limit
+        ctx.plan, ctx.dt_softplus, ctx.dt_limit, ctx.st_strides = plan, dt_softplus, dt_limit, st_strides
         return y, final
 
     @staticmethod
@@ -429,7 +469,7 @@ class SSDScanFn(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(x)
         grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, ctx.plan, ctx.dt_softplus,
-                          ctx.dt_limit, (dtp, cs, states, CB, ypre))
+                          ctx.dt_limit, (dtp, cs, states, ctx.st_strides, CB, ypre))
         dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
         return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit, None, None, None, None, None
 
