@@ -71,7 +71,7 @@ def compare(d, dtype, tol, **kw):
 
 
 @pytest.mark.parametrize("variant,state", [("hb", "old"), ("flat", "old"), ("fact", "old"), ("grid", "pnfast"),
-                                           ("flat2", "bn128"), ("chunk", "pnfast")])
+                                           ("flat2", "bn128"), ("chunk", "hb2")])
 def test_triton_fp32_all_options_matches_reference(variant, state, monkeypatch):
     # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp;
     # every forward scan kernel and state-kernel layout
@@ -95,10 +95,12 @@ def test_triton_head_blocked_scans_several_row_blocks(variant, monkeypatch):
     compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
 
 
-def test_triton_state_kernels_multi_step_chunks(monkeypatch):
+@pytest.mark.parametrize("state", ["pnfast", "hb2"])
+def test_triton_state_kernels_multi_step_chunks(state, monkeypatch):
     """Chunks longer than the state kernels' step (there: > 256 rows) walk each chunk in several steps."""
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "STATE_STEP_ROWS", 16)
+    monkeypatch.setenv("LM_SSD_STATE", state)
     compare(make(1, 50, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=32)
 
 
@@ -108,6 +110,7 @@ def test_triton_chunk_scan_odd_sizes_varlen(heads, groups, monkeypatch):
     odd head counts per group (one head per program) and pairs of heads (two per program), headdim and
     dstate not powers of two, D per (head, p), packed documents with chunks cut short."""
     monkeypatch.setenv("LM_SSD_SCAN", "chunk")
+    monkeypatch.setenv("LM_SSD_STATE", "hb2")  # two heads per state program where a group has an even number
     lens = [9, 0, 30, 1, 20]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     d = make(1, sum(lens), heads, 12, groups, 10, D="hp", ns=len(lens))

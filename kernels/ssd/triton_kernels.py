@@ -166,6 +166,85 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
 
 
 @triton.jit
+def _state_rows2(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a0, a1, clen, k, offs_p, offs_n, P, N, s_x_t, s_x_h,
+                 s_B_t, BT, BK: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """_state_rows for two heads of one group (x_base: the first head's): the B rows are loaded once."""
+    rows = k + tl.arange(0, BK)
+    rmask = rows < clen
+    Bk = tl.load(B_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
+                 mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0).to(DOT_DT)
+    xmask = rmask[:, None] & (offs_p[None, :] < P)
+    cs0 = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
+    dt0 = tl.load(dtp_ptr + tok0 + rows, mask=rmask, other=0.0)
+    w0 = tl.where(rmask, tl.exp(a0 - cs0) * dt0, 0.0)
+    x0 = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :], mask=xmask, other=0.0)
+    acc0 = tl.dot(tl.trans((x0.to(tl.float32) * w0[:, None]).to(DOT_DT)), Bk, input_precision=DOT_PREC)
+    cs1 = tl.load(cs_ptr + tok0 + BT + rows, mask=rmask, other=0.0)
+    dt1 = tl.load(dtp_ptr + tok0 + BT + rows, mask=rmask, other=0.0)
+    w1 = tl.where(rmask, tl.exp(a1 - cs1) * dt1, 0.0)
+    x1 = tl.load(x_base + s_x_h + (t0 + rows[:, None]) * s_x_t + offs_p[None, :], mask=xmask, other=0.0)
+    acc1 = tl.dot(tl.trans((x1.to(tl.float32) * w1[:, None]).to(DOT_DT)), Bk, input_precision=DOT_PREC)
+    return acc0, acc1
+
+
+@triton.jit
+def state_fwd_hb_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_ptr, cu_ptr, chunk_first_ptr,
+                        T, H, P, N, NC, BT, R,
+                        s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
+                        L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                        DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """state_fwd_kernel for two heads of one group per program (grid (p-block x n-block, head pair, sequence);
+    R even): each chunk's B rows are loaded once for both heads, and each program has two independent
+    products in flight."""
+    pid_pn = tl.program_id(0)
+    h = tl.program_id(1) * 2
+    pid_s = tl.program_id(2)
+    n_nb = tl.cdiv(N, BN)
+    offs_p = (pid_pn // n_nb) * BP + tl.arange(0, BP)
+    offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
+    pn_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
+    pn_off = offs_p[:, None] * N + offs_n[None, :]
+    st_off = offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    g = h // R
+    b, t_begin, seqlen, c_begin, n_chunks = _seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
+    if HAS_INIT:
+        S0 = tl.load(init_ptr + (pid_s * H + h) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+        S1 = tl.load(init_ptr + (pid_s * H + h + 1) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+    else:
+        S0 = tl.zeros((BP, BN), dtype=tl.float32)
+        S1 = tl.zeros((BP, BN), dtype=tl.float32)
+    x_base = x_ptr + b * s_x_b + h * s_x_h
+    B_base = B_ptr + b * s_B_b + g * s_B_g
+    for i in range(0, n_chunks):
+        c = c_begin + i
+        t0 = t_begin + i * L
+        clen = tl.minimum(L, seqlen - i * L)
+        st = states_ptr + (c.to(tl.int64) * H + h) * P * N + st_off
+        tl.store(st, S0.to(states_ptr.dtype.element_ty), mask=pn_mask)
+        tl.store(st + P * N, S1.to(states_ptr.dtype.element_ty), mask=pn_mask)
+        tok0 = h * BT + b * T + t0
+        a0 = tl.load(cs_ptr + tok0 + clen - 1)
+        a1 = tl.load(cs_ptr + tok0 + BT + clen - 1)
+        if BK >= L:  # the whole chunk in one step: no inner loop, so the chunk loop gets pipelined
+            acc0, acc1 = _state_rows2(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a0, a1, clen, 0, offs_p, offs_n, P, N,
+                                      s_x_t, s_x_h, s_B_t, BT, BK, DOT_DT, DOT_PREC)
+        else:
+            acc0 = tl.zeros((BP, BN), dtype=tl.float32)
+            acc1 = tl.zeros((BP, BN), dtype=tl.float32)
+            for k in range(0, clen, BK):
+                u0, u1 = _state_rows2(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a0, a1, clen, k, offs_p, offs_n, P,
+                                      N, s_x_t, s_x_h, s_B_t, BT, BK, DOT_DT, DOT_PREC)
+                acc0 += u0
+                acc1 += u1
+        S0 = tl.exp(a0) * S0 + acc0
+        S1 = tl.exp(a1) * S1 + acc1
+    if HAS_FINAL:
+        tl.store(final_ptr + (pid_s * H + h) * P * N + pn_off, S0, mask=pn_mask)
+        tl.store(final_ptr + (pid_s * H + h + 1) * P * N + pn_off, S1, mask=pn_mask)
+
+
+@triton.jit
 def cb_fwd_kernel(B_ptr, C_ptr, CB_ptr, chunk_t0_ptr, chunk_len_ptr, T, N, NC, G,
                   s_B_b, s_B_t, s_B_g,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,

@@ -51,6 +51,10 @@ _gate_bwd = K.gate_bwd_kernel
 _cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
 _state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))],
                    ["P", "N", "R", "BN", "NC"])(K.state_fwd_kernel)  # 32-row p blocks: more programs for long T
+_state_fwd_hb = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (32, 8), (32, 4))],
+                      ["P", "N", "R", "BN", "NC"])(K.state_fwd_hb_kernel)
+
+
 def _prune_bm(configs, named_args, **kwargs):
     """Drop row blocks larger than the chunk (keeps at least the first config)."""
     L = kwargs.get("L", named_args.get("L"))
@@ -261,12 +265,14 @@ def _scan_variant(plan):
     return v or "flat2"
 
 
-_STATE_VARIANTS = ("old", "pnfast", "bn128")
+_STATE_VARIANTS = ("old", "pnfast", "bn128", "hb2")
 
 
 def _state_variant():
     """state_fwd layout: "old" grid (sequence, head, p x n block) with 64-wide n blocks; "pnfast" grid
-    (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head).
+    (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head);
+    "hb2": "pnfast" with two heads of a group per program sharing the B rows (state_fwd_hb_kernel; "pnfast"
+    where a group has an odd number of heads).
     LM_SSD_STATE overrides the default."""
     v = os.environ.get("LM_SSD_STATE", "").strip().lower()
     if v and v not in _STATE_VARIANTS:
@@ -331,16 +337,21 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     sv = _state_variant()
     bn = min(128, pl.BNF) if sv == "bn128" else pl.BN
 
+    hb2 = sv == "hb2" and pl.R % 2 == 0
+
     def grid(META):
         npn = triton.cdiv(P, META["BP"]) * triton.cdiv(N, bn)
-        return (npn, H, pl.nseq) if sv != "old" else (pl.nseq, H, npn)
-    _state_fwd[grid](
-        x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
-        final if final is not None else dtp, pl.cu, pl.chunk_first,
-        pl.T, H, P, N, pl.NC, pl.BT, pl.R,
-        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides,
-        L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
-        IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype), PN_FAST=sv != "old")
+        return (npn, H // 2 if hb2 else H, pl.nseq) if sv != "old" else (pl.nseq, H, npn)
+    state_args = (x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
+                  final if final is not None else dtp, pl.cu, pl.chunk_first,
+                  pl.T, H, P, N, pl.NC, pl.BT, pl.R,
+                  x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides)
+    state_kw = dict(L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+                    IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    if hb2:
+        _state_fwd_hb[grid](*state_args, **state_kw)
+    else:
+        _state_fwd[grid](*state_args, **state_kw, PN_FAST=sv != "old")
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
