@@ -49,6 +49,7 @@ _dt_fwd = K.dt_fwd_kernel
 _dt_bwd = K.dt_bwd_kernel
 _gate_bwd = K.gate_bwd_kernel
 _cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
+_dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(K.dtcb_fwd_kernel)
 _state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))],
                    ["P", "N", "R", "BN", "NC"])(K.state_fwd_kernel)  # 32-row p blocks: more programs for long T
 _state_fwd_hb = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (32, 8), (32, 4))],
@@ -199,6 +200,23 @@ def _dummy_i32(dev):
     return t
 
 
+_PLANS = {}
+
+
+def _plan(x, B, cu_seqlens, chunk_size):
+    """_Plan of a call, cached per (shapes, chunk, device) for fixed-length batches (no host work repeated by
+    the many same-shape calls of the fixed-point iterations); packed documents build their chunk table."""
+    if cu_seqlens is not None:
+        return _Plan(x, B, cu_seqlens, chunk_size)
+    key = (x.shape, B.shape, chunk_size, x.device)
+    pl = _PLANS.get(key)
+    if pl is None:
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        pl = _PLANS[key] = _Plan(x, B, None, chunk_size)
+    return pl
+
+
 class _Plan:
     """Shapes, block sizes and the chunk table of one call (shared by forward and backward)."""
 
@@ -291,6 +309,14 @@ def _nograd_variant(plan):
     return v or "split"
 
 
+def _dtcb_fused():
+    """dt/cs and C.B in one launch (dtcb_fwd_kernel) unless LM_SSD_DTCB=0 (two launches: dt_fwd, cb_fwd)."""
+    v = os.environ.get("LM_SSD_DTCB", "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LM_SSD_DTCB={v!r} must be 0 or 1 (or unset)")
+    return v != "0"
+
+
 def _limits(dt_limit):
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     has = lo > 0.0 or hi < math.inf
@@ -302,20 +328,26 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     dev = x.device
     H, P, N, L = pl.H, pl.P, pl.N, pl.L
     has_limit, lo, hi = _limits(dt_limit)
-    dtp = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
-    cs = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
-    _dt_fwd[(pl.NCB, triton.cdiv(H, pl.BH))](
-        dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), lo, hi,
-        L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
-        IS_VARLEN=pl.varlen, num_warps=4)
+    dtp, cs = torch.empty(2, H, pl.BT, dtype=torch.float32, device=dev).unbind(0)
     final = torch.empty(pl.nseq, H, P, N, dtype=torch.float32, device=dev) if want_final else None
     prec = _dot_prec(x.dtype)
     cb_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype, device=dev)
-    _cb_fwd[(pl.NCB, pl.G, (L // pl.BM) * (L // pl.BK))](
-        B, C, CB, pl.chunk_t0, pl.chunk_len, pl.T, N, pl.NC, pl.G, B.stride(0), B.stride(1), B.stride(2),
-        L=L, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    if _dtcb_fused():  # one launch for dt/cs and C.B
+        _dtcb_fwd[(pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK) + triton.cdiv(H, pl.BH))](
+            dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, B, C, CB, pl.chunk_t0, pl.chunk_len,
+            pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2), lo, hi,
+            L=L, BH=pl.BH, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+            HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+    else:
+        _dt_fwd[(pl.NCB, triton.cdiv(H, pl.BH))](
+            dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, pl.chunk_t0, pl.chunk_len,
+            pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), lo, hi,
+            L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
+            IS_VARLEN=pl.varlen, num_warps=4)
+        _cb_fwd[(pl.NCB, pl.G, (L // pl.BM) * (L // pl.BK))](
+            B, C, CB, pl.chunk_t0, pl.chunk_len, pl.T, N, pl.NC, pl.G, B.stride(0), B.stride(1), B.stride(2),
+            L=L, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     y = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     zz = z if z is not None else x
     common = (pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
@@ -465,7 +497,7 @@ class SSDScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus, dt_limit,
                 return_final_state):
-        plan = _Plan(x, B, cu_seqlens, chunk_size)
+        plan = _plan(x, B, cu_seqlens, chunk_size)
         y, final, aux = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit,
                                  return_final_state, save=True)
         dtp, cs, states, st_strides, CB, ypre = aux
@@ -519,7 +551,7 @@ def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=N
     if needs_grad:
         return SSDScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus,
                                tuple(dt_limit), return_final_state)
-    plan = _Plan(x, B, cu_seqlens, chunk_size)
+    plan = _plan(x, B, cu_seqlens, chunk_size)
     y, final, _ = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit,
                            return_final_state, save=False)
     return y, final
