@@ -29,18 +29,25 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-DEFAULT_VARIANTS = ["flat=flat/old/split", "grid=grid/pnfast/split", "fused=-/-/fused"]  # default: flat2/pnfast/split
+DEFAULT_VARIANTS = ["flat2=flat2/pnfast/split/LM_SSD_DTCB=0", "chunk_pn=chunk/pnfast/split",
+                    "flat2_hb2=flat2/hb2/split", "two_launch=-/-/-/LM_SSD_DTCB=0"]
 
 
 def parse_variants(specs):
-    """["NAME=SCAN/STATE/NOGRAD", ...] -> [(NAME, {env var: value}), ...]."""
+    """["NAME=SCAN/STATE/NOGRAD[/VAR=VALUE,...]", ...] -> [(NAME, {env var: value}), ...]; '-' leaves one
+    of LM_SSD_SCAN / LM_SSD_STATE / LM_SSD_NOGRAD unset; the optional fourth part sets further variables."""
     out = []
     for spec in specs:
         name, _, val = spec.partition("=")
         parts = val.split("/")
-        if not name or len(parts) != 3:
-            raise ValueError(f"--variants: {spec!r} is not NAME=SCAN/STATE/NOGRAD")
-        env = {k: v for k, v in zip(("LM_SSD_SCAN", "LM_SSD_STATE", "LM_SSD_NOGRAD"), parts) if v != "-"}
+        if not name or len(parts) not in (3, 4):
+            raise ValueError(f"--variants: {spec!r} is not NAME=SCAN/STATE/NOGRAD[/VAR=VALUE,...]")
+        env = {k: v for k, v in zip(("LM_SSD_SCAN", "LM_SSD_STATE", "LM_SSD_NOGRAD"), parts[:3]) if v != "-"}
+        for kv in (parts[3].split(",") if len(parts) == 4 and parts[3] else []):
+            k, eq, v = kv.partition("=")
+            if not eq or not k.startswith("LM_SSD_"):
+                raise ValueError(f"--variants: {kv!r} in {spec!r} is not LM_SSD_VAR=VALUE")
+            env[k] = v
         out.append((name, env))
     return out
 
@@ -117,8 +124,10 @@ def autotuned_configs():
     import lm_kernels.ssd.triton_ssd as ts
     out = {}
     for name, obj in vars(ts).items():
-        if isinstance(obj, Autotuner) and getattr(obj, "cache", None):
-            out[name] = {str(k): str(v) for k, v in obj.cache.items()}
+        objs = obj.items() if isinstance(obj, dict) else [("", obj)]
+        for sub, o in objs:
+            if isinstance(o, Autotuner) and getattr(o, "cache", None):
+                out[f"{name}{'' if sub == '' else f'[{sub}]'}"] = {str(k): str(v) for k, v in o.cache.items()}
     return out
 
 
@@ -158,8 +167,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--variants", nargs="*", default=None,
-                    help="kernel variants to time, each NAME=SCAN/STATE/NOGRAD (LM_SSD_SCAN, LM_SSD_STATE, "
-                         f"LM_SSD_NOGRAD; '-' leaves one unset); default: {' '.join(DEFAULT_VARIANTS)}")
+                    help="kernel variants to time, each NAME=SCAN/STATE/NOGRAD[/LM_SSD_VAR=VALUE,...] (LM_SSD_SCAN, "
+                         "LM_SSD_STATE, LM_SSD_NOGRAD; '-' leaves one unset); default: "
+                         f"{' '.join(DEFAULT_VARIANTS)}")
     args = ap.parse_args(argv)
     variants = parse_variants(args.variants if args.variants is not None else DEFAULT_VARIANTS)
 

@@ -5,12 +5,15 @@
 #   SSD_VARIANTS="name=SCAN/STATE/NOGRAD ..."   variants to time (bench_ssd.py --variants); "none": only
 #                                               the default path; unset: bench_ssd.py's own list
 #   SSD_TEST_ENV="LM_SSD_...=... ..."           environment of the GPU tests (e.g. candidate kernels)
-#   SSD_TESTS_FIRST=1                           tests first (they fill Triton's disk cache for the bench),
-#                                               at most SSD_TEST_TIMEOUT_S (170) seconds
-#   SSD_BUDGET_S=280                            whole script's budget
+#   SSD_TESTS_FIRST=1 (default)                 tests first (they fill Triton's disk cache for the bench),
+#                                               at most SSD_TEST_TIMEOUT_S (170) seconds; 0: bench first
+#   SSD_BUDGET_S=390                            whole script's budget
+#   SSD_BENCH_ARGS="..."                        extra bench_ssd.py arguments (CPU dry run: "--tiny --no-peer
+#                                               --warmup 1 --rep 1")
+# The GPU tests run with LM_SSD_AUTOTUNE=0 (one config per kernel: compile time) unless SSD_TEST_ENV sets it.
 set -u
 T0=$(date +%s)
-BUDGET=${SSD_BUDGET_S:-280}
+BUDGET=${SSD_BUDGET_S:-390}
 OUT=${OUT:-/tmp/ssd_out}
 mkdir -p "$OUT"
 if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
@@ -28,12 +31,13 @@ TESTS=(tests/test_ssd_gpu.py::test_gpu_varlen_vs_reference
        tests/test_ssd_gpu.py::test_gpu_nograd_equals_grad_path_and_headdim_128
        tests/test_ssd_gpu.py::test_gpu_accuracy_parity_with_mamba_ssm_if_available
        tests/test_ssd_gpu.py::test_gpu_real_shape_vs_float64_reference
-       tests/test_ssd_gpu.py::test_gpu_float32_highest_precision)
+       tests/test_ssd_gpu.py::test_gpu_float32_highest_precision
+       tests/test_ssd_gpu.py::test_gpu_chunk_scan_and_variants_agree)
 
 run_tests() {
   local tl=$1
   if [ "$tl" -gt 20 ]; then
-    env ${SSD_TEST_ENV:-} timeout "$tl" python3 -m pytest "${TESTS[@]}" -m gpu -q -rA -s -p no:cacheprovider \
+    env LM_SSD_AUTOTUNE=0 ${SSD_TEST_ENV:-} timeout "$tl" python3 -m pytest "${TESTS[@]}" -m gpu -q -rA -s -p no:cacheprovider \
       >"$OUT/test_gpu.log" 2>&1
     echo "gpu tests rc=$? after $(( $(date +%s) - T0 )) s"
   else
@@ -45,11 +49,11 @@ run_bench() {
   local VARGS=()
   if [ "${SSD_VARIANTS:-}" = "none" ]; then VARGS=(--variants)
   elif [ -n "${SSD_VARIANTS:-}" ]; then read -r -a VARGS <<<"$SSD_VARIANTS"; VARGS=(--variants "${VARGS[@]}"); fi
-  timeout "$1" python3 scripts/bench_ssd.py --json "$OUT/bench_ssd.json" "${VARGS[@]}" >"$OUT/bench.log" 2>&1
+  timeout "$1" python3 scripts/bench_ssd.py --json "$OUT/bench_ssd.json" ${SSD_BENCH_ARGS:-} "${VARGS[@]}" >"$OUT/bench.log" 2>&1
   echo "bench rc=$? after $(( $(date +%s) - T0 )) s"
 }
 
-if [ "${SSD_TESTS_FIRST:-0}" = "1" ]; then
+if [ "${SSD_TESTS_FIRST:-1}" = "1" ]; then
   run_tests "${SSD_TEST_TIMEOUT_S:-170}"
   run_bench $(( $(left) - 3 ))
 else
@@ -59,4 +63,4 @@ fi
 echo "===== tests"
 grep -E "passed|failed|skipped|PASSED|FAILED|Error|vs float64|errors above" "$OUT/test_gpu.log" | tail -25
 echo "===== bench"
-grep -v "^\s*$" "$OUT/bench.log" | grep -v -i warn | tail -c 6500
+grep -v "^\s*$" "$OUT/bench.log" | grep -v -i warn | tail -c 7500

@@ -280,7 +280,7 @@ def _scan_variant(plan):
     if v in ("hb", "fact") and plan.R % 2:  # head blocks (HB >= 2) must stay inside one group
         return "flat"
     # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.322 - 0.325
-    return v or "flat2"
+    return v or "chunk"
 
 
 _STATE_VARIANTS = ("old", "pnfast", "bn128", "hb2")
@@ -296,7 +296,7 @@ def _state_variant():
     if v and v not in _STATE_VARIANTS:
         raise ValueError(f"LM_SSD_STATE={v!r} must be one of {_STATE_VARIANTS} (or unset)")
     # H100, B8 T2048: old 0.156 ms, pnfast 0.130, bn128 0.130; B2 T8192: 0.125 - 0.129 for all three
-    return v or "pnfast"
+    return v or "hb2"
 
 
 def _nograd_variant(plan):
