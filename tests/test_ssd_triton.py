@@ -86,12 +86,13 @@ def test_triton_fp32_odd_sizes_D_hp_no_gate_no_softplus():
     compare(d, torch.float32, 2e-5, chunk_size=16, dt_softplus=False)
 
 
-@pytest.mark.parametrize("variant", ["hb", "fact", "flat2", "chunk"])
+@pytest.mark.parametrize("variant", ["hb", "fact", "flat2", "chunk", "chunk_fact"])
 def test_triton_head_blocked_scans_several_row_blocks(variant, monkeypatch):
     """Chunks of 64 rows: several row blocks per chunk, so "fact" and "flat2" take their factorised
     below-diagonal path (and "flat2" its diagonal block in several k-steps), and "chunk" walks 4 row blocks
-    of state and causal tiles in one loop."""
-    monkeypatch.setenv("LM_SSD_SCAN", variant)
+    of state and causal tiles in one loop (with the factorised decay off the diagonal: "chunk_fact")."""
+    monkeypatch.setenv("LM_SSD_SCAN", variant.removesuffix("_fact"))
+    monkeypatch.setenv("LM_SSD_FACT", "1" if variant.endswith("_fact") else "0")
     compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
 
 

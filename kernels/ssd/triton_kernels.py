@@ -509,15 +509,28 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
 
 
 @triton.jit
-def _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok, rows_m, mmask, cols, klim, causal):
+def _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok, rows_m, mmask, cols, klim, causal, is_state, is_diag, r_row,
+                  FACT: tl.constexpr):
     """A operand of one tile for one head (float32): the state tile's C[m, n] e^{cs_m}, or the causal tile's
     CB[m, k] e^{cs_m - cs_k} dt_k; zero outside the causal / valid region (CB's upper triangle is never
-    written, so it is selected away, not multiplied by zero)."""
+    written, so it is selected away, not multiplied by zero). FACT: off the diagonal the decay factorises
+    through the k block's last row r (e^{cs_m - cs_r} e^{cs_r - cs_k}, both exponents <= 0; state tiles:
+    e^{cs_m} per row), BM + BK exponentials instead of BM * BK; the diagonal tile keeps the exact form."""
     cs_m = tl.load(cs_ptr + tok + rows_m, mask=mmask, other=0.0)
     kmask = cols < klim  # no k rows in a state tile (klim 0)
     cs_k = tl.load(cs_ptr + tok + cols, mask=kmask, other=0.0)
     dt_k = tl.load(dtp_ptr + tok + cols, mask=kmask, other=1.0)
-    return tl.where(causal, raw * tl.exp(cs_m[:, None] - cs_k[None, :]) * dt_k[None, :], 0.0)
+    if FACT:
+        if is_diag:
+            a = tl.where(causal, raw * tl.exp(cs_m[:, None] - cs_k[None, :]) * dt_k[None, :], 0.0)
+        else:
+            cs_r = tl.where(is_state, 0.0, tl.load(cs_ptr + tok + r_row))
+            fm = tl.exp(cs_m - cs_r)
+            gk = tl.exp(cs_r - cs_k) * dt_k
+            a = tl.where(causal, raw * fm[:, None] * gk[None, :], 0.0)
+    else:
+        a = tl.where(causal, raw * tl.exp(cs_m[:, None] - cs_k[None, :]) * dt_k[None, :], 0.0)
+    return a
 
 
 @triton.jit
@@ -540,7 +553,7 @@ def chunk_scan_fwd3_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            T, H, P, N, NC, BT, R, G,
                            s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
                            L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, HB: tl.constexpr, BNF: tl.constexpr,
-                           HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+                           FACT: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                            DOT_DT: tl.constexpr):
     """The whole chunk per program, for HB (1 or 2) heads of one group: grid (p-block, head block, chunk).
@@ -593,14 +606,18 @@ def chunk_scan_fwd3_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
         b_rs = tl.where(is_state, P, s_x_t)
         b_hs = tl.where(is_state, P * N, s_x_h)
         bmask = cmask[:, None] & pmask[None, :]
-        a0 = _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok, rows_m, mmask, cols, klim, causal)
+        is_diag = r == NS + mi
+        r_row = tl.where(is_state, 0, rb * BM + BM - 1)  # the k block's last row (below the diagonal: < clen)
+        a0 = _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok, rows_m, mmask, cols, klim, causal, is_state, is_diag, r_row,
+                           FACT)
         b0 = tl.load(b_base + cols[:, None] * b_rs + offs_p[None, :], mask=bmask, other=0.0)
         acc0 = tl.dot(a0.to(DOT_DT), b0.to(DOT_DT), acc0, input_precision=DOT_PREC)
         if HB == 2:
-            a1 = _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok + BT, rows_m, mmask, cols, klim, causal)
+            a1 = _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok + BT, rows_m, mmask, cols, klim, causal, is_state, is_diag,
+                               r_row, FACT)
             b1 = tl.load(b_base + b_hs + cols[:, None] * b_rs + offs_p[None, :], mask=bmask, other=0.0)
             acc1 = tl.dot(a1.to(DOT_DT), b1.to(DOT_DT), acc1, input_precision=DOT_PREC)
-        if r == NS + mi:  # the diagonal tile: y rows of this row block are complete (b0/b1 are x_m)
+        if is_diag:  # the diagonal tile: y rows of this row block are complete (b0/b1 are x_m)
             _chunk_y_out(acc0, b0, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, h0, rows_m, mmask, offs_p, pmask, T, H, P,
                          s_z_b, s_z_t, s_z_h, HAS_D, D_HP, HAS_Z, STORE_PRE)
             acc0 = tl.zeros((BM, BP), dtype=tl.float32)

@@ -144,7 +144,7 @@ def _fwd3_tuner(hb_ok):
                 uniq.append(c)
         cfgs = uniq
     cfgs = cfgs[:-1] if _AUTOTUNE else cfgs[-1:] if _INTERPRET else cfgs[:1]
-    return triton.autotune(configs=cfgs, key=["P", "N", "R", "L"],
+    return triton.autotune(configs=cfgs, key=["P", "N", "R", "L", "FACT"],
                            prune_configs_by={"early_config_prune": _prune_fwd3})(K.chunk_scan_fwd3_kernel)
 
 
@@ -309,6 +309,14 @@ def _nograd_variant(plan):
     return v or "split"
 
 
+def _chunk_fact():
+    """"chunk" scan kernel: factorised decay off the diagonal (fewer exponentials) with LM_SSD_FACT=1."""
+    v = os.environ.get("LM_SSD_FACT", "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LM_SSD_FACT={v!r} must be 0 or 1 (or unset)")
+    return v == "1"
+
+
 def _dtcb_fused():
     """dt/cs and C.B in one launch (dtcb_fwd_kernel) unless LM_SSD_DTCB=0 (two launches: dt_fwd, cb_fwd)."""
     v = os.environ.get("LM_SSD_DTCB", "").strip()
@@ -390,7 +398,7 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
                  pl.chunk_t0, pl.chunk_len, *common)
     if variant == "chunk":
         _scan_fwd3[pl.R % 2 == 0][lambda META: (triton.cdiv(P, META["BP"]), H // META["HB"], pl.NCB)](
-            *scan_args, L=L, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
+            *scan_args, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=_chunk_fact(), **flags)
     elif variant in ("grid", "flat2"):
         _scan_fwd2[lambda META: (triton.cdiv(L, META["BM"]) * triton.cdiv(P, META["BP"]), H, pl.NCB)](
             *scan_args, *st_strides, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2", **flags)
