@@ -27,10 +27,10 @@ cat "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-TESTS=(tests/test_ssd_gpu.py::test_gpu_varlen_vs_reference
+TESTS=(tests/test_ssd_gpu.py::test_gpu_real_shape_vs_float64_reference
+       tests/test_ssd_gpu.py::test_gpu_varlen_vs_reference
        tests/test_ssd_gpu.py::test_gpu_nograd_equals_grad_path_and_headdim_128
        tests/test_ssd_gpu.py::test_gpu_accuracy_parity_with_mamba_ssm_if_available
-       tests/test_ssd_gpu.py::test_gpu_real_shape_vs_float64_reference
        tests/test_ssd_gpu.py::test_gpu_float32_highest_precision
        tests/test_ssd_gpu.py::test_gpu_chunk_scan_and_variants_agree)
 

@@ -96,6 +96,19 @@ def test_triton_head_blocked_scans_several_row_blocks(variant, monkeypatch):
     compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
 
 
+def test_triton_flat2_vector_diagonal_and_32_wide_state_blocks(monkeypatch):
+    """flat2 with the diagonal C.B tile loaded as whole rows (LM_SSD_DIAGVEC=1; the unwritten upper triangle
+    is selected away) and the state kernel with 32-wide n blocks (LM_SSD_STATE=bn32); a partial last chunk.
+    Square 16-row tiles, so the diagonal block is one tile (the path DIAGVEC changes)."""
+    import lm_kernels.ssd.triton_ssd as ts
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(ts._scan_fwd2, "configs", [triton.Config(dict(BM=16, BK=16, BP=16), num_warps=4)])
+    monkeypatch.setenv("LM_SSD_SCAN", "flat2")
+    monkeypatch.setenv("LM_SSD_DIAGVEC", "1")
+    monkeypatch.setenv("LM_SSD_STATE", "bn32")
+    compare(make(1, 90, 2, 16, 1, 48), torch.float32, 2e-5, chunk_size=32, dt_limit=(0.0, 3.0))
+
+
 @pytest.mark.parametrize("state", ["pnfast", "hb2"])
 def test_triton_state_kernels_multi_step_chunks(state, monkeypatch):
     """Chunks longer than the state kernels' step (there: > 256 rows) walk each chunk in several steps."""
@@ -159,6 +172,14 @@ def test_triton_fused_nograd_forward_matches_reference(chunk, T, varlen, monkeyp
 def test_triton_bf16_forward_backward():
     d = make(1, 48, 2, 16, 1, 16)
     compare(d, torch.bfloat16, 3e-2, chunk_size=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_chunk_scan_low_precision(dtype, monkeypatch):
+    """The "chunk" scan reads x and the chunk states through one pointer per tile, so it needs them in one
+    dtype: bf16 (states kept in bf16) runs it, fp16 (float32 states) falls back to flat2; both correct."""
+    monkeypatch.setenv("LM_SSD_SCAN", "chunk")
+    compare(make(1, 48, 2, 16, 1, 16), dtype, 3e-2, chunk_size=16)
 
 
 def test_triton_no_grad_path_matches_and_builds_no_graph():

@@ -395,7 +395,7 @@ def chunk_scan_fwd_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_p
 def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h, St, offs_p, pmask, offs_n,
                nmask, P, s_x_t, s_B_t,
                L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
-               FACT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+               FACT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, DIAGVEC: tl.constexpr = False):
     """y rows m0..m0+BM of one chunk and head (before the z gate), float32 (BM, BP), and the x rows m0..m0+BM:
         y_m = e^{cs_m} C_m S^T + sum_{k <= m} CB[m, k] e^{cs_m - cs_k} dt_k x_k + D x_m,   St = S^T (BNF, BP).
     Blocks strictly below the diagonal (k < m0 <= m, BK divides BM) need no mask; with FACT their decay
@@ -424,10 +424,14 @@ def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, 
         acc = tl.dot(cb.to(DOT_DT), xk.to(DOT_DT), acc, input_precision=DOT_PREC)
     if BK == BM:  # one diagonal block; its x tile is x_m (reused for D and by the fused state update)
         causal = (rows_m[:, None] >= rows_m[None, :]) & mmask[None, :] & mmask[:, None]
-        cb = tl.load(cb_base + rows_m[:, None] * L + rows_m[None, :], mask=causal, other=0.0).to(tl.float32)
         dt_m = tl.load(dtp_ptr + tok0 + rows_m, mask=mmask, other=0.0)
         dec = tl.exp(tl.where(causal, cs_m[:, None] - cs_m[None, :], float("-inf")))
-        cb = cb * dec * dt_m[None, :]
+        if DIAGVEC:  # whole rows (vector loads), the upper triangle (never written) selected away after
+            cb = tl.load(cb_base + rows_m[:, None] * L + rows_m[None, :], mask=mmask[:, None], other=0.0)
+            cb = tl.where(causal, cb.to(tl.float32) * dec * dt_m[None, :], 0.0)
+        else:  # element-wise causal mask: scalar 2-byte loads
+            cb = tl.load(cb_base + rows_m[:, None] * L + rows_m[None, :], mask=causal, other=0.0).to(tl.float32)
+            cb = cb * dec * dt_m[None, :]
         xm = tl.load(x_base + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :], mask=mmask[:, None] & pmask[None, :],
                      other=0.0)
         acc = tl.dot(cb.to(DOT_DT), xm.to(DOT_DT), acc, input_precision=DOT_PREC)
@@ -478,7 +482,7 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, FACT: tl.constexpr,
-                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, DIAGVEC: tl.constexpr = False):
     """chunk_scan_fwd_kernel with the grid (m-block x p-block, head, chunk): the row blocks of one (chunk,
     head) run next to each other (x tiles and the chunk's start state are re-read from L2, not HBM), then
     the heads of the chunk (the group's C rows and CB tiles stay in L2); row blocks run heaviest first."""
@@ -502,7 +506,7 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     acc, xm = _scan_rows(x_ptr + b * s_x_b + h * s_x_h, C_ptr + b * s_B_b + g * s_B_g,
                          CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h,
                          St, offs_p, pmask, offs_n, nmask, P, s_x_t, s_B_t,
-                         L, BM, BK, HAS_D, D_HP, FACT, DOT_DT, DOT_PREC)
+                         L, BM, BK, HAS_D, D_HP, FACT, DOT_DT, DOT_PREC, DIAGVEC)
     rows_m = m0 + tl.arange(0, BM)
     _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H, P,
              s_z_b, s_z_t, s_z_h, HAS_Z, STORE_PRE)

@@ -1,11 +1,14 @@
-"""Triton SSD scan: launches (forward 4 kernels, backward 5-6) and the autograd.Function.
+"""Triton SSD scan: launches (forward 3 kernels, backward 5-6) and the autograd.Function.
 
-Forward:  dt_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A), cb_fwd (C.B per chunk and group)
+Forward:  dtcb_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A, and C.B per chunk and group, in one
+                    launch; LM_SSD_DTCB=0: the two kernels dt_fwd, cb_fwd)
           state_fwd (chunk states and the chunk-to-chunk pass fused: one program walks a sequence's
                      chunks and stores every chunk's start state; the final state stays float32)
           chunk_scan_fwd2 (y = inter-chunk + intra-chunk + D skip, then the z gate; grid (row block,
                      head, chunk)). Other scan kernels / layouts: LM_SSD_SCAN, LM_SSD_STATE and
-                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md).
+                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md),
+                     LM_SSD_FACT / LM_SSD_DIAGVEC (chunk_scan_fwd3's factorised decay, flat2's row-vector
+                     diagonal C.B load).
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate, fused with the per-chunk dstate)
           -> dcb_bwd (per group dy.x^T * decay * dt) -> dx_bwd -> dbdc_bwd -> dt_bwd.
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs
@@ -50,7 +53,8 @@ _dt_bwd = K.dt_bwd_kernel
 _gate_bwd = K.gate_bwd_kernel
 _cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
 _dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(K.dtcb_fwd_kernel)
-_state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))],
+_state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=st)
+                    for bp, w, st in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (32, 4, 3))],
                    ["P", "N", "R", "BN", "NC"])(K.state_fwd_kernel)  # 32-row p blocks: more programs for long T
 _state_fwd_hb = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (32, 8), (32, 4))],
                       ["P", "N", "R", "BN", "NC"])(K.state_fwd_hb_kernel)
@@ -279,24 +283,26 @@ def _scan_variant(plan):
         raise ValueError(f"LM_SSD_SCAN={v!r} must be one of {_SCAN_VARIANTS} (or unset)")
     if v in ("hb", "fact") and plan.R % 2:  # head blocks (HB >= 2) must stay inside one group
         return "flat"
-    # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.322 - 0.325
-    return v or "chunk"
+    # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.322 - 0.325,
+    # chunk 0.518 (LM_SSD_FACT=1: 0.456)
+    return v or "flat2"
 
 
-_STATE_VARIANTS = ("old", "pnfast", "bn128", "hb2")
+_STATE_VARIANTS = ("old", "pnfast", "bn128", "hb2", "bn32")
 
 
 def _state_variant():
     """state_fwd layout: "old" grid (sequence, head, p x n block) with 64-wide n blocks; "pnfast" grid
     (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head);
     "hb2": "pnfast" with two heads of a group per program sharing the B rows (state_fwd_hb_kernel; "pnfast"
-    where a group has an odd number of heads).
+    where a group has an odd number of heads); "bn32": "pnfast" with 32-wide n blocks (twice the programs).
     LM_SSD_STATE overrides the default."""
     v = os.environ.get("LM_SSD_STATE", "").strip().lower()
     if v and v not in _STATE_VARIANTS:
         raise ValueError(f"LM_SSD_STATE={v!r} must be one of {_STATE_VARIANTS} (or unset)")
-    # H100, B8 T2048: old 0.156 ms, pnfast 0.130, bn128 0.130; B2 T8192: 0.125 - 0.129 for all three
-    return v or "hb2"
+    # H100, B8 T2048: old 0.156 ms, pnfast 0.130, bn128 0.130, hb2 0.159; B2 T8192: 0.125 - 0.129 for the
+    # first three, hb2 0.156
+    return v or "pnfast"
 
 
 def _nograd_variant(plan):
@@ -307,6 +313,14 @@ def _nograd_variant(plan):
     if v and v not in ("split", "fused"):
         raise ValueError(f"LM_SSD_NOGRAD={v!r} must be 'split' or 'fused' (or unset)")
     return v or "split"
+
+
+def _env_flag(name):
+    """An LM_SSD_ switch: "1" on, "0" or unset off."""
+    v = os.environ.get(name, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{name}={v!r} must be 0 or 1 (or unset)")
+    return v == "1"
 
 
 def _chunk_fact():
@@ -373,9 +387,11 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)  # (p, n) or (n, p) per (chunk, head)
     variant = _scan_variant(pl)
+    if variant == "chunk" and state_dtype != x.dtype:  # its tiles come from x or the states through one pointer
+        variant = "flat2"
     st_strides = (1, P) if variant == "chunk" else (N, 1)  # (s_sp, s_sn): "NP" or "PN" layout
     sv = _state_variant()
-    bn = min(128, pl.BNF) if sv == "bn128" else pl.BN
+    bn = min(128, pl.BNF) if sv == "bn128" else min(32, pl.BNF) if sv == "bn32" else pl.BN
 
     hb2 = sv == "hb2" and pl.R % 2 == 0
 
@@ -401,7 +417,8 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
             *scan_args, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=_chunk_fact(), **flags)
     elif variant in ("grid", "flat2"):
         _scan_fwd2[lambda META: (triton.cdiv(L, META["BM"]) * triton.cdiv(P, META["BP"]), H, pl.NCB)](
-            *scan_args, *st_strides, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2", **flags)
+            *scan_args, *st_strides, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2",
+            DIAGVEC=_env_flag("LM_SSD_DIAGVEC"), **flags)
     elif variant == "fact":
         _scan_fwd_fact[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
             *scan_args, L=L, BPF=pl.BPF, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
