@@ -37,11 +37,34 @@ VARIANTS = {
     "prep_full": dict(PREP_SCALE_T=True, PREP_REBASE=True),
     "prep_noscale": dict(PREP_SCALE_T=False, PREP_REBASE=True),
     "main_norebase": dict(MAIN_REBASE=False),
-    "intra1": dict(INTRA_MIN_NH=1),  # nh=1 also puts the S-independent output terms in the parallel prep kernel
     "new_ho1": dict(H_O_IMPL="v1"),  # the defaults with session 1's sequential forward kernel
     "ho_64w8": dict(FIXED={"h_o": ({"BV": 64}, 8, 2)}),
     "ho_32w4": dict(FIXED={"h_o": ({"BV": 32}, 4, 2)}),
     "main_32s2": dict(FIXED={"main": ({"BV": 32}, 8, 2)}),
+    # session 3 (BENCH.md), relative to its defaults: the prep split in two launches (PREP_SPLIT; _kkt_inv_kernel
+    # with early A blocks and tf32 merges, _wu_kernel), Aqk^T dO inside the sequential backward (DH_FUSE_DVL),
+    # the SAVE launch config of the sequential forward, late K/Q loads in the main backward
+    "s2": dict(PREP_SPLIT=False, DH_FUSE_DVL=False, H_O_SAVE_CONFIG=None, MAIN_LATE_LOADS=False),  # session 2
+    "s3_run2": dict(PREP_SPLIT=None, KKT_EARLY_A=False, KKT_MERGE_TF32=False, MAIN_LATE_LOADS=False),  # run 2's "new"
+    "split_nh1": dict(PREP_SPLIT=None),  # split only at nh=1
+    "fused_prep": dict(PREP_SPLIT=False),
+    "no_early": dict(KKT_EARLY_A=False),
+    "no_tf32": dict(KKT_MERGE_TF32=False),
+    "no_late": dict(MAIN_LATE_LOADS=False),
+    "nofuse": dict(DH_FUSE_DVL=False),
+    "save_def": dict(H_O_SAVE_CONFIG=None),
+    "save_32": dict(H_O_SAVE_CONFIG=({"BV": 32}, 4, 2)),
+    "kkt_w4": dict(KKT_INV_CONFIG=({}, 4, 1)),
+    "kkt_w1": dict(KKT_INV_CONFIG=({}, 1, 1)),
+    "wu_w8": dict(WU_CONFIG=({"BV": 64}, 8, 2)),
+    "wu_s2": dict(WU_CONFIG=({"BV": 64}, 4, 2)),
+    "two_pass": dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False),
+    "two_pass_64": dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False, MAIN_CONFIG=({"BV": 64}, 8, 2)),
+    "dh_32": dict(DH_CONFIG=({"BV": 32}, 4, 2)),
+    "intra1": dict(INTRA_MIN_NH=1),
+    # the sequential forward that forms W and U itself from T (no _wu_kernel, W/U never in memory)
+    "v3": dict(H_O_IMPL="v3"),
+    "v3_save32": dict(H_O_IMPL="v3", H_O_SAVE_CONFIG=({"BV": 32}, 4, 2)),
 }
 
 
@@ -161,6 +184,8 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="per-kernel device times (CUDA only)")
     p.add_argument("--variants", nargs="+", default=None, choices=sorted(VARIANTS),
                    help="time these kernel variants side by side (default: the module defaults only)")
+    p.add_argument("--profile-variants", nargs="+", default=["new"],
+                   help="with --profile and --variants: the variants whose kernels are profiled and checked")
     p.add_argument("--warm", choices=["ours", "fla"], default=None,
                    help="only compile (call each path once, no timing): run several such processes beside the "
                         "tests so that the timing process finds triton's disk cache filled")
@@ -258,14 +283,14 @@ def run_one(a, r, rows, nh, var, q, k, v, beta, g, h0, device, fla_fwd, chunk_de
             r["ratio_nograd_fwd_vs_fla"] = r["ours_fwd_nograd_ms"] / r["fla_fwd_ms"]
             r["ratio_grad_fwd_vs_fla"] = r["ours_fwd_grad_ms"] / r["fla_fwd_ms"]
             r["rel_err_ours_vs_fla_o"] = rel(o_ours, o_fla)
-        if a.profile and device == "cuda" and var in (None, "new"):
+        if a.profile and device == "cuda" and var in (None, *a.profile_variants):
             with torch.no_grad():
                 r["kernels_fwd_nograd_ms"] = kernel_breakdown(ours_fwd)
             r["kernels_fwd_bwd_ms"] = kernel_breakdown(ours_fwd_bwd)
             if fla_fwd is not None:
                 with torch.no_grad():
                     r["kernels_fla_fwd_ms"] = kernel_breakdown(fla_call)
-        if a.check_batch > 0 and var in (None, "new"):
+        if a.check_batch > 0 and var in (None, *a.profile_variants):
             r["check_vs_float64"] = check_vs_reference(q, k, v, beta, g, h0, nh, a.check_batch)
         rows.append(r)
         print(json.dumps(r), flush=True)

@@ -107,8 +107,12 @@ def test_triton_expanded_grads_and_empty_sequence():
 
 SWITCHES = [
     dict(H_O_IMPL="v1"), dict(DH_IMPL="v1"), dict(TM_IN_K_DTYPE=False),
-    dict(PREP_SCALE_T=True, PREP_REBASE=True), dict(PREP_SCALE_T=False, PREP_REBASE=False),
-    dict(PREP_SCALE_T=True, PREP_REBASE=False), dict(MAIN_REBASE=False), dict(INTRA_MIN_NH=1),
+    dict(PREP_SPLIT=False, PREP_SCALE_T=True, PREP_REBASE=True), dict(PREP_SPLIT=False, PREP_SCALE_T=False, PREP_REBASE=False),
+    dict(PREP_SPLIT=False, PREP_SCALE_T=True, PREP_REBASE=False), dict(MAIN_REBASE=False), dict(INTRA_MIN_NH=1),
+    dict(PREP_SPLIT=False), dict(PREP_SPLIT=True, PREP_SCALE_T=False), dict(PREP_SPLIT=True, INTRA_MIN_NH=1),
+    dict(DH_FUSE_DVL=False), dict(MAIN_TWO_PASS=True), dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False),
+    dict(H_O_IMPL="v3"), dict(H_O_IMPL="v3", INTRA_MIN_NH=1),
+    dict(KKT_EARLY_A=False, KKT_MERGE_TF32=False), dict(MAIN_LATE_LOADS=False), dict(PREP_SPLIT=None),
 ]
 
 
@@ -134,3 +138,21 @@ def test_triton_kernel_variants_match_reference(switch, monkeypatch):
         o, s = chunk_deltaproduct(*[x.clone() for x in ins[:5]], initial_state=ins[5].clone(),
                                   output_final_state=True, backend="triton", **kw)
     assert rel(o, tri[0]) < 1e-6 and rel(s, tri[1]) < 1e-6
+
+
+@pytest.mark.parametrize("switch", [dict(), dict(KKT_EARLY_A=False), dict(MAIN_LATE_LOADS=False), dict(PREP_SPLIT=False)],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")
+def test_triton_chunk64_variants_match_reference(switch, monkeypatch):
+    """The 64-row-chunk code paths of the switches (the 4x4 block merges of T, the main backward's late loads):
+    nh=1 over 70 tokens is one full chunk and one partial one; gated, with an initial state."""
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    for name, value in switch.items():
+        monkeypatch.setattr(tc, name, value)
+    ins = make(1, 70, 1, 16, 16, 1, True, True, 1)
+    wo = torch.randn(1, 70, 1, 16, dtype=torch.float64)
+    ws = torch.randn(1, 1, 16, 16, dtype=torch.float64)
+    kw = dict(num_householder=1, chunk_size=64)
+    ref = run("reference", ins, wo, ws, torch.float64, **kw)
+    tri = run("triton", ins, wo, ws, torch.float32, **kw)
+    for name, a, b in zip(NAMES, tri, ref):
+        assert rel(a, b) < 1e-5, f"{name}: relative error {rel(a, b):.3e}"

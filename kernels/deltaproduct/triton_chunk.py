@@ -6,18 +6,21 @@ gradients are computed on a tile of the BQ ~ C/nh tokens whose last row lies in 
 rows. Batches are handled as packed sequences (a batch of B equal sequences is B documents), so fixed
 length and varlen share every kernel.
 
-Forward:  _prep_kernel   (parallel over chunks)  gate cumsum, A = beta KK^T o Gam, T = (I+A)^-1 by
-                                                  16x16 block inversion + merges, W = T beta e^g K, U = T beta V;
-                                                  for nh >= 2 also O_loc = Aqk U and Qe = e^g Q - Aqk W
+Forward:  _kkt_inv_kernel (parallel over chunks) gate cumsum, A = beta KK^T o Gam, T = (I+A)^-1 by
+                                                  16x16 block inversion + merges
+          _wu_kernel     (parallel over chunks)  W = T beta e^g K, U = T beta V; for nh >= 2 also
+                                                  O_loc = Aqk U and Qe = e^g Q - Aqk W
           _fwd_h_o_v2_kernel (parallel over V blocks x heads x sequences, sequential over chunks)
                                                   Vn = U - W S, o (= O_loc + Qe S for nh >= 2), S <- e^gC S + Kd^T Vn
                                                   (with grad: also saves S per chunk and Vn)
-Backward: _bwd_dvloc_kernel (parallel)            Aqk^T dO, the state-independent part of dVn
-          _bwd_dh_v2_kernel (sequential, reverse) dVn and the state gradient entering each chunk
+Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent part Aqk^T dO computed inline)
+                                                  and the state gradient entering each chunk
           _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
-_fwd_h_o_kernel and _bwd_dh_kernel are the first versions of the two sequential kernels, kept selectable
-(LM_DELTAPRODUCT_H_O / LM_DELTAPRODUCT_DH = v1) as the measured baselines; the module constants below
-say which variant runs and why (H100 timings in BENCH.md).
+Kept selectable as measured alternatives (module constants below, H100 timings in BENCH.md): _prep_kernel
+(the two forward prep kernels in one, PREP_SPLIT=False), _bwd_dvloc_kernel (Aqk^T dO as its own launch,
+DH_FUSE_DVL=False), _fwd_h_o_v3_kernel (forms W and U itself from T, LM_DELTAPRODUCT_H_O=v3), and the
+first versions of the two sequential kernels, _fwd_h_o_kernel and _bwd_dh_kernel (LM_DELTAPRODUCT_H_O /
+LM_DELTAPRODUCT_DH = v1).
 
 The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
     dVn = (Q K^T o Gam o M)^T dO + Kd dS'                 dS = e^gC dS' + (e^g Q)^T dO - W^T dVn
@@ -65,17 +68,55 @@ TM_IN_K_DTYPE = True
 # with both off), both off for nh=1 (1.027 vs 1.074 with both on). None: that choice; True/False force it.
 PREP_SCALE_T = None
 PREP_REBASE = None
+# Prep split in two launches: _kkt_inv_kernel (gate cumsum, A and T = (I+A)^-1) and _wu_kernel (W, U and with
+# INTRA the intra-chunk output terms, pipelined over V), instead of the one _prep_kernel (255 registers, 2
+# programs per SM). H100 no-grad forward, session 3 (BENCH.md): nh=1 0.912 vs 1.020 ms (run 1, kkt at 2
+# warps); with the early A blocks nh=2/3 1.329/1.895 vs 1.372/1.975 with the one kernel (run 2).
+# None: split only where the output terms are not in the prep (nh < INTRA_MIN_NH); True/False force it.
+PREP_SPLIT = True
+# Launch configs (meta, num_warps, num_stages) of the two split kernels (compiled GPU runs; FIXED overrides).
+# _kkt_inv_kernel at 2 warps: nh=1 forward 0.912 ms (4 warps 1.091, 1 warp 0.925; run 1); _wu_kernel at 3
+# stages (nh=1 1.075 vs 1.091 at 2 stages, run 1).
+KKT_INV_CONFIG = ({}, 2, 1)
+WU_CONFIG = ({"BV": 64}, 4, 3)
+# _kkt_inv_kernel computes all ten A blocks before the inversions, so the four K blocks die early (nh=1
+# forward 0.837 vs 0.886 ms, kkt kernel ~0.17 vs 0.21; run 2).
+KKT_EARLY_A = True
+# _kkt_inv_kernel's 16x16 block merges on tf32 tensor cores for bf16 inputs, whose T is stored in bf16 anyway
+# (float32 inputs keep ieee): nh=1 forward 0.860 vs 0.886 ms alone, 0.810 with KKT_EARLY_A (kkt 0.144 ms);
+# float64 check at the bench shape unchanged (o 3.9e-3, worst gradient 4.6e-3).
+KKT_MERGE_TF32 = True
+# Launch config of the sequential forward kernel when it saves for backward (SAVE), or None: the same as the
+# no-grad path. BV is split across programs; each S column block is computed the same way in both paths.
+# One stage (less shared memory for the state and Vn stores): forward with grad nh=1/2/3 1.114/2.160/2.932 vs
+# 1.160/2.255/3.065 ms with the no-grad config (BV 64, 4 warps, 2 stages); BV 32 was slower (1.498/2.343/3.174).
+H_O_SAVE_CONFIG = ({"BV": 64}, 4, 1)
+# Sequential backward kernel computes Aqk^T dO itself (the state-independent part of dVn) instead of reading
+# it from _bwd_dvloc_kernel (one launch and a write + read of a V-sized tensor fewer): f+b nh=1/2/3
+# 3.077/4.994/6.909 vs 3.086/5.374/7.460 ms unfused.
+DH_FUSE_DVL = True
+# Launch config (meta, num_warps, num_stages) of _bwd_dh_v2_kernel, or None: BV 64 (_blocks), 4 warps, 2 stages
+# (BV 32 measured slower: f+b nh=2 5.184 vs 4.994 ms, run 1).
+DH_CONFIG = None
 # REBASE for the main backward kernel (f+b nh=1/2/3: 3.070/4.948/7.033 vs 3.152/5.093/7.594 without)
 MAIN_REBASE = True
+# Main backward kernel: two loops over V (three accumulators live each) instead of one (five), and its
+# launch config (meta, num_warps, num_stages) or None (the autotune list below). Two passes measured slower
+# (f+b nh=1/2/3 3.325/5.092/7.244 vs 3.077/4.994/6.909 ms, run 1; also at BV 64).
+MAIN_TWO_PASS = False
+# Main backward kernel: load the K and Q tiles after the V loop (they are only used after it): main kernel
+# nh=1/2/3 1.328/2.019/2.885 vs 1.370/2.139/2.938 ms (run 2).
+MAIN_LATE_LOADS = True
+MAIN_CONFIG = None
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
-# e.g. {"main": ({"BV": 64}, 8, 1)}; names: prep, h_o, dvloc, dh, main.
+# e.g. {"main": ({"BV": 64}, 8, 1)}; names: prep, kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
 
 
-def _launch(kern, name, grid, args, kw):
-    """kern[grid](*args, **kw), autotuned, or with the fixed config FIXED[name] (compiled GPU runs only).
-    grid is a tuple or a function of the meta-parameters."""
-    fixed = FIXED.get(name)
+def _launch(kern, name, grid, args, kw, default=None):
+    """kern[grid](*args, **kw), autotuned, or with the fixed config FIXED[name] (else `default`, when given;
+    compiled GPU runs only). grid is a tuple or a function of the meta-parameters."""
+    fixed = FIXED.get(name, default)
     if fixed is not None and not _INTERPRET:
         meta, nw, ns = fixed
         kw = {**kw, **meta}
@@ -132,6 +173,11 @@ def _akk(ki, bi, gi, mi, kj, gj, mj, DIAG: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _mmp(P: tl.constexpr, a, b):
+    return tl.dot(a, b, input_precision=P)
 
 
 @triton.jit
@@ -276,6 +322,178 @@ def _prep_kernel(q, k, v, beta, g, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu
         if INTRA:
             b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
             tl.store(o + (toks[:, None] * H + i_h) * V + o_v[None, :], b_ol.to(o.dtype.element_ty),
+                     mask=m_q[:, None] & (o_v < V)[None, :])
+
+
+@triton.autotune(configs=_configs([4], [1]), key=["H", "K", "BT", "NH", "EARLY_A", "MP"])
+@triton.jit
+def _kkt_inv_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows,
+                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                    USE_G: tl.constexpr, PREC: tl.constexpr, EARLY_A: tl.constexpr,
+                    MP: tl.constexpr):
+    """First half of _prep_kernel as its own launch: within-chunk gate cumsum (gc) and T = (I + A)^-1,
+    A = strict_lower(beta (K K^T o Gam)), by 16x16 block inversions and merges (the merge products at
+    precision MP: "ieee", or "tf32" for bf16 inputs whose T is stored in bf16 anyway). Holds only the four 16-row
+    K blocks and 16x16 fp32 blocks, so many programs fit on an SM."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    ph = (r0 % NH).to(tl.int32)  # sub-step of the chunk's first row
+    t0 = r0 // NH
+    k += (r0 * H + i_h) * K
+    beta += r0 * H + i_h
+    gc += r0 * H + i_h
+    Tm += (r0 * H + i_h) * BT
+    g += t0 * H + i_h
+    eos = (eos - r0).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < eos
+    if USE_G:
+        gl = tl.load(g + ((o_t + ph) // NH) * H, mask=m_t & ((o_t + ph) % NH == 0), other=0.0).to(tl.float32)
+    else:
+        gl = tl.zeros([BT], dtype=tl.float32)
+    gcs = tl.cumsum(gl, 0)
+    tl.store(gc + o_t * H, gcs, mask=m_t)
+    tl.debug_barrier()
+    if EARLY_A and BT >= 64:
+        # all ten A blocks first, so the four K blocks die before the inversions start
+        k1, b1, g1, m1 = _load_blk(k, beta, gc, 0, eos, 0, 0, H, K, BK)
+        k2, b2, g2, m2 = _load_blk(k, beta, gc, 0, eos, 0, 1, H, K, BK)
+        k3, b3, g3, m3 = _load_blk(k, beta, gc, 0, eos, 0, 2, H, K, BK)
+        k4, b4, g4, m4 = _load_blk(k, beta, gc, 0, eos, 0, 3, H, K, BK)
+        A11 = _akk(k1, b1, g1, m1, k1, g1, m1, True, PREC)
+        A22 = _akk(k2, b2, g2, m2, k2, g2, m2, True, PREC)
+        A33 = _akk(k3, b3, g3, m3, k3, g3, m3, True, PREC)
+        A44 = _akk(k4, b4, g4, m4, k4, g4, m4, True, PREC)
+        A21 = _akk(k2, b2, g2, m2, k1, g1, m1, False, PREC)
+        A31 = _akk(k3, b3, g3, m3, k1, g1, m1, False, PREC)
+        A32 = _akk(k3, b3, g3, m3, k2, g2, m2, False, PREC)
+        A41 = _akk(k4, b4, g4, m4, k1, g1, m1, False, PREC)
+        A42 = _akk(k4, b4, g4, m4, k2, g2, m2, False, PREC)
+        A43 = _akk(k4, b4, g4, m4, k3, g3, m3, False, PREC)
+        T11 = _inv16(A11)
+        T22 = _inv16(A22)
+        T33 = _inv16(A33)
+        T44 = _inv16(A44)
+        T21 = -_mmp(MP, _mmp(MP, T22, A21), T11)
+        _store_blk(Tm, 0, eos, 0, 0, 0, T11, H, BT)
+        _store_blk(Tm, 0, eos, 0, 1, 0, T21, H, BT)
+        _store_blk(Tm, 0, eos, 0, 1, 1, T22, H, BT)
+    else:
+        k1, b1, g1, m1 = _load_blk(k, beta, gc, 0, eos, 0, 0, H, K, BK)
+        T11 = _inv16(_akk(k1, b1, g1, m1, k1, g1, m1, True, PREC))
+        _store_blk(Tm, 0, eos, 0, 0, 0, T11, H, BT)
+        if BT >= 32:
+            k2, b2, g2, m2 = _load_blk(k, beta, gc, 0, eos, 0, 1, H, K, BK)
+            T22 = _inv16(_akk(k2, b2, g2, m2, k2, g2, m2, True, PREC))
+            A21 = _akk(k2, b2, g2, m2, k1, g1, m1, False, PREC)
+            T21 = -_mmp(MP, _mmp(MP, T22, A21), T11)
+            _store_blk(Tm, 0, eos, 0, 1, 0, T21, H, BT)
+            _store_blk(Tm, 0, eos, 0, 1, 1, T22, H, BT)
+        if BT >= 64:
+            k3, b3, g3, m3 = _load_blk(k, beta, gc, 0, eos, 0, 2, H, K, BK)
+            k4, b4, g4, m4 = _load_blk(k, beta, gc, 0, eos, 0, 3, H, K, BK)
+            T33 = _inv16(_akk(k3, b3, g3, m3, k3, g3, m3, True, PREC))
+            T44 = _inv16(_akk(k4, b4, g4, m4, k4, g4, m4, True, PREC))
+            A31 = _akk(k3, b3, g3, m3, k1, g1, m1, False, PREC)
+            A32 = _akk(k3, b3, g3, m3, k2, g2, m2, False, PREC)
+            A41 = _akk(k4, b4, g4, m4, k1, g1, m1, False, PREC)
+            A42 = _akk(k4, b4, g4, m4, k2, g2, m2, False, PREC)
+            A43 = _akk(k4, b4, g4, m4, k3, g3, m3, False, PREC)
+    if BT >= 64:
+        T32 = -_mmp(MP, _mmp(MP, T33, A32), T22)
+        T43 = -_mmp(MP, _mmp(MP, T44, A43), T33)
+        T31 = -_mmp(MP, T33, _mmp(MP, A31, T11) + _mmp(MP, A32, T21))
+        T42 = -_mmp(MP, T44, _mmp(MP, A42, T22) + _mmp(MP, A43, T32))
+        T41 = -_mmp(MP, T44, _mmp(MP, A41, T11) + _mmp(MP, A42, T21) + _mmp(MP, A43, T31))
+        _store_blk(Tm, 0, eos, 0, 2, 0, T31, H, BT)
+        _store_blk(Tm, 0, eos, 0, 2, 1, T32, H, BT)
+        _store_blk(Tm, 0, eos, 0, 2, 2, T33, H, BT)
+        _store_blk(Tm, 0, eos, 0, 3, 0, T41, H, BT)
+        _store_blk(Tm, 0, eos, 0, 3, 1, T42, H, BT)
+        _store_blk(Tm, 0, eos, 0, 3, 2, T43, H, BT)
+        _store_blk(Tm, 0, eos, 0, 3, 3, T44, H, BT)
+
+
+def _wu_configs():
+    if _INTERPRET:
+        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
+
+
+@triton.autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T"])
+@triton.jit
+def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu_rows, scale,
+               NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
+               SCALE_T: tl.constexpr):
+    """Second half of _prep_kernel as its own launch (T and gc from _kkt_inv_kernel): W = T diag(beta e^g) K,
+    U = T diag(beta) V over V blocks (software-pipelined by num_stages), and with INTRA the outputs' state-
+    independent terms O_loc = Aqk U and Qe = e^g Q - Aqk W."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    ph = (r0 % NH).to(tl.int32)
+    t0 = r0 // NH
+    k += (r0 * H + i_h) * K
+    w += (r0 * H + i_h) * K
+    v += (r0 * H + i_h) * V
+    u += (r0 * H + i_h) * V
+    beta += r0 * H + i_h
+    gc += r0 * H + i_h
+    Tm += (r0 * H + i_h) * BT
+    q += (t0 * H + i_h) * K
+    qe += (t0 * H + i_h) * K
+    o += (t0 * H + i_h) * V
+    nt = (tl.minimum(eos - r0, BT)).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < nt
+    o_k = tl.arange(0, BK)
+    mk = o_k < K
+    gcs = tl.load(gc + o_t * H, mask=m_t, other=0.0)
+    tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_T = tl.load(Tm + o_t[:, None] * (H * BT) + o_t[None, :], mask=tri, other=0.0)
+    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & mk[None, :], other=0.0)
+    kdt = b_k.dtype
+    if SCALE_T:
+        b_Tf = b_T.to(tl.float32)
+        b_Tw = (b_Tf * (b_b * tl.exp(gcs))[None, :]).to(kdt)
+        b_T = (b_Tf * b_b[None, :]).to(kdt)
+        b_w = tl.dot(b_Tw, b_k, input_precision=PREC).to(kdt)
+    else:
+        b_T = b_T.to(kdt)
+        b_kb = (b_k.to(tl.float32) * (b_b * tl.exp(gcs))[:, None]).to(kdt)
+        b_w = tl.dot(b_T, b_kb, input_precision=PREC).to(kdt)
+    tl.store(w + o_t[:, None] * (H * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & mk[None, :])
+    if INTRA:
+        o_q = tl.arange(0, BQ)
+        rq = o_q * NH + NH - 1 - ph  # row of each token's last sub-step, relative to the chunk's first row
+        m_q = rq < nt
+        b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
+        b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
+        m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+        b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - gcs[None, :], 0.0))), 0.0)
+        b_Ak = b_A.to(kdt)
+        b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
+        tl.store(qe + o_q[:, None] * (H * K) + o_k[None, :], b_qe.to(qe.dtype.element_ty),
+                 mask=m_q[:, None] & mk[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=mv, other=0.0)
+        if SCALE_T:
+            b_u = tl.dot(b_T, b_v, input_precision=PREC).to(kdt)
+        else:
+            b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
+            b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
+        tl.store(u + o_t[:, None] * (H * V) + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
+        if INTRA:
+            b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
+            tl.store(o + o_q[:, None] * (H * V) + o_v[None, :], b_ol.to(o.dtype.element_ty),
                      mask=m_q[:, None] & (o_v < V)[None, :])
 
 
@@ -441,6 +659,90 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_S, mask=m_kv)
 
 
+@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE"], restore_value=["o"])
+@triton.jit
+def _fwd_h_o_v3_kernel(q, k, v, beta, gc, Tm, h0, o, ht, hs, vn, w, cu_rows, chunk_off, scale,
+                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
+                       STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
+    """_fwd_h_o_v2_kernel (outputs computed inline) that also forms the WY factors itself from T (from
+    _kkt_inv_kernel): W = T diag(beta e^g) K and U = T diag(beta) V per chunk, so W and U never go through
+    memory (the no-grad forward is then _kkt_inv_kernel + this kernel). W does not depend on the state, so
+    it stays off the loop-carried chain; each V-block program recomputes it (SAVE: V block 0 stores it for
+    the backward)."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_rows + i_n)
+    eos = tl.load(cu_rows + i_n + 1)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk = o_k < K
+    mv = o_v < V
+    kdt = k.dtype.element_ty
+    off_tk = o_t[:, None] * (H * K) + o_k[None, :]
+    off_kt = o_k[:, None] + o_t[None, :] * (H * K)
+    off_tv = o_t[:, None] * (H * V) + o_v[None, :]
+    off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
+    off_qk = o_q[:, None] * (H * K) + o_k[None, :]
+    off_qv = o_q[:, None] * (H * V) + o_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    m_kv = mk[:, None] & mv[None, :]
+    tri = o_t[:, None] >= o_t[None, :]
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+    for c in range(tl.cdiv(eos - bos, BT)):
+        r0 = bos + c * BT
+        re = tl.minimum(r0 + BT, eos)
+        t0 = r0 // NH
+        nt = re - r0
+        if SAVE:
+            tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
+        bk = (r0.to(tl.int64) * H + i_h) * K
+        bv = (r0.to(tl.int64) * H + i_h) * V
+        m_t = o_t < nt
+        m_tk = m_t[:, None] & mk[None, :]
+        m_tv = m_t[:, None] & mv[None, :]
+        b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        b_b = tl.load(beta + (r0 + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+        g_last = tl.load(gc + (re - 1) * H + i_h)
+        b_T = tl.load(Tm + (r0.to(tl.int64) * H + i_h) * BT + off_tt, mask=tri & m_t[:, None], other=0.0)
+        b_k = tl.load(k + bk + off_tk, mask=m_tk, other=0.0)
+        b_kt = tl.load(k + bk + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
+        b_v = tl.load(v + bv + off_tv, mask=m_tv, other=0.0)
+        # W = (T diag(beta e^g)) K, U = (T diag(beta)) V: the scalings go on T's columns
+        b_Tf = b_T.to(tl.float32)
+        b_w = tl.dot((b_Tf * (b_b * tl.exp(b_g))[None, :]).to(kdt), b_k, input_precision=PREC).to(kdt)
+        b_u = tl.dot((b_Tf * b_b[None, :]).to(kdt), b_v, input_precision=PREC)
+        if SAVE:
+            if i_v == 0:
+                tl.store(w + bk + off_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
+        b_Sk = b_S.to(kdt)
+        b_vn = b_u - tl.dot(b_w, b_Sk, input_precision=PREC)
+        if SAVE:
+            tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        rq = (t0 + o_q) * NH + NH - 1
+        m_q = rq < re
+        bq = (t0.to(tl.int64) * H + i_h) * K
+        bo = (t0.to(tl.int64) * H + i_h) * V
+        m_qv = m_q[:, None] & mv[None, :]
+        b_q = tl.load(q + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
+        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+        b_A = tl.dot(b_q, b_kt, input_precision=PREC)
+        b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
+        b_o = tl.dot(b_q, b_Sk, input_precision=PREC) * tl.exp(b_gq)[:, None] \
+            + tl.dot(b_A.to(kdt), b_vn.to(kdt), input_precision=PREC)
+        b_o = b_o * scale
+        tl.store(o + bo + off_qv, b_o.to(o.dtype.element_ty), mask=m_qv)
+        b_vd = (b_vn * tl.exp(g_last - b_g)[:, None]).to(kdt)
+        b_S = b_S * tl.exp(g_last) + tl.dot(b_kt, b_vd, input_precision=PREC)
+    if STORE_FINAL:
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_S, mask=m_kv)
+
+
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
@@ -542,14 +844,16 @@ def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale
 
 
 # among 4/2, 8/2
-@triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV"], restore_value=["dvn"])
+@triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL"], restore_value=["dvn"])
 @triton.jit
 def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale,
                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
-                      STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+                      STORE_DH0: tl.constexpr, PREC: tl.constexpr, FUSE_DVL: tl.constexpr):
     """_bwd_dh_kernel restructured like _fwd_h_o_v2_kernel: Q^T and W^T are loaded directly, the decays
-    scale dO rows and the (K dS) rows instead of the Q and K tiles, int32 tile offsets."""
+    scale dO rows and the (K dS) rows instead of the Q and K tiles, int32 tile offsets. FUSE_DVL: the
+    state-independent part of dVn, (Q K^T o Gam o M)^T dO, is computed here (off the loop-carried chain)
+    instead of being read from _bwd_dvloc_kernel's output."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -594,7 +898,14 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, sc
         b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
         b_do = tl.load(do + bo + off_qv, mask=m_q[:, None] & mv[None, :], other=0.0)
         p_dvn = dvn + bv + off_tv
-        b_dvl = tl.load(p_dvn, mask=m_tv, other=0.0)  # Aqk^T dO, from _bwd_dvloc_kernel
+        if FUSE_DVL:
+            # (K Q^T o Gam^T o M^T) dO: row t of the chunk, token column j with last row rq_j >= t
+            m_kq = ((rq - r0)[None, :] >= o_t[:, None]) & m_q[None, :] & m_t[:, None]
+            b_at = tl.dot(b_k, b_qt, input_precision=PREC)
+            b_at = tl.where(m_kq, b_at * (scale * tl.exp(tl.where(m_kq, b_gq[None, :] - b_g[:, None], 0.0))), 0.0)
+            b_dvl = tl.dot(b_at.to(kdt), b_do, input_precision=PREC)
+        else:
+            b_dvl = tl.load(p_dvn, mask=m_tv, other=0.0)  # Aqk^T dO, from _bwd_dvloc_kernel
         b_dSk = b_dS.to(kdt)
         b_dvn = b_dvl.to(tl.float32) + tl.dot(b_k, b_dSk, input_precision=PREC) * tl.exp(g_last - b_g)[:, None]
         b_dvn = tl.where(m_t[:, None], b_dvn, 0.0)
@@ -614,13 +925,17 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
 
 
-@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE"])
+@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "TWO_PASS", "LATE"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr, REBASE: tl.constexpr):
+                     PREC: tl.constexpr, REBASE: tl.constexpr, TWO_PASS: tl.constexpr, LATE: tl.constexpr):
+    """dq, dk, dv, dbeta, dg of one chunk. LATE: the K and Q tiles (used only after the V loop) are loaded
+    after it, so that they do not hold registers across it. TWO_PASS: two loops over V, the first for the output / state terms
+    (dO S^T, dO Vn^T, Vn dS^T), the second for the WY terms (dVn S^T, dVn V^T, T^T dVn), so that three
+    fp32 accumulators are live per loop instead of five (S is read twice, the second time mostly from L2)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -661,24 +976,29 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     re = tl.minimum(r0 + BT, eos)
     kdt = k.dtype.element_ty
     mkv = m_t[:, None] & mk[None, :]
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
+    if not LATE:
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
     b_b = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
     g_last = tl.load(gc + (re - 1) * H + i_h)
     tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
-    b_Tk = b_T.to(kdt)
+    if not TWO_PASS:
+        b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
+        b_Tk = b_T.to(kdt)
     toks = r0 // NH + o_q
     rq = toks * NH + NH - 1 - ph
     m_q = rq < re
-    b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
+    if not TWO_PASS and not LATE:
+        b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
+                      other=0.0)
     b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
 
     b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
     b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
     b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
+    if not TWO_PASS:
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     b_dgc = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -689,20 +1009,28 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
         b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
         b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
         b_vn = tl.load(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
-        b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
-        b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+        if not TWO_PASS:
+            b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+            b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
         b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
                        other=0.0)
         b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
         b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
         b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
-        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
+        if not TWO_PASS:
+            b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
         b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
-        b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
-        b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
-        tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
-                 (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
-        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+        if not TWO_PASS:
+            b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
+            b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
+            tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
+                     (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
+            b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+    if TWO_PASS or LATE:
+        b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
+                      other=0.0)
+    if LATE:
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
 
     # intra-chunk output terms
     b_qs = b_q.to(tl.float32) * scale
@@ -725,6 +1053,25 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     b_dg -= b_f
     b_dglast = tl.sum(b_f, 0) + tl.exp(g_last) * tl.sum(b_dgc, 0)
     b_dg += tl.where(rows == re - 1, b_dglast, 0.0)
+    if TWO_PASS:
+        b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
+        b_Tk = b_T.to(kdt)
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mv = o_v < V
+            mtv = m_t[:, None] & mv[None, :]
+            p_h = (c_glob * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+            b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+            b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+            b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
+            b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)
+            b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
+            tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
+                     (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
+            b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
     # WY representation: W = T Kb, U = T Vb
     b_eb = b_b * tl.exp(b_g)
     b_kb = b_k.to(tl.float32) * b_eb[:, None]
@@ -825,27 +1172,51 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
     # T = (I + A)^-1 is only ever used as a tensor-core operand in k's dtype: store it in that dtype
     Tm = torch.empty(1, L, H, BT, dtype=k.dtype if TM_IN_K_DTYPE else torch.float32, device=dev)
-    w = torch.empty_like(k)
-    u = torch.empty_like(v)
-    intra = nh >= INTRA_MIN_NH
+    if H_O_IMPL not in ("v1", "v2", "v3"):
+        raise ValueError(f"LM_DELTAPRODUCT_H_O must be 'v1', 'v2' or 'v3', got {H_O_IMPL!r}")
+    v3 = H_O_IMPL == "v3"
+    w = torch.empty_like(k) if (save or not v3) else gc  # v3 writes W only for the backward
+    u = torch.empty_like(v) if not v3 else gc
+    intra = nh >= INTRA_MIN_NH and not v3
     qe = torch.empty_like(q) if intra else gc
     o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
-    _launch(_prep_kernel, "prep", (NT, H),
-            (q, k, v, beta, g if g is not None else gc, gc, Tm, w, u, qe, o, cseq, crow, cu_rows, scale),
-            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_G=g is not None, INTRA=intra, PREC=prec,
-                 SCALE_T=intra if PREP_SCALE_T is None else PREP_SCALE_T,
-                 REBASE=intra if PREP_REBASE is None else PREP_REBASE))
+    scale_t = intra if PREP_SCALE_T is None else PREP_SCALE_T
+    split = (not intra) if PREP_SPLIT is None else PREP_SPLIT
+    if split or v3:
+        _launch(_kkt_inv_kernel, "kkt_inv", (NT, H),
+                (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows),
+                dict(NH=nh, H=H, K=K, BT=BT, BK=BK, USE_G=g is not None, PREC=prec, EARLY_A=KKT_EARLY_A,
+                     MP="tf32" if (KKT_MERGE_TF32 and prec == "tf32") else "ieee"),
+                default=KKT_INV_CONFIG)
+    if v3:
+        pass  # W and U are formed inside _fwd_h_o_v3_kernel
+    elif split:
+        _launch(_wu_kernel, "wu", (NT, H),
+                (q, k, v, beta, gc, Tm, w, u, qe, o, cseq, crow, cu_rows, scale),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t),
+                default=WU_CONFIG)
+    else:
+        _launch(_prep_kernel, "prep", (NT, H),
+                (q, k, v, beta, g if g is not None else gc, gc, Tm, w, u, qe, o, cseq, crow, cu_rows, scale),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_G=g is not None, INTRA=intra,
+                     PREC=prec, SCALE_T=scale_t, REBASE=intra if PREP_REBASE is None else PREP_REBASE))
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
     vn = torch.empty_like(v) if save else None
-    if H_O_IMPL not in ("v1", "v2"):
-        raise ValueError(f"LM_DELTAPRODUCT_H_O must be 'v1' or 'v2', got {H_O_IMPL!r}")
-    kern = _fwd_h_o_v2_kernel if H_O_IMPL == "v2" else _fwd_h_o_kernel
-    args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
-            hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale)
-    kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
-              SAVE=save, INTRA=intra, PREC=prec)
-    _launch(kern, "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H), args, kw)
+    if v3:
+        kern = _fwd_h_o_v3_kernel
+        args = (q, k, v, beta, gc, Tm, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
+                hs if hs is not None else gc, vn if vn is not None else gc, w, cu_rows, coff, scale)
+        kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
+                  SAVE=save, PREC=prec)
+    else:
+        kern = _fwd_h_o_v2_kernel if H_O_IMPL == "v2" else _fwd_h_o_kernel
+        args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
+                hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale)
+        kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
+                  SAVE=save, INTRA=intra, PREC=prec)
+    _launch(kern, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
+            args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     return o, ht, (gc, Tm, w, hs, vn)
 
 
@@ -864,12 +1235,17 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)
     dvn = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    _bwd_dvloc_kernel[(NT, H)](q, k, gc, do, dvn, cseq, crow, cu_rows, scale, NH=nh, H=H, K=K, V=V, BT=BT,
-                               BK=BK, BV=BV, BQ=BQ, PREC=prec)
-    (_bwd_dh_v2_kernel if DH_IMPL == "v2" else _bwd_dh_kernel)[(triton.cdiv(V, BV), N, H)](
-        q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn, cu_rows,
-        coff, scale, NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None,
-        STORE_DH0=h0 is not None, PREC=prec)
+    fuse = DH_FUSE_DVL and DH_IMPL == "v2"
+    if not fuse:
+        _bwd_dvloc_kernel[(NT, H)](q, k, gc, do, dvn, cseq, crow, cu_rows, scale, NH=nh, H=H, K=K, V=V, BT=BT,
+                                   BK=BK, BV=BV, BQ=BQ, PREC=prec)
+    dh_kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None,
+                 STORE_DH0=h0 is not None, PREC=prec)
+    if DH_IMPL == "v2":
+        dh_kw["FUSE_DVL"] = fuse
+    _launch(_bwd_dh_v2_kernel if DH_IMPL == "v2" else _bwd_dh_kernel, "dh", lambda m: (triton.cdiv(V, m["BV"]), N, H),
+            (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn, cu_rows,
+             coff, scale), dh_kw, default=DH_CONFIG if DH_IMPL == "v2" else None)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -878,7 +1254,8 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     _launch(_bwd_main_kernel, "main", (NT, H),
             (q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
-            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE))
+            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
+                 TWO_PASS=MAIN_TWO_PASS, LATE=MAIN_LATE_LOADS), default=MAIN_CONFIG)
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
