@@ -61,6 +61,11 @@ VARIANTS = {
     "two_pass": dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False),
     "two_pass_64": dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False, MAIN_CONFIG=({"BV": 64}, 8, 2)),
     "dh_32": dict(DH_CONFIG=({"BV": 32}, 4, 2)),
+    # main backward launch configs with the late loads (not timed yet: its register picture changed)
+    "main_64s2": dict(MAIN_CONFIG=({"BV": 64}, 8, 2)),
+    "main_32s2l": dict(MAIN_CONFIG=({"BV": 32}, 8, 2)),
+    "main_16s3": dict(MAIN_CONFIG=({"BV": 16}, 8, 3)),
+    "main_w4": dict(MAIN_CONFIG=({"BV": 32}, 4, 2)),
     "intra1": dict(INTRA_MIN_NH=1),
     # the sequential forward that forms W and U itself from T (no _wu_kernel, W/U never in memory)
     "v3": dict(H_O_IMPL="v3"),
