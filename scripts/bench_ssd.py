@@ -29,8 +29,7 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-DEFAULT_VARIANTS = ["diagvec=-/-/-/LM_SSD_DIAGVEC=1", "bn32=-/bn32/-", "two_launch=-/-/-/LM_SSD_DTCB=0",
-                    "chunk_fact=chunk/-/-/LM_SSD_FACT=1"]
+DEFAULT_VARIANTS = ["two_launch=-/-/-/LM_SSD_DTCB=0", "chunk_fact=chunk/-/-/LM_SSD_FACT=1"]
 
 
 def parse_variants(specs):
