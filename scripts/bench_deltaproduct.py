@@ -66,6 +66,10 @@ VARIANTS = {
     "main_32s2l": dict(MAIN_CONFIG=({"BV": 32}, 8, 2)),
     "main_16s3": dict(MAIN_CONFIG=({"BV": 16}, 8, 3)),
     "main_w4": dict(MAIN_CONFIG=({"BV": 32}, 4, 2)),
+    # the backward's output side in its own kernel (MAIN_OUT_SPLIT; untimed), main kernel at 8 or 4 warps
+    "out_split": dict(MAIN_OUT_SPLIT=True),
+    "out_split_w4": dict(MAIN_OUT_SPLIT=True, MAIN_CONFIG=({"BV": 32}, 4, 2)),
+    "out_split_o8": dict(MAIN_OUT_SPLIT=True, OUT_CONFIG=({"BV": 64}, 8, 2)),
     "intra1": dict(INTRA_MIN_NH=1),
     # the sequential forward that forms W and U itself from T (no _wu_kernel, W/U never in memory)
     "v3": dict(H_O_IMPL="v3"),

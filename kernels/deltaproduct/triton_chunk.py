@@ -108,8 +108,13 @@ MAIN_TWO_PASS = False
 # nh=1/2/3 1.328/2.019/2.885 vs 1.370/2.139/2.938 ms (run 2).
 MAIN_LATE_LOADS = True
 MAIN_CONFIG = None
+# The backward's output side (dO S^T, dO Vn^T -> dq and the dk / dg parts from Q) in its own kernel
+# _bwd_out_kernel before the main one, which then keeps three accumulators across its V loop instead of five
+# (costs a float32 dk / dg partial written and read, and S and Vn read twice). Not timed on a GPU yet.
+MAIN_OUT_SPLIT = False
+OUT_CONFIG = ({"BV": 64}, 4, 2)
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
-# e.g. {"main": ({"BV": 64}, 8, 1)}; names: prep, kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
+# e.g. {"main": ({"BV": 64}, 8, 1)}; names: prep, kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, out, main.
 FIXED: dict = {}
 
 
@@ -917,6 +922,77 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, sc
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_dS, mask=m_kv)
 
 
+def _out_configs():
+    if _INTERPRET:
+        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
+
+
+@triton.autotune(configs=_out_configs(), key=["H", "K", "V", "BT", "NH"])
+@triton.jit
+def _bwd_out_kernel(q, k, gc, hs, vn, do, dq, dko, dgo, chunk_seq, chunk_row, cu_rows, chunk_off, scale,
+                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, PREC: tl.constexpr):
+    """The output side of the backward of one chunk (MAIN_OUT_SPLIT): dO S^T and dO Vn^T over V, then dq, and
+    the parts of dk (dAqk^T Q) and of the per-row log-gate gradient that come from the outputs, as float32
+    for _bwd_main_kernel (OUT), which then keeps three accumulators across its V loop instead of five."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    bos = tl.load(cu_rows + n).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
+    ph = (r0 % NH).to(tl.int32)
+    t0 = r0 // NH
+    k += (r0 * H + i_h) * K
+    dko += (r0 * H + i_h) * K
+    vn += (r0 * H + i_h) * V
+    gc += r0 * H + i_h
+    dgo += r0 * H + i_h
+    q += (t0 * H + i_h) * K
+    dq += (t0 * H + i_h) * K
+    do += (t0 * H + i_h) * V
+    hs += (c_glob * H + i_h) * K * V
+    nt = tl.minimum(eos - r0, BT).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    o_k = tl.arange(0, BK)
+    mk = o_k < K
+    m_t = o_t < nt
+    rq = o_q * NH + NH - 1 - ph  # each token's last row, relative to the chunk's first row
+    m_q = rq < nt
+    b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
+    b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
+    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
+    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        b_S = tl.load(hs + o_k[:, None] * V + o_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        b_vn = tl.load(vn + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & mv[None, :], other=0.0)
+        b_do = tl.load(do + o_q[:, None] * (H * V) + o_v[None, :], mask=m_q[:, None] & mv[None, :], other=0.0)
+        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
+        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+    b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & mk[None, :], other=0.0)
+    kdt = b_k.dtype
+    b_qs = b_q.to(tl.float32) * scale
+    m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
+    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
+    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
+    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
+    tl.store(dq + o_q[:, None] * (H * K) + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_q[:, None] & mk[None, :])
+    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
+    b_e2 = b_daq * b_qk
+    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
+    b_dg = -tl.sum(b_e2, 0)
+    b_dg += tl.sum(tl.where((rq[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
+    tl.store(dko + o_t[:, None] * (H * K) + o_k[None, :], b_dk, mask=m_t[:, None] & mk[None, :])
+    tl.store(dgo + o_t * H, b_dg, mask=m_t)
+
+
 def _main_configs():
     # among BV/warps/stages 64/8/1, 64/8/2, 32/8/2, 32/8/3: stages >= 2 pipeline the V loop's loads (one
     # program per SM at 8 warps: nothing else hides them) and also lower the spills on sm_90
@@ -925,15 +1001,17 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
 
 
-@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "TWO_PASS", "LATE"])
+@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "TWO_PASS", "LATE", "OUT"])
 @triton.jit
-def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg,
+def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg, dko, dgo,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr, REBASE: tl.constexpr, TWO_PASS: tl.constexpr, LATE: tl.constexpr):
+                     PREC: tl.constexpr, REBASE: tl.constexpr, TWO_PASS: tl.constexpr, LATE: tl.constexpr,
+                     OUT: tl.constexpr):
     """dq, dk, dv, dbeta, dg of one chunk. LATE: the K and Q tiles (used only after the V loop) are loaded
-    after it, so that they do not hold registers across it. TWO_PASS: two loops over V, the first for the output / state terms
+    after it, so that they do not hold registers across it. OUT: the output terms (dq, and the dk / dg
+    parts from Q) come from _bwd_out_kernel (dko, dgo, float32) instead of being computed here. TWO_PASS: two loops over V, the first for the output / state terms
     (dO S^T, dO Vn^T, Vn dS^T), the second for the WY terms (dVn S^T, dVn V^T, T^T dVn), so that three
     fp32 accumulators are live per loop instead of five (S is read twice, the second time mostly from L2)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -949,6 +1027,8 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
         t0 = r0 // NH
         k += (r0 * H + i_h) * K
         dk += (r0 * H + i_h) * K
+        dko += (r0 * H + i_h) * K
+        dgo += r0 * H + i_h
         v += (r0 * H + i_h) * V
         vn += (r0 * H + i_h) * V
         dvn += (r0 * H + i_h) * V
@@ -988,13 +1068,13 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     toks = r0 // NH + o_q
     rq = toks * NH + NH - 1 - ph
     m_q = rq < re
-    if not TWO_PASS and not LATE:
+    if not TWO_PASS and not LATE and not OUT:
         b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
                       other=0.0)
-    b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
-
-    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
-    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
+    if not OUT:
+        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+        b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
+        b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
     b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
     if not TWO_PASS:
         b_dw = tl.zeros([BT, BK], dtype=tl.float32)
@@ -1012,10 +1092,11 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
         if not TWO_PASS:
             b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
             b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
-        b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
-                       other=0.0)
-        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
-        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        if not OUT:
+            b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
+                           other=0.0)
+            b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
+            b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
         b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
         if not TWO_PASS:
             b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
@@ -1026,26 +1107,30 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
             tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
                      (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
             b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-    if TWO_PASS or LATE:
+    if (TWO_PASS or LATE) and not OUT:
         b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
                       other=0.0)
     if LATE:
         b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
 
-    # intra-chunk output terms
-    b_qs = b_q.to(tl.float32) * scale
-    m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
-    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
-    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
-    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
-    tl.store(dq + (toks[:, None] * H + i_h) * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_q[:, None] & mk[None, :])
-    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
-    b_e2 = b_daq * b_qk
-    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
-    b_dg = -tl.sum(b_e2, 0)
-    b_dg += tl.sum(tl.where(((rq - r0)[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
+    if OUT:
+        b_dk = tl.load(dko + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
+        b_dg = tl.load(dgo + rows * H + i_h, mask=m_t, other=0.0)
+    else:
+        # intra-chunk output terms
+        b_qs = b_q.to(tl.float32) * scale
+        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+        b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
+        b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
+        b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
+        b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
+        tl.store(dq + (toks[:, None] * H + i_h) * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+                 mask=m_q[:, None] & mk[None, :])
+        b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
+        b_e2 = b_daq * b_qk
+        b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
+        b_dg = -tl.sum(b_e2, 0)
+        b_dg += tl.sum(tl.where(((rq - r0)[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
     # state passing terms
     b_ed = tl.exp(g_last - b_g)
     b_dk += b_dkd * b_ed[:, None]
@@ -1251,11 +1336,18 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dv = torch.empty_like(v)
     db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
+    out = MAIN_OUT_SPLIT
+    dko = torch.empty(1, L, H, K, dtype=torch.float32, device=dev) if out else gc
+    dgo = torch.empty(1, L, H, dtype=torch.float32, device=dev) if out else gc
+    if out:
+        _launch(_bwd_out_kernel, "out", (NT, H),
+                (q, k, gc, hs, vn, do, dq, dko, dgo, cseq, crow, cu_rows, coff, scale),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, PREC=prec), default=OUT_CONFIG)
     _launch(_bwd_main_kernel, "main", (NT, H),
-            (q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
+            (q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc, dko, dgo,
              cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 TWO_PASS=MAIN_TWO_PASS, LATE=MAIN_LATE_LOADS), default=MAIN_CONFIG)
+                 TWO_PASS=MAIN_TWO_PASS, LATE=MAIN_LATE_LOADS, OUT=out), default=MAIN_CONFIG)
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
