@@ -1,6 +1,7 @@
 """The `lm synth` runner: recipes and overrides, training, per-length evaluation (JSON + PNG), fixed-point
 iterations per length, and a one-layer model that learns a tiny S3 word problem."""
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -298,3 +299,35 @@ def test_resume_errors(tmp_path, one_thread):
                                f"resume={tmp_path}"]), progress=False)
     with pytest.raises(ValueError, match="train.stop_after_minutes"):
         load_recipe(base, ["train.stop_after_minutes=-1"])
+
+
+def test_gpu_synth_script_slices_and_resumes(tmp_path):
+    """scripts/gpu_synth.sh with SLICE: the first call stops every run with a checkpoint, the next call
+    resumes it, and a finished run is not started again (run here on CPU with DEVICE=cpu)."""
+    import os
+    import subprocess
+
+    suite = tmp_path / "suite.txt"
+    suite.write_text("# one tiny run\ntiny configs/synth/s3_tiny_cpu.yaml train.target_accuracy=null "
+                     "train.steps=100000 train.log_every=5 eval.examples=64\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "DEVICE": "cpu", "SLICE": "0.01", "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def call(minutes):
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_synth.sh"), str(suite), str(minutes), str(out)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout, json.loads((out / "summary.json").read_text())[0]
+
+    text, first = call(0.015)
+    assert "started tiny" in text and "(sliced)" in text and not first["complete"]
+    assert (out / "tiny" / "checkpoint.pt").is_file()
+    text, second = call(0.015)
+    assert "resumed tiny" in text and second["steps"] > first["steps"]
+    assert json.loads((out / "tiny" / "results.json").read_text())["resumed_from"]["step"] == first["steps"]
+    while not second["complete"]:  # the 0.9 s budget ends within a few slices
+        text, second = call(0.015)
+        assert "resumed tiny" in text
+    text, _ = call(0.015)
+    assert "done: tiny" in text
