@@ -27,8 +27,9 @@ A recipe (configs/synth/*.yaml) has these sections; overrides use dotted keys (`
            out-of-distribution test; the training distribution is then evaluated too)
     save_model: false            save_pretrained the trained model into output_dir/model
     resume: null                 a checkpoint.pt (or the run folder holding it) to continue from: model,
-                                 optimizer, step, training time and logs; task, model, seed and
-                                 train.steps must match the run that wrote it
+                                 optimizer, step, training time and logs; task, model, seed, dtype,
+                                 train.steps / batch_size / lengths / examples must match the run
+                                 that wrote it (a ValueError names what differs)
 
 The loss is the mean cross-entropy over every position with a target (IGNORE elsewhere), on the
 model's logits at that position (no next-token shift: the targets are already aligned).
