@@ -800,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     s = res["summary"]
     print(json.dumps({"name": res["name"], "steps": res["steps_run"], "complete": res["complete"], **s}))
+    if not res["complete"]:
+        print(f"lm synth: stopped after train.stop_after_minutes at step {res['steps_run']}; go on with the same "
+              f"command plus resume={res['checkpoint']}", file=sys.stderr)
     return 0
 
 
