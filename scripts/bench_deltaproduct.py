@@ -71,9 +71,6 @@ VARIANTS = {
     "out_split_w4": dict(MAIN_OUT_SPLIT=True, MAIN_CONFIG=({"BV": 32}, 4, 2)),
     "out_split_o8": dict(MAIN_OUT_SPLIT=True, OUT_CONFIG=({"BV": 64}, 8, 2)),
     "intra1": dict(INTRA_MIN_NH=1),
-    # the sequential forward that forms W and U itself from T (no _wu_kernel, W/U never in memory)
-    "v3": dict(H_O_IMPL="v3"),
-    "v3_save32": dict(H_O_IMPL="v3", H_O_SAVE_CONFIG=({"BV": 32}, 4, 2)),
 }
 
 

@@ -111,7 +111,6 @@ SWITCHES = [
     dict(PREP_SPLIT=False, PREP_SCALE_T=True, PREP_REBASE=False), dict(MAIN_REBASE=False), dict(INTRA_MIN_NH=1),
     dict(PREP_SPLIT=False), dict(PREP_SPLIT=True, PREP_SCALE_T=False), dict(PREP_SPLIT=True, INTRA_MIN_NH=1),
     dict(DH_FUSE_DVL=False), dict(MAIN_TWO_PASS=True), dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False),
-    dict(H_O_IMPL="v3"), dict(H_O_IMPL="v3", INTRA_MIN_NH=1),
     dict(KKT_EARLY_A=False, KKT_MERGE_TF32=False), dict(MAIN_LATE_LOADS=False), dict(PREP_SPLIT=None),
     dict(MAIN_OUT_SPLIT=True), dict(MAIN_OUT_SPLIT=True, MAIN_LATE_LOADS=False, MAIN_REBASE=False),
 ]

@@ -18,7 +18,7 @@ Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent par
           _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
 Kept selectable as measured alternatives (module constants below, H100 timings in BENCH.md): _prep_kernel
 (the two forward prep kernels in one, PREP_SPLIT=False), _bwd_dvloc_kernel (Aqk^T dO as its own launch,
-DH_FUSE_DVL=False), _fwd_h_o_v3_kernel (forms W and U itself from T, LM_DELTAPRODUCT_H_O=v3), and the
+DH_FUSE_DVL=False), and the
 first versions of the two sequential kernels, _fwd_h_o_kernel and _bwd_dh_kernel (LM_DELTAPRODUCT_H_O /
 LM_DELTAPRODUCT_DH = v1).
 
@@ -664,90 +664,6 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_S, mask=m_kv)
 
 
-@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE"], restore_value=["o"])
-@triton.jit
-def _fwd_h_o_v3_kernel(q, k, v, beta, gc, Tm, h0, o, ht, hs, vn, w, cu_rows, chunk_off, scale,
-                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
-                       STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
-    """_fwd_h_o_v2_kernel (outputs computed inline) that also forms the WY factors itself from T (from
-    _kkt_inv_kernel): W = T diag(beta e^g) K and U = T diag(beta) V per chunk, so W and U never go through
-    memory (the no-grad forward is then _kkt_inv_kernel + this kernel). W does not depend on the state, so
-    it stays off the loop-carried chain; each V-block program recomputes it (SAVE: V block 0 stores it for
-    the backward)."""
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_rows + i_n)
-    eos = tl.load(cu_rows + i_n + 1)
-    c0 = tl.load(chunk_off + i_n).to(tl.int64)
-    o_t = tl.arange(0, BT)
-    o_q = tl.arange(0, BQ)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mk = o_k < K
-    mv = o_v < V
-    kdt = k.dtype.element_ty
-    off_tk = o_t[:, None] * (H * K) + o_k[None, :]
-    off_kt = o_k[:, None] + o_t[None, :] * (H * K)
-    off_tv = o_t[:, None] * (H * V) + o_v[None, :]
-    off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
-    off_qk = o_q[:, None] * (H * K) + o_k[None, :]
-    off_qv = o_q[:, None] * (H * V) + o_v[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
-    m_kv = mk[:, None] & mv[None, :]
-    tri = o_t[:, None] >= o_t[None, :]
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_S += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
-    for c in range(tl.cdiv(eos - bos, BT)):
-        r0 = bos + c * BT
-        re = tl.minimum(r0 + BT, eos)
-        t0 = r0 // NH
-        nt = re - r0
-        if SAVE:
-            tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
-        bk = (r0.to(tl.int64) * H + i_h) * K
-        bv = (r0.to(tl.int64) * H + i_h) * V
-        m_t = o_t < nt
-        m_tk = m_t[:, None] & mk[None, :]
-        m_tv = m_t[:, None] & mv[None, :]
-        b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
-        b_b = tl.load(beta + (r0 + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-        g_last = tl.load(gc + (re - 1) * H + i_h)
-        b_T = tl.load(Tm + (r0.to(tl.int64) * H + i_h) * BT + off_tt, mask=tri & m_t[:, None], other=0.0)
-        b_k = tl.load(k + bk + off_tk, mask=m_tk, other=0.0)
-        b_kt = tl.load(k + bk + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
-        b_v = tl.load(v + bv + off_tv, mask=m_tv, other=0.0)
-        # W = (T diag(beta e^g)) K, U = (T diag(beta)) V: the scalings go on T's columns
-        b_Tf = b_T.to(tl.float32)
-        b_w = tl.dot((b_Tf * (b_b * tl.exp(b_g))[None, :]).to(kdt), b_k, input_precision=PREC).to(kdt)
-        b_u = tl.dot((b_Tf * b_b[None, :]).to(kdt), b_v, input_precision=PREC)
-        if SAVE:
-            if i_v == 0:
-                tl.store(w + bk + off_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
-        b_Sk = b_S.to(kdt)
-        b_vn = b_u - tl.dot(b_w, b_Sk, input_precision=PREC)
-        if SAVE:
-            tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
-        rq = (t0 + o_q) * NH + NH - 1
-        m_q = rq < re
-        bq = (t0.to(tl.int64) * H + i_h) * K
-        bo = (t0.to(tl.int64) * H + i_h) * V
-        m_qv = m_q[:, None] & mv[None, :]
-        b_q = tl.load(q + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
-        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
-        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-        b_A = tl.dot(b_q, b_kt, input_precision=PREC)
-        b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
-        b_o = tl.dot(b_q, b_Sk, input_precision=PREC) * tl.exp(b_gq)[:, None] \
-            + tl.dot(b_A.to(kdt), b_vn.to(kdt), input_precision=PREC)
-        b_o = b_o * scale
-        tl.store(o + bo + off_qv, b_o.to(o.dtype.element_ty), mask=m_qv)
-        b_vd = (b_vn * tl.exp(g_last - b_g)[:, None]).to(kdt)
-        b_S = b_S * tl.exp(g_last) + tl.dot(b_kt, b_vd, input_precision=PREC)
-    if STORE_FINAL:
-        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_S, mask=m_kv)
-
-
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
@@ -1257,25 +1173,22 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
     # T = (I + A)^-1 is only ever used as a tensor-core operand in k's dtype: store it in that dtype
     Tm = torch.empty(1, L, H, BT, dtype=k.dtype if TM_IN_K_DTYPE else torch.float32, device=dev)
-    if H_O_IMPL not in ("v1", "v2", "v3"):
-        raise ValueError(f"LM_DELTAPRODUCT_H_O must be 'v1', 'v2' or 'v3', got {H_O_IMPL!r}")
-    v3 = H_O_IMPL == "v3"
-    w = torch.empty_like(k) if (save or not v3) else gc  # v3 writes W only for the backward
-    u = torch.empty_like(v) if not v3 else gc
-    intra = nh >= INTRA_MIN_NH and not v3
+    if H_O_IMPL not in ("v1", "v2"):
+        raise ValueError(f"LM_DELTAPRODUCT_H_O must be 'v1' or 'v2', got {H_O_IMPL!r}")
+    w = torch.empty_like(k)
+    u = torch.empty_like(v)
+    intra = nh >= INTRA_MIN_NH
     qe = torch.empty_like(q) if intra else gc
     o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
     scale_t = intra if PREP_SCALE_T is None else PREP_SCALE_T
     split = (not intra) if PREP_SPLIT is None else PREP_SPLIT
-    if split or v3:
+    if split:
         _launch(_kkt_inv_kernel, "kkt_inv", (NT, H),
                 (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows),
                 dict(NH=nh, H=H, K=K, BT=BT, BK=BK, USE_G=g is not None, PREC=prec, EARLY_A=KKT_EARLY_A,
                      MP="tf32" if (KKT_MERGE_TF32 and prec == "tf32") else "ieee"),
                 default=KKT_INV_CONFIG)
-    if v3:
-        pass  # W and U are formed inside _fwd_h_o_v3_kernel
-    elif split:
+    if split:
         _launch(_wu_kernel, "wu", (NT, H),
                 (q, k, v, beta, gc, Tm, w, u, qe, o, cseq, crow, cu_rows, scale),
                 dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t),
@@ -1288,18 +1201,11 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
     vn = torch.empty_like(v) if save else None
-    if v3:
-        kern = _fwd_h_o_v3_kernel
-        args = (q, k, v, beta, gc, Tm, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
-                hs if hs is not None else gc, vn if vn is not None else gc, w, cu_rows, coff, scale)
-        kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
-                  SAVE=save, PREC=prec)
-    else:
-        kern = _fwd_h_o_v2_kernel if H_O_IMPL == "v2" else _fwd_h_o_kernel
-        args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
-                hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale)
-        kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
-                  SAVE=save, INTRA=intra, PREC=prec)
+    kern = _fwd_h_o_v2_kernel if H_O_IMPL == "v2" else _fwd_h_o_kernel
+    args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
+            hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale)
+    kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
+              SAVE=save, INTRA=intra, PREC=prec)
     _launch(kern, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     return o, ht, (gc, Tm, w, hs, vn)
