@@ -646,7 +646,6 @@ def run(cfg: dict, progress: bool = True) -> dict:
                         prefetch=4 if device.type == "cuda" and not finished else 0, stream=start)
 
     t0 = time.time() - done_s  # the training clock goes on from the checkpoint's
-    t_slice = time.time()
     bar = None
     if progress:
         from tqdm import tqdm
@@ -676,9 +675,9 @@ def run(cfg: dict, progress: bool = True) -> dict:
             with torch.no_grad():  # kept on the device: no host sync except at log steps
                 acc_t = ((logits.argmax(-1) == y) & mask).sum() / mask.sum().clamp_min(1)
                 running_t = acc_t if running_t is None else 0.9 * running_t + 0.1 * acc_t
-            out_of_time = budget_s is not None and time.time() - t0 - eval_s >= budget_s
-            sliced = (not out_of_time and step < steps and slice_s is not None
-                      and time.time() - t_slice - eval_s >= slice_s)
+            trained_s = time.time() - t0 - eval_s  # training time of the whole run, every slice
+            out_of_time = budget_s is not None and trained_s >= budget_s
+            sliced = not out_of_time and step < steps and slice_s is not None and trained_s - done_s >= slice_s
             if step % tr["log_every"] == 0 or step == steps or out_of_time or sliced:
                 loss_v = float(loss.detach())
                 if not math.isfinite(loss_v):
