@@ -71,6 +71,16 @@ VARIANTS = {
     "out_split_w4": dict(MAIN_OUT_SPLIT=True, MAIN_CONFIG=({"BV": 32}, 4, 2)),
     "out_split_o8": dict(MAIN_OUT_SPLIT=True, OUT_CONFIG=({"BV": 64}, 8, 2)),
     "intra1": dict(INTRA_MIN_NH=1),
+    # session 4 (BENCH.md): the forward with grad stores less, the backward recomputes it
+    "novn": dict(VN_RECOMPUTE_MIN_NH=1),  # no Vn store; the main backward forms Vn = U - W S
+    "novn2": dict(VN_RECOMPUTE_MIN_NH=2),  # the same from nh=2 on (nh=1 stores Vn)
+    "aqk": dict(AQK_SAVE=True),  # Aqk^T stored by the forward, read by the sequential backward
+    "novn_aqk": dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True),
+    "stream": dict(SAVE_STREAM=True),  # streaming cache hint on the state / Vn stores
+    "novn_stream": dict(VN_RECOMPUTE_MIN_NH=1, SAVE_STREAM=True),
+    "save_128w8": dict(H_O_SAVE_CONFIG=({"BV": 128}, 8, 1)),  # SAVE launch: half the programs, 8 warps
+    "novn_64s2": dict(VN_RECOMPUTE_MIN_NH=1, MAIN_CONFIG=({"BV": 64}, 8, 2)),
+    "dh_v1": dict(DH_IMPL="v1"),
 }
 
 

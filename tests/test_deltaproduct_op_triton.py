@@ -113,6 +113,8 @@ SWITCHES = [
     dict(DH_FUSE_DVL=False), dict(MAIN_TWO_PASS=True), dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False),
     dict(KKT_EARLY_A=False, KKT_MERGE_TF32=False), dict(MAIN_LATE_LOADS=False), dict(PREP_SPLIT=None),
     dict(MAIN_OUT_SPLIT=True), dict(MAIN_OUT_SPLIT=True, MAIN_LATE_LOADS=False, MAIN_REBASE=False),
+    dict(VN_RECOMPUTE_MIN_NH=1), dict(AQK_SAVE=True), dict(AQK_SAVE=True, INTRA_MIN_NH=99),
+    dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True, SAVE_STREAM=True, MAIN_TWO_PASS=True),
 ]
 
 
@@ -141,7 +143,7 @@ def test_triton_kernel_variants_match_reference(switch, monkeypatch):
 
 
 @pytest.mark.parametrize("switch", [dict(), dict(KKT_EARLY_A=False), dict(MAIN_LATE_LOADS=False), dict(PREP_SPLIT=False),
-                                    dict(MAIN_OUT_SPLIT=True)],
+                                    dict(MAIN_OUT_SPLIT=True), dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")
 def test_triton_chunk64_variants_match_reference(switch, monkeypatch):
     """The 64-row-chunk code paths of the switches (the 4x4 block merges of T, the main backward's late loads):

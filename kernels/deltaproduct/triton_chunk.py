@@ -113,6 +113,20 @@ MAIN_CONFIG = None
 # (costs a float32 dk / dg partial written and read, and S and Vn read twice). Not timed on a GPU yet.
 MAIN_OUT_SPLIT = False
 OUT_CONFIG = ({"BV": 64}, 4, 2)
+# From which nh the forward with grad skips the Vn store and the main backward recomputes Vn = U - W S from U
+# (written by _wu_kernel anyway, kept for the backward instead of Vn), W and the saved chunk state it loads (one
+# [BT, K] x [K, BV] product more per V block there): 2 x L x H x V bytes fewer written by the SAVE forward
+# (134 MB per nh at B8 T2048 H16 V256 bf16). Session 4 candidate (BENCH.md).
+VN_RECOMPUTE_MIN_NH = 99
+# The forward with grad stores Aqk^T = (Q K^T o Gam o M)^T scale per chunk ([BT, BQ] in k's dtype, written by one
+# program: _wu_kernel for nh >= INTRA_MIN_NH, the V-block-0 program of the sequential forward otherwise), and the
+# sequential backward reads it instead of recomputing Q K^T and its decay in every V-block program (needs
+# DH_FUSE_DVL and the v2 kernels). Session 4 candidate (BENCH.md).
+AQK_SAVE = False
+# The SAVE forward writes the chunk states and Vn with the streaming cache hint (".cs": read again only in the
+# backward, long after they left L2), so that they do not push out the W, K, U tiles that the other V-block
+# programs of the same sequence and head read next. Session 4 candidate (BENCH.md).
+SAVE_STREAM = False
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: prep, kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, out, main.
 FIXED: dict = {}
@@ -427,12 +441,12 @@ def _wu_configs():
     return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
 
 
-@triton.autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T"])
+@triton.autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ"])
 @triton.jit
-def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu_rows, scale,
+def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_rows, scale,
                NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
-               SCALE_T: tl.constexpr):
+               SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr):
     """Second half of _prep_kernel as its own launch (T and gc from _kkt_inv_kernel): W = T diag(beta e^g) K,
     U = T diag(beta) V over V blocks (software-pipelined by num_stages), and with INTRA the outputs' state-
     independent terms O_loc = Aqk U and Qe = e^g Q - Aqk W."""
@@ -483,6 +497,9 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu_rows
         b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - gcs[None, :], 0.0))), 0.0)
         b_Ak = b_A.to(kdt)
+        if SAVE_AQ:  # Aqk^T for the sequential backward (i_c is the global chunk index)
+            tl.store(aq + (i_c.to(tl.int64) * H + tl.program_id(1)) * (BT * BQ) + o_t[None, :] * BQ + o_q[:, None],
+                     b_Ak.to(aq.dtype.element_ty))
         b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
         tl.store(qe + o_q[:, None] * (H * K) + o_k[None, :], b_qe.to(qe.dtype.element_ty),
                  mask=m_q[:, None] & mk[None, :])
@@ -586,12 +603,15 @@ def _fwd_h_o_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, s
                  mask=mk[:, None] & mv[None, :])
 
 
-@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA"], restore_value=["o"])
+@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
+                                                   "STREAM"],
+                 restore_value=["o"])
 @triton.jit
-def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale,
+def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, cu_rows, chunk_off, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
-                    STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr):
+                    STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
+                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, STREAM: tl.constexpr):
     """_fwd_h_o_kernel restructured for registers: K^T is loaded directly (one tile serves Q K^T and K^T Vn),
     the decays scale the small row operands (Vn rows, output rows) instead of the K and Q tiles, so that w,
     k, q go from memory to the tensor-core products untouched, and tile offsets are int32 from an int64
@@ -624,7 +644,11 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off
         t0 = r0 // NH
         nt = re - r0
         if SAVE:
-            tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
+            if STREAM:
+                tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv,
+                         cache_modifier=".cs")
+            else:
+                tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
         bk = (r0.to(tl.int64) * H + i_h) * K
         bv = (r0.to(tl.int64) * H + i_h) * V
         m_t = o_t < nt
@@ -637,8 +661,11 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off
         b_kt = tl.load(k + bk + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
         b_Sk = b_S.to(kdt)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
-        if SAVE:
-            tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        if SAVE and SAVE_VN:
+            if STREAM:
+                tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv, cache_modifier=".cs")
+            else:
+                tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
         rq = (t0 + o_q) * NH + NH - 1
         m_q = rq < re
         bq = (t0.to(tl.int64) * H + i_h) * K
@@ -654,6 +681,10 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off
             m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
             b_A = tl.dot(b_q, b_kt, input_precision=PREC)
             b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
+            if SAVE_AQ:
+                # Aqk^T (scaled) for the sequential backward, written once per chunk (V block 0)
+                tl.store(aq + ((c0 + c) * H + i_h) * (BT * BQ) + o_t[None, :] * BQ + o_q[:, None],
+                         (b_A * scale).to(aq.dtype.element_ty), mask=(tl.zeros([BQ, BT], dtype=tl.int32) + i_v) == 0)
             b_o = tl.dot(b_q, b_Sk, input_precision=PREC) * tl.exp(b_gq)[:, None] \
                 + tl.dot(b_A.to(kdt), b_vn.to(kdt), input_precision=PREC)
             b_o = b_o * scale
@@ -765,12 +796,13 @@ def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale
 
 
 # among 4/2, 8/2
-@triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL"], restore_value=["dvn"])
+@triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL", "LOAD_AQ"],
+                 restore_value=["dvn"])
 @triton.jit
-def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale,
+def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off, scale,
                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
-                      STORE_DH0: tl.constexpr, PREC: tl.constexpr, FUSE_DVL: tl.constexpr):
+                      STORE_DH0: tl.constexpr, PREC: tl.constexpr, FUSE_DVL: tl.constexpr, LOAD_AQ: tl.constexpr):
     """_bwd_dh_kernel restructured like _fwd_h_o_v2_kernel: Q^T and W^T are loaded directly, the decays
     scale dO rows and the (K dS) rows instead of the Q and K tiles, int32 tile offsets. FUSE_DVL: the
     state-independent part of dVn, (Q K^T o Gam o M)^T dO, is computed here (off the loop-carried chain)
@@ -819,7 +851,11 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, sc
         b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
         b_do = tl.load(do + bo + off_qv, mask=m_q[:, None] & mv[None, :], other=0.0)
         p_dvn = dvn + bv + off_tv
-        if FUSE_DVL:
+        if LOAD_AQ:
+            # Aqk^T saved by the forward ([BT, BQ] per chunk, scaled, zero off the causal mask)
+            b_at = tl.load(aq + ((c0 + c) * H + i_h) * (BT * BQ) + o_t[:, None] * BQ + o_q[None, :])
+            b_dvl = tl.dot(b_at, b_do, input_precision=PREC)
+        elif FUSE_DVL:
             # (K Q^T o Gam^T o M^T) dO: row t of the chunk, token column j with last row rq_j >= t
             m_kq = ((rq - r0)[None, :] >= o_t[:, None]) & m_q[None, :] & m_t[:, None]
             b_at = tl.dot(b_k, b_qt, input_precision=PREC)
@@ -917,14 +953,15 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
 
 
-@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "TWO_PASS", "LATE", "OUT"])
+@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "TWO_PASS", "LATE", "OUT",
+                                                "RECOMP_VN"])
 @triton.jit
-def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg, dko, dgo,
+def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg, dko, dgo,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
                      PREC: tl.constexpr, REBASE: tl.constexpr, TWO_PASS: tl.constexpr, LATE: tl.constexpr,
-                     OUT: tl.constexpr):
+                     OUT: tl.constexpr, RECOMP_VN: tl.constexpr):
     """dq, dk, dv, dbeta, dg of one chunk. LATE: the K and Q tiles (used only after the V loop) are loaded
     after it, so that they do not hold registers across it. OUT: the output terms (dq, and the dk / dg
     parts from Q) come from _bwd_out_kernel (dko, dgo, float32) instead of being computed here. TWO_PASS: two loops over V, the first for the output / state terms
@@ -947,6 +984,7 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
         dgo += r0 * H + i_h
         v += (r0 * H + i_h) * V
         vn += (r0 * H + i_h) * V
+        w += (r0 * H + i_h) * K
         dvn += (r0 * H + i_h) * V
         dv += (r0 * H + i_h) * V
         beta += r0 * H + i_h
@@ -991,6 +1029,8 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
         b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
         b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
         b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
+    if RECOMP_VN:  # vn points at U here: Vn = U - W S per V block
+        b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
     b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
     if not TWO_PASS:
         b_dw = tl.zeros([BT, BK], dtype=tl.float32)
@@ -1005,6 +1045,8 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
         b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
         b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
         b_vn = tl.load(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+        if RECOMP_VN:
+            b_vn = (b_vn.to(tl.float32) - tl.dot(b_w, b_S.to(kdt), input_precision=PREC)).to(kdt)
         if not TWO_PASS:
             b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
             b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
@@ -1188,10 +1230,15 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
                 dict(NH=nh, H=H, K=K, BT=BT, BK=BK, USE_G=g is not None, PREC=prec, EARLY_A=KKT_EARLY_A,
                      MP="tf32" if (KKT_MERGE_TF32 and prec == "tf32") else "ieee"),
                 default=KKT_INV_CONFIG)
+    # Aqk^T saved for the sequential backward (AQK_SAVE): written by _wu_kernel (INTRA) or the sequential forward
+    aq = None
+    if save and AQK_SAVE and DH_FUSE_DVL and DH_IMPL == "v2" and H_O_IMPL == "v2" and (split or not intra):
+        aq = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev)
     if split:
         _launch(_wu_kernel, "wu", (NT, H),
-                (q, k, v, beta, gc, Tm, w, u, qe, o, cseq, crow, cu_rows, scale),
-                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t),
+                (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, cseq, crow, cu_rows, scale),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
+                     SAVE_AQ=aq is not None and intra),
                 default=WU_CONFIG)
     else:
         _launch(_prep_kernel, "prep", (NT, H),
@@ -1200,19 +1247,27 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
                      PREC=prec, SCALE_T=scale_t, REBASE=intra if PREP_REBASE is None else PREP_REBASE))
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
-    vn = torch.empty_like(v) if save else None
-    kern = _fwd_h_o_v2_kernel if H_O_IMPL == "v2" else _fwd_h_o_kernel
+    v2 = H_O_IMPL == "v2"
+    recomp = save and v2 and nh >= VN_RECOMPUTE_MIN_NH
+    vn = torch.empty_like(v) if save and not recomp else None
+    meta["recomp_vn"] = recomp
+    kern = _fwd_h_o_v2_kernel if v2 else _fwd_h_o_kernel
     args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
-            hs if hs is not None else gc, vn if vn is not None else gc, cu_rows, coff, scale)
+            hs if hs is not None else gc, vn if vn is not None else gc)
+    args = args + ((aq if aq is not None else gc,) if v2 else ()) + (cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
               SAVE=save, INTRA=intra, PREC=prec)
+    if v2:
+        kw.update(SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra, STREAM=save and SAVE_STREAM)
     _launch(kern, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
-    return o, ht, (gc, Tm, w, hs, vn)
+    # the backward reads Vn, or U when it recomputes Vn (RECOMP_VN), and Aqk^T when saved
+    return o, ht, (gc, Tm, w, hs, u if recomp else vn, aq)
 
 
 def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
-    gc, Tm, w, hs, vn = saved
+    gc, Tm, w, hs, vn, aq = saved
+    recomp = meta.get("recomp_vn", False)
     nh, BT, scale = meta["nh"], meta["BT"], meta["scale"]
     _, L, H, K = k.shape
     V = v.shape[-1]
@@ -1234,15 +1289,20 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
                  STORE_DH0=h0 is not None, PREC=prec)
     if DH_IMPL == "v2":
         dh_kw["FUSE_DVL"] = fuse
+    dh_args = (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn)
+    if DH_IMPL == "v2":
+        dh_kw["LOAD_AQ"] = aq is not None
+        dh_args = dh_args + (aq if aq is not None else gc,)
     _launch(_bwd_dh_v2_kernel if DH_IMPL == "v2" else _bwd_dh_kernel, "dh", lambda m: (triton.cdiv(V, m["BV"]), N, H),
-            (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn, cu_rows,
-             coff, scale), dh_kw, default=DH_CONFIG if DH_IMPL == "v2" else None)
+            dh_args + (cu_rows, coff, scale), dh_kw, default=DH_CONFIG if DH_IMPL == "v2" else None)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
     out = MAIN_OUT_SPLIT
+    if out and recomp:
+        raise ValueError("MAIN_OUT_SPLIT reads the saved Vn: set VN_RECOMPUTE_MIN_NH above num_householder with it")
     dko = torch.empty(1, L, H, K, dtype=torch.float32, device=dev) if out else gc
     dgo = torch.empty(1, L, H, dtype=torch.float32, device=dev) if out else gc
     if out:
@@ -1250,10 +1310,10 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
                 (q, k, gc, hs, vn, do, dq, dko, dgo, cseq, crow, cu_rows, coff, scale),
                 dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, PREC=prec), default=OUT_CONFIG)
     _launch(_bwd_main_kernel, "main", (NT, H),
-            (q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc, dko, dgo,
+            (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc, dko, dgo,
              cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 TWO_PASS=MAIN_TWO_PASS, LATE=MAIN_LATE_LOADS, OUT=out), default=MAIN_CONFIG)
+                 TWO_PASS=MAIN_TWO_PASS, LATE=MAIN_LATE_LOADS, OUT=out, RECOMP_VN=recomp), default=MAIN_CONFIG)
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
