@@ -79,6 +79,7 @@ VARIANTS = {
     "stream": dict(SAVE_STREAM=True),  # streaming cache hint on the state / Vn stores
     "novn_stream": dict(VN_RECOMPUTE_MIN_NH=1, SAVE_STREAM=True),
     "save_128w8": dict(H_O_SAVE_CONFIG=({"BV": 128}, 8, 1)),  # SAVE launch: half the programs, 8 warps
+    "aqk_dh32": dict(AQK_SAVE=True, DH_CONFIG=({"BV": 32}, 4, 2)),
     "novn_64s2": dict(VN_RECOMPUTE_MIN_NH=1, MAIN_CONFIG=({"BV": 64}, 8, 2)),
     "dh_v1": dict(DH_IMPL="v1"),
 }
