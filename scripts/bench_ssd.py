@@ -29,7 +29,7 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-DEFAULT_VARIANTS = ["two_launch=-/-/-/LM_SSD_DTCB=0", "chunk_fact=chunk/-/-/LM_SSD_FACT=1"]
+DEFAULT_VARIANTS = ["xs=xs/-/-", "xs2=xs2/-/-", "bwd_grid=-/-/-/LM_SSD_BWD=grid", "bwd_old=-/-/-/LM_SSD_BWD=old"]
 
 
 def parse_variants(specs):
@@ -217,6 +217,13 @@ def main(argv=None):
                 if venv.get("LM_SSD_NOGRAD", "split") != "fused":
                     ours()
                     row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
+                if "LM_SSD_BWD" in venv:  # a backward variant: forward + backward and its kernels too
+                    fb = fwd_bwd(ours, gy)
+                    fb()
+                    row[f"ours_fwd_bwd_ms_{vname}"] = bench(fb, args.warmup, args.rep, grad_to_none=list(gin.values()))
+                    if device == "cuda" and not args.no_profile:
+                        row[f"kernels_ms_fwd_bwd_{vname}"] = [(n, round(t, 4)) for n, t in
+                                                              profile_kernels([("v", fb)])["v"][:10]]
                 if device == "cuda" and not args.no_profile:
                     def ng():
                         with torch.no_grad():
@@ -309,6 +316,11 @@ def print_row(name, row):
         ks = row.get(f"kernels_ms_nograd_{v}")
         if ks:
             print("      " + ", ".join(f"{n[:28]}={t:.3f}" for n, t in ks[:6]))
+        fb = row.get(f"ours_fwd_bwd_ms_{v}")
+        if fb is not None:
+            mfb = row.get("mamba_fwd_bwd_ms")
+            print(f"      fwd+bwd {fb:.3f} ms" + (f" ({fb / mfb:.3f})" if mfb else "") + ": " + ", ".join(
+                f"{n[:24]}={t:.3f}" for n, t in row.get(f"kernels_ms_fwd_bwd_{v}", [])[:8]))
     if "mamba_nograd_fwd_ms" in row:
         print(f"mamba no-grad fwd {row['mamba_nograd_fwd_ms']:.3f} ms (ours no-grad / it: "
               f"{row['ratio_nograd_vs_mamba_nograd']:.3f}); host ms per call: ours no-grad "

@@ -131,6 +131,24 @@ def test_triton_chunk_scan_odd_sizes_varlen(heads, groups, monkeypatch):
     compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
+@pytest.mark.parametrize("scan,bwd", [("xs", "slots"), ("xs2", "grid"), ("flat2", "old")])
+def test_triton_xs_scans_and_backward_grids_with_several_tiles(scan, bwd, monkeypatch):
+    """16-row tiles in 64-row chunks (4 row blocks): the "xs" scans (decay on the x rows below the diagonal;
+    "xs2" with x~ stored by the state kernel and the accumulator carried from block to block) and the
+    backward variants ("slots": dcb_bwd's d(dt*A) shares in per-row-block slots plus per-tile totals over the
+    blocks between, summed by dt_bwd; "grid"/"old": atomics), fixed-length with a partial chunk and packed
+    documents (chunks cut short, so some row blocks and slots do not exist)."""
+    import lm_kernels.ssd.triton_ssd as ts
+    monkeypatch.setattr(ts, "TILE_ROWS", 16)
+    monkeypatch.setattr(ts, "_PLANS", {})
+    monkeypatch.setenv("LM_SSD_SCAN", scan)
+    monkeypatch.setenv("LM_SSD_BWD", bwd)
+    compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
+    lens = [9, 0, 70, 1, 36]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    compare(make(1, sum(lens), 4, 16, 2, 16, ns=len(lens)), torch.float32, 2e-5, chunk_size=64, cu_seqlens=cu)
+
+
 def test_triton_varlen_matches_reference_and_separate_runs():
     lens = [9, 0, 30, 1, 20]  # an empty document, documents across chunk boundaries
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)

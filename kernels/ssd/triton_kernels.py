@@ -121,8 +121,11 @@ def dt_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, chunk_t0_ptr, chunk_
 
 @triton.jit
 def _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, offs_n, P, N, s_x_t, s_B_t,
-                BK: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """sum over rows k..k+BK of the chunk of w_l x_l B_l^T, w_l = dt_l e^{a - cs_l}: (BP, BN) float32."""
+                BK: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
+                xt_base=None, xt_on=False, HP=0, XT: tl.constexpr = False, XBK: tl.constexpr = 64):
+    """sum over rows k..k+BK of the chunk of w_l x_l B_l^T, w_l = dt_l e^{a - cs_l}: (BP, BN) float32.
+    XT (where xt_on): also store x~_l = x_l dt_l e^{cs_r - cs_l}, r the last row of l's XBK-row block (the
+    "xs2" scan's B operand below the diagonal), rows of H * P elements from xt_base."""
     rows = k + tl.arange(0, BK)
     rmask = rows < clen
     cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
@@ -130,6 +133,13 @@ def _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, o
     w = tl.where(rmask, tl.exp(a - cs_k) * dt_k, 0.0)
     xk = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :],
                  mask=rmask[:, None] & (offs_p[None, :] < P), other=0.0)
+    if XT:
+        if xt_on:
+            r = tl.minimum((rows // XBK) * XBK + XBK - 1, clen - 1)
+            cs_r = tl.load(cs_ptr + tok0 + r, mask=rmask, other=0.0)
+            xt = xk.to(tl.float32) * tl.where(rmask, tl.exp(cs_r - cs_k) * dt_k, 0.0)[:, None]
+            tl.store(xt_base + (t0 + rows[:, None]).to(tl.int64) * HP + offs_p[None, :],
+                     xt.to(xt_base.dtype.element_ty), mask=rmask[:, None] & (offs_p[None, :] < P))
     Bk = tl.load(B_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
                  mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
     xw = (xk.to(tl.float32) * w[:, None]).to(DOT_DT)
@@ -142,8 +152,10 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
                      s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                      L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PN_FAST: tl.constexpr = False):
+                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PN_FAST: tl.constexpr = False,
+                     xt_ptr=None, XT: tl.constexpr = False, XBK: tl.constexpr = 64):
     """Per (sequence, head, p-block x n-block): walk the chunks in order, store each chunk's start state.
+    XT: the first n-block's programs also store x~ (see _state_rows) into xt_ptr, contiguous (B, T, H, P).
     PN_FAST: grid (p-block x n-block, head, sequence), so the programs that read the same x rows (one per
     n-block) run together and share them through L2; else (sequence, head, p-block x n-block).
     Chunk state (c, h) element (p, n) is stored at (c * H + h) * P * N + p * s_sp + n * s_sn ("PN" layout:
@@ -171,6 +183,11 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
         S = tl.zeros((BP, BN), dtype=tl.float32)
     x_base = x_ptr + b * s_x_b + h * s_x_h
     B_base = B_ptr + b * s_B_b + g * s_B_g
+    xt_base = x_base
+    xt_on = False
+    if XT:
+        xt_base = xt_ptr + b.to(tl.int64) * T * H * P + h * P
+        xt_on = (pid_pn % n_nb) == 0
     for i in range(0, n_chunks):
         c = c_begin + i
         t0 = t_begin + i * L
@@ -181,12 +198,12 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
         a = tl.load(cs_ptr + tok0 + clen - 1)
         if BK >= L:  # the whole chunk in one step: no inner loop, so the chunk loop gets pipelined
             acc = _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, 0, offs_p, offs_n, P, N,
-                              s_x_t, s_B_t, BK, dtype, DOT_PREC)
+                              s_x_t, s_B_t, BK, dtype, DOT_PREC, xt_base, xt_on, H * P, XT, XBK)
         else:
             acc = tl.zeros((BP, BN), dtype=tl.float32)
             for k in range(0, clen, BK):
                 acc += _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, offs_n, P, N,
-                                   s_x_t, s_B_t, BK, dtype, DOT_PREC)
+                                   s_x_t, s_B_t, BK, dtype, DOT_PREC, xt_base, xt_on, H * P, XT, XBK)
         S = tl.exp(a) * S + acc
     if HAS_FINAL:
         tl.store(final_ptr + (pid_s * H + h) * P * N + pn_off, S, mask=pn_mask)
@@ -387,20 +404,54 @@ def chunk_scan_fwd_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_p
 def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h, St, offs_p, pmask, offs_n,
                nmask, P, s_x_t, s_B_t,
                L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
-               FACT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, DIAGVEC: tl.constexpr = False):
+               FACT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, DIAGVEC: tl.constexpr = False,
+               XS: tl.constexpr = 0, xt_base=None, HP=0):
     """y rows m0..m0+BM of one chunk and head (before the z gate), float32 (BM, BP), and the x rows m0..m0+BM:
         y_m = e^{cs_m} C_m S^T + sum_{k <= m} CB[m, k] e^{cs_m - cs_k} dt_k x_k + D x_m,   St = S^T (BNF, BP).
     Blocks strictly below the diagonal (k < m0 <= m, BK divides BM) need no mask; with FACT their decay
     factorises through the k-block's last row r: e^{cs_m - cs_k} = e^{cs_m - cs_r} e^{cs_r - cs_k}, both
     exponents <= 0 (cs falls within a chunk), so underflow is the worst case, and BM + BK exponentials
-    replace BM * BK. The diagonal block keeps the exact masked decay."""
+    replace BM * BK. The diagonal block keeps the exact masked decay.
+    XS: below the diagonal the decay goes to the x rows instead: with r = m0 - 1 (the row before the block),
+    e^{cs_m - cs_k} = e^{cs_m - cs_r} e^{cs_r - cs_k} (both exponents <= 0), so the raw C.B tile is the A
+    operand, x_k dt_k e^{cs_r - cs_k} the B operand, and one row factor e^{cs_m - cs_r} scales the sum of the
+    state term (started at e^{cs_r} C_m S^T) and the below-diagonal tiles (XS == 1).
+    XS == 2: the B operand x~_k = x_k dt_k e^{cs_{r_k} - cs_k} (r_k: the last row of k's BK block) was stored
+    by the state kernel (rows of HP elements from xt_base); the accumulator is carried from block end to block
+    end, acc <- e^{cs_{r_k} - cs_{r_{k-1}}} acc + CB[m, k block] x~_k (every factor <= 1), so both operands
+    reach the tensor core as loaded."""
     rows_m = m0 + tl.arange(0, BM)
     mmask = rows_m < clen
     cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
     Cm = tl.load(C_base + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :], mask=mmask[:, None] & nmask[None, :],
                  other=0.0).to(DOT_DT)
-    acc = tl.dot(Cm, St, input_precision=DOT_PREC) * tl.where(mmask, tl.exp(cs_m), 0.0)[:, None]
-    for k in range(0, m0, BK):  # below the diagonal: every row valid (k + BK <= m0 < clen)
+    if XS == 2:
+        acc = tl.dot(Cm, St, input_precision=DOT_PREC)  # frame: the chunk start (cs = 0)
+        cs_prev = tl.load(cs_ptr + tok0) * 0.0
+        for k in range(0, m0, BK):
+            rows_k = k + tl.arange(0, BK)
+            cs_r = tl.load(cs_ptr + tok0 + k + BK - 1)
+            cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None], other=0.0)
+            xk = tl.load(xt_base + (t0 + rows_k[:, None]).to(tl.int64) * HP + offs_p[None, :], mask=pmask[None, :],
+                         other=0.0)
+            acc = tl.dot(cb.to(DOT_DT), xk.to(DOT_DT), acc * tl.exp(cs_r - cs_prev), input_precision=DOT_PREC)
+            cs_prev = cs_r
+        acc = acc * tl.where(mmask, tl.exp(cs_m - cs_prev), 0.0)[:, None]
+    elif XS == 1:  # m0 == 0: r = -1 with cs_r = 0, no tiles below the diagonal
+        cs_r = tl.load(cs_ptr + tok0 + m0 - 1, mask=m0 > 0, other=0.0)
+        acc = tl.dot(Cm, St, input_precision=DOT_PREC) * tl.exp(cs_r)
+        for k in range(0, m0, BK):
+            rows_k = k + tl.arange(0, BK)
+            cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None], other=0.0)
+            cs_k = tl.load(cs_ptr + tok0 + rows_k)
+            dt_k = tl.load(dtp_ptr + tok0 + rows_k)
+            xk = tl.load(x_base + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :], mask=pmask[None, :], other=0.0)
+            xk = (xk.to(tl.float32) * (tl.exp(cs_r - cs_k) * dt_k)[:, None]).to(DOT_DT)
+            acc = tl.dot(cb.to(DOT_DT), xk, acc, input_precision=DOT_PREC)
+        acc = acc * tl.where(mmask, tl.exp(cs_m - cs_r), 0.0)[:, None]
+    else:
+        acc = tl.dot(Cm, St, input_precision=DOT_PREC) * tl.where(mmask, tl.exp(cs_m), 0.0)[:, None]
+    for k in range(0, 0 if XS else m0, BK):  # below the diagonal: every row valid (k + BK <= m0 < clen)
         rows_k = k + tl.arange(0, BK)
         cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
         cs_k = tl.load(cs_ptr + tok0 + rows_k)
@@ -474,7 +525,8 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, FACT: tl.constexpr,
-                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, DIAGVEC: tl.constexpr = False):
+                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, DIAGVEC: tl.constexpr = False,
+                           XS: tl.constexpr = 0, xt_ptr=None):
     """chunk_scan_fwd_kernel with the grid (m-block x p-block, head, chunk): the row blocks of one (chunk,
     head) run next to each other (x tiles and the chunk's start state are re-read from L2, not HBM), then
     the heads of the chunk (the group's C rows and CB tiles stay in L2); row blocks run heaviest first."""
@@ -498,7 +550,8 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     acc, xm = _scan_rows(x_ptr + b * s_x_b + h * s_x_h, C_ptr + b * s_B_b + g * s_B_g,
                          CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h,
                          St, offs_p, pmask, offs_n, nmask, P, s_x_t, s_B_t,
-                         L, BM, BK, HAS_D, D_HP, FACT, DOT_DT, DOT_PREC, DIAGVEC)
+                         L, BM, BK, HAS_D, D_HP, FACT, DOT_DT, DOT_PREC, DIAGVEC, XS,
+                         (xt_ptr + b.to(tl.int64) * T * H * P + h * P) if XS == 2 else x_ptr, H * P)
     rows_m = m0 + tl.arange(0, BM)
     _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H, P,
              s_z_b, s_z_t, s_z_h, HAS_Z, STORE_PRE)
@@ -936,16 +989,28 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddara
                    T, H, P, NC, BT, R, G,
                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h,
                    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+                   IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
+                   TILE_FAST: tl.constexpr = False, SLOTS: tl.constexpr = False):
     """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32), and
     per head the intra-chunk part of d(dt*A) in its stable form: with M = Q_h * CB,
         dda_l = sum_{m >= l} sum_{s < l} M[m, s]
     (no difference of large row and column sums). Each tile adds its share with atomics: over its
     column range (prefix sums of column sums), its row range (suffix sums of row sums), and its total
-    over the rows in between (as +total / -total marks in ddarange, prefix-summed in dt_bwd)."""
-    pid_c = tl.program_id(0)
-    g = tl.program_id(1)
-    pid_mk = tl.program_id(2)
+    over the rows in between (as +total / -total marks in ddarange, prefix-summed in dt_bwd).
+    SLOTS: no atomics. A token of row block j gets exactly one share per row block s of the chunk (s > j: the
+    column part of tile (s, j); s == j: the diagonal tile; s < j: the row part of tile (j, s)), stored in
+    dda slot s ((L // BM, H, B*T) buffer); each tile's total goes to ddarange[(chunk, head), m block, k
+    block] and dt_bwd adds the totals of the tiles (mb, kb) with kb < j < mb to block j.
+    TILE_FAST: grid (tile, group, chunk), so a chunk's tiles run together and share its dy / x rows
+    through L2; else (chunk, group, tile)."""
+    if TILE_FAST:
+        pid_mk = tl.program_id(0)
+        g = tl.program_id(1)
+        pid_c = tl.program_id(2)
+    else:
+        pid_c = tl.program_id(0)
+        g = tl.program_id(1)
+        pid_mk = tl.program_id(2)
     n_kb = L // BK
     m0 = (pid_mk // n_kb) * BM
     k0 = (pid_mk % n_kb) * BK
@@ -960,6 +1025,8 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddara
     pmask = offs_p < P
     dtype = DOT_DT
     causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :] & mmask[:, None]
+    NMB: tl.constexpr = L // BM
+    HBT = H.to(tl.int64) * BT
     cbt = tl.load(CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L + rows_m[:, None] * L + rows_k[None, :], mask=causal,
                   other=0.0).to(tl.float32)
     acc = tl.zeros((BM, BK), dtype=tl.float32)
@@ -981,15 +1048,25 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddara
         if k0 == m0:  # diagonal tile: sum_{m >= l} sum_{s < l} M[m, s] for l in the block
             prefix = tl.cumsum(M, axis=1) - M  # [m, l] = sum_{s < l} M[m, s]
             F = tl.sum(tl.where(rows_m[:, None] >= rows_k[None, :], prefix, 0.0), 0)
-            tl.atomic_add(dda_ptr + tok0 + rows_k, F, mask=kmask)
+            if SLOTS:
+                tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, F, mask=kmask)
+            else:
+                tl.atomic_add(dda_ptr + tok0 + rows_k, F, mask=kmask)
         else:
             colsum = tl.sum(M, 0)
             rowsum = tl.sum(M, 1)
             total = tl.sum(rowsum, 0)
-            tl.atomic_add(dda_ptr + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum, mask=kmask)
-            tl.atomic_add(dda_ptr + tok0 + rows_m, total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
-            tl.atomic_add(ddarange_ptr + tok0 + k0 + BK, total)
-            tl.atomic_add(ddarange_ptr + tok0 + m0, -total)
+            if SLOTS:
+                tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum,
+                         mask=kmask)
+                tl.store(dda_ptr + (k0 // BK).to(tl.int64) * HBT + tok0 + rows_m,
+                         total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
+                tl.store(ddarange_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + m0 // BM) * NMB + k0 // BK, total)
+            else:
+                tl.atomic_add(dda_ptr + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum, mask=kmask)
+                tl.atomic_add(dda_ptr + tok0 + rows_m, total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
+                tl.atomic_add(ddarange_ptr + tok0 + k0 + BK, total)
+                tl.atomic_add(ddarange_ptr + tok0 + m0, -total)
     q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     tl.store(q_base + rows_m[:, None] * L + rows_k[None, :], acc)
 
@@ -1072,11 +1149,19 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
                   T, H, P, N, NC, BT, R, G,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
-                  HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums."""
-    pid_c = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_m = tl.program_id(2)
+                  HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
+                  ROW_FAST: tl.constexpr = False):
+    """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums.
+    ROW_FAST: grid (l-block, head, chunk), so a (chunk, head)'s row blocks and then a chunk's heads run
+    together (dy tiles, chunk states and the group's C.B / B / C rows come from L2); else (chunk, head, l-block)."""
+    if ROW_FAST:
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1)
+        pid_c = tl.program_id(2)
+    else:
+        pid_c = tl.program_id(0)
+        h = tl.program_id(1)
+        pid_m = tl.program_id(2)
     l0 = pid_m * BM
     b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
     if l0 >= clen:
@@ -1131,7 +1216,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
         else:
             Dv = tl.load(D_ptr + h).to(tl.float32)
         dx = dx + Dv * dyl
-        tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.num_programs(2) + pid_m) * H + h) * P + offs_p,
+        tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h) * P + offs_p,
                  tl.sum(dyl * xl, 0), mask=pmask)
     tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
@@ -1145,9 +1230,11 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
                   ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, NC, BT, NPN, s_dt_b, s_dt_t, dt_lo, dt_hi,
                   L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr):
+                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  SLOTS: tl.constexpr = False, BMB: tl.constexpr = 64):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c>
-    + the intra-chunk part from dcb_bwd; then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias."""
+    + the intra-chunk part from dcb_bwd (SLOTS: its per-row-block slots and tile totals, row blocks of BMB
+    rows; else its atomically summed buffer and range marks); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias."""
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
@@ -1159,8 +1246,21 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     mask = (rows[:, None] < clen) & hmask[None, :]
     off = heads[None, :] * BT + b * T + t0 + rows[:, None]
     dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
-    dda_intra = tl.load(dda_ptr + off, mask=mask, other=0.0)
-    dda_range = tl.load(ddarange_ptr + off, mask=mask, other=0.0)
+    if SLOTS:
+        NMB: tl.constexpr = L // BMB
+        HBT = H.to(tl.int64) * BT
+        dda_intra = tl.zeros((L, BH), dtype=tl.float32)
+        for s in tl.static_range(NMB):  # slot s exists where the chunk has row block s (tile (s, j) ran)
+            dda_intra += tl.load(dda_ptr + s * HBT + off, mask=mask & (rows[:, None] * 0 + s * BMB < clen), other=0.0)
+        blk = rows // BMB
+        for mb in tl.static_range(2, NMB):  # tile (mb, kb)'s total reaches the row blocks strictly between
+            for kb in tl.static_range(0, mb - 1):
+                tot = tl.load(ddarange_ptr + ((pid_c.to(tl.int64) * H + heads) * NMB + mb) * NMB + kb,
+                              mask=hmask & (heads * 0 + mb * BMB < clen), other=0.0)
+                dda_intra += tl.where((blk[:, None] > kb) & (blk[:, None] < mb), tot[None, :], 0.0)
+    else:
+        dda_intra = tl.load(dda_ptr + off, mask=mask, other=0.0)
+        dda_intra += tl.cumsum(tl.load(ddarange_ptr + off, mask=mask, other=0.0), axis=0)
     q = tl.load(q_ptr + off, mask=mask, other=0.0)
     ddt = tl.load(ddt_dir_ptr + off, mask=mask, other=0.0)
     dtp = tl.load(dtp_ptr + off, mask=mask, other=0.0)
@@ -1169,7 +1269,7 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
                   mask=hmask[:, None] & (offs_pn[None, :] < NPN), other=0.0)
     ddA = tl.sum(dcs, 0)[None, :] - tl.cumsum(dcs, axis=0) + dcs  # suffix sums of dy.y_off
     ddA += tl.cumsum(q, axis=0) - q + tl.sum(pas, 1)[None, :]  # state terms
-    ddA += dda_intra + tl.cumsum(dda_range, axis=0)
+    ddA += dda_intra
     ddA = tl.where(mask, ddA, 0.0)
     A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
     ddt = ddt + A[None, :] * ddA

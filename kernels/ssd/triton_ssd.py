@@ -33,6 +33,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 STATE_STEP_ROWS = 256  # the state kernels take a whole chunk per step up to this many rows
+TILE_ROWS = 64  # row / k blocks of C.B and the backward kernels: min(TILE_ROWS, chunk) (tests use 16)
 
 
 def _tune(configs, key, reset_to_zero=None):
@@ -54,7 +55,7 @@ _gate_bwd = K.gate_bwd_kernel
 _cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
 _dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(K.dtcb_fwd_kernel)
 _state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))],
-                   ["P", "N", "R", "BN", "NC"])(K.state_fwd_kernel)  # 32-row p blocks: more programs for long T
+                   ["P", "N", "R", "BN", "NC", "XT"])(K.state_fwd_kernel)  # 32-row p blocks: more programs for long T
 _state_fwd_hb = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (32, 8), (32, 4))],
                       ["P", "N", "R", "BN", "NC"])(K.state_fwd_hb_kernel)
 
@@ -101,10 +102,15 @@ _scan_fwd_fact = triton.autotune(
     configs=(_scan_fact_cfgs[-1:] if _INTERPRET  # 16-row blocks: the interpreter tests use 16-32 row chunks
              else _scan_fact_cfgs[:1] if os.environ.get("LM_SSD_AUTOTUNE", "1") == "0" else _scan_fact_cfgs),
     key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_fact})(K.chunk_scan_fwd_fact_kernel)
+XS_ROWS = 16 if _INTERPRET else 64  # "xs2": the row blocks of x~ (state kernel) = the scan's k blocks
+
+
 def _prune_fwd2(configs, named_args, **kwargs):
-    """Row blocks inside the chunk, k-blocks dividing the row block (BK <= BM, both powers of two)."""
+    """Row blocks inside the chunk, k-blocks dividing the row block (BK <= BM, both powers of two); "xs2"
+    (XS=2): k blocks of XS_ROWS rows."""
     L = kwargs.get("L", named_args.get("L"))
-    keep = [c for c in configs if c.kwargs["BM"] <= L and c.kwargs["BK"] <= c.kwargs["BM"]]
+    keep = [c for c in configs if c.kwargs["BM"] <= L and c.kwargs["BK"] <= c.kwargs["BM"]
+            and (kwargs.get("XS", 0) != 2 or c.kwargs["BK"] == XS_ROWS)]
     return keep or [c for c in configs if c.kwargs["BK"] <= c.kwargs["BM"]][-1:]
 
 
@@ -117,7 +123,7 @@ _scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_sta
                                              (32, 16, 16, 4, 2))]  # the last: interpreter tests (small chunks)
 _scan_fwd2 = triton.autotune(
     configs=(_scan_fwd2_cfgs if _AUTOTUNE else _scan_fwd2_cfgs[-1:] if _INTERPRET else _scan_fwd2_cfgs[:1]),
-    key=["P", "N", "R", "L", "FACT"], prune_configs_by={"early_config_prune": _prune_fwd2})(K.chunk_scan_fwd2_kernel)
+    key=["P", "N", "R", "L", "FACT", "XS"], prune_configs_by={"early_config_prune": _prune_fwd2})(K.chunk_scan_fwd2_kernel)
 
 
 def _prune_fwd3(configs, named_args, **kwargs):
@@ -169,9 +175,9 @@ _fused_fwd = triton.autotune(
     key=["P", "N", "R", "L", "NC", "FACT"], prune_configs_by={"early_config_prune": _prune_fused})(
         K.ssd_fused_fwd_kernel)
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R"], reset_to_zero=["dda_ptr", "ddarange_ptr"])(K.dcb_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "TILE_FAST", "SLOTS"], reset_to_zero=["dda_ptr", "ddarange_ptr"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R"])(K.dx_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "ROW_FAST"])(K.dx_bwd_kernel)
 
 
 def _p2(v, lo=16):
@@ -256,7 +262,7 @@ class _Plan:
             self.cu = self.chunk_first = self.chunk_t0 = self.chunk_len = dummy
         self.BPF = _p2(p)
         self.BNF = _p2(n)
-        self.BM = min(64, L)
+        self.BM = min(TILE_ROWS, L)
         self.BK = self.BM  # dcb_bwd needs square tiles (its diagonal tiles are the tiles with k0 == m0)
         self.BP = min(64, self.BPF)
         self.BN = min(64, self.BNF)
@@ -266,7 +272,7 @@ class _Plan:
         self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
 
 
-_SCAN_VARIANTS = ("flat", "grid", "flat2", "hb", "fact", "chunk")
+_SCAN_VARIANTS = ("flat", "grid", "flat2", "hb", "fact", "chunk", "xs", "xs2")
 
 
 def _scan_variant(plan):
@@ -312,6 +318,20 @@ def _nograd_variant(plan):
     if v and v not in ("split", "fused"):
         raise ValueError(f"LM_SSD_NOGRAD={v!r} must be 'split' or 'fused' (or unset)")
     return v or "split"
+
+
+_BWD_VARIANTS = ("old", "grid", "slots")
+
+
+def _bwd_variant():
+    """Backward grids: "old" (chunk fastest; dcb_bwd adds its d(dt*A) shares with atomics); "grid" (dcb_bwd's
+    tiles and dx_bwd's row blocks of a chunk next to each other, then the heads; atomics kept); "slots"
+    ("grid", and dcb_bwd stores its shares in per-row-block slots and per-tile totals summed by dt_bwd: no
+    atomics, no zeroed buffers). LM_SSD_BWD overrides the default."""
+    v = os.environ.get("LM_SSD_BWD", "").strip().lower()
+    if v and v not in _BWD_VARIANTS:
+        raise ValueError(f"LM_SSD_BWD={v!r} must be one of {_BWD_VARIANTS} (or unset)")
+    return v or "slots"
 
 
 def _env_flag(name):
@@ -393,6 +413,10 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     bn = min(128, pl.BNF) if sv == "bn128" else min(32, pl.BNF) if sv == "bn32" else pl.BN
 
     hb2 = sv == "hb2" and pl.R % 2 == 0
+    if variant == "xs2" and (hb2 or L < XS_ROWS):  # x~ comes from state_fwd_kernel (not hb2), XS_ROWS blocks
+        variant = "xs"
+    xt = (torch.empty(pl.b, pl.T, H, P, dtype=torch.float32 if _INTERPRET else x.dtype, device=dev)  # operand dtype
+          if variant == "xs2" else None)
 
     def grid(META):
         npn = triton.cdiv(P, META["BP"]) * triton.cdiv(N, bn)
@@ -406,7 +430,7 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     if hb2:
         _state_fwd_hb[grid](*state_args, **state_kw)
     else:
-        _state_fwd[grid](*state_args, **state_kw, PN_FAST=sv != "old")
+        _state_fwd[grid](*state_args, **state_kw, PN_FAST=sv != "old", xt_ptr=xt, XT=xt is not None, XBK=XS_ROWS)
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
@@ -414,10 +438,10 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     if variant == "chunk":
         _scan_fwd3[pl.R % 2 == 0][lambda META: (triton.cdiv(P, META["BP"]), H // META["HB"], pl.NCB)](
             *scan_args, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=_chunk_fact(), **flags)
-    elif variant in ("grid", "flat2"):
+    elif variant in ("grid", "flat2", "xs", "xs2"):
         _scan_fwd2[lambda META: (triton.cdiv(L, META["BM"]) * triton.cdiv(P, META["BP"]), H, pl.NCB)](
             *scan_args, *st_strides, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2",
-            DIAGVEC=_env_flag("LM_SSD_DIAGVEC"), **flags)
+            DIAGVEC=_env_flag("LM_SSD_DIAGVEC"), XS={"xs": 1, "xs2": 2}.get(variant, 0), xt_ptr=xt, **flags)
     elif variant == "fact":
         _scan_fwd_fact[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
             *scan_args, L=L, BPF=pl.BPF, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
@@ -463,28 +487,37 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     # per-group dy.x^T (decayed), for dB and dC
     Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
-    dda = torch.zeros(H, pl.BT, dtype=torch.float32, device=dev)
-    ddarange = torch.zeros(H, pl.BT, dtype=torch.float32, device=dev)
-    _dcb_bwd[(pl.NCB, G, (L // pl.BM) * (L // pl.BK))](
+    bv = _bwd_variant()
+    nm = triton.cdiv(L, pl.BM)
+    slots = bv == "slots"
+    if slots:  # every slot a kernel reads is written (dt_bwd skips the slots of row blocks a chunk lacks)
+        dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
+        ddarange = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
+    else:
+        dda = torch.zeros(H, pl.BT, dtype=torch.float32, device=dev)
+        ddarange = torch.zeros(H, pl.BT, dtype=torch.float32, device=dev)
+    ntile = (L // pl.BM) * (L // pl.BK)
+    _dcb_bwd[(ntile, G, pl.NCB) if bv != "old" else (pl.NCB, G, ntile)](
         dy, x, dtp, cs, CB, Q, dda, ddarange, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
+        TILE_FAST=bv != "old", SLOTS=slots)
     # dx, direct ddt, per-row dcs
-    nm = triton.cdiv(L, pl.BM)
     dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
     dcs = torch.empty_like(ddt_dir)
     qrow = torch.empty_like(ddt_dir)
     dD_part = torch.zeros(pl.NCB * nm, H, P, dtype=torch.float32, device=dev) if D is not None else None
-    _dx_bwd[(pl.NCB, H, nm)](
+    _dx_bwd[(nm, H, pl.NCB) if bv != "old" else (pl.NCB, H, nm)](
         dy, x, B, C, CB, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, dcs, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
-        D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+        D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
+        ROW_FAST=bv != "old")
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
@@ -504,7 +537,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
         pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), lo, hi,
         L=L, BH=pl.BH, NPN_B=_p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, num_warps=4)
+        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, SLOTS=slots, BMB=pl.BM, num_warps=4)
     dA = dA_part.sum(0).to(A.dtype)
     ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
     dD = None
