@@ -11,6 +11,7 @@
 # Measured on a fresh H100 (2026-11-22): all 9 GPU tests 149 s; the bench with autotuning and 4 variants
 # ~115 s per shape when nothing is compiled yet.
 #   SSD_BUDGET_S=390                            whole script's budget
+#   SSD_TESTS="tests/...::test_a ..."           the GPU tests to run, in order (default: the list below)
 #   SSD_BENCH_ARGS="..."                        extra bench_ssd.py arguments (CPU dry run: "--tiny --no-peer
 #                                               --warmup 1 --rep 1")
 # The GPU tests run with LM_SSD_AUTOTUNE=0 (one config per kernel: compile time) unless SSD_TEST_ENV sets it.
@@ -35,7 +36,8 @@ TESTS=(tests/test_ssd_gpu.py::test_gpu_real_shape_vs_float64_reference
        tests/test_ssd_gpu.py::test_gpu_nograd_equals_grad_path_and_headdim_128
        tests/test_ssd_gpu.py::test_gpu_accuracy_parity_with_mamba_ssm_if_available
        tests/test_ssd_gpu.py::test_gpu_float32_highest_precision
-       tests/test_ssd_gpu.py::test_gpu_chunk_scan_and_variants_agree)
+       tests/test_ssd_gpu.py::test_gpu_scan_and_backward_variants_agree)
+if [ -n "${SSD_TESTS:-}" ]; then read -r -a TESTS <<<"$SSD_TESTS"; fi  # e.g. "tests/test_ssd_gpu.py::test_x ..."
 
 run_tests() {
   local tl=$1

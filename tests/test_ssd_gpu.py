@@ -111,24 +111,33 @@ def test_gpu_accuracy_parity_with_mamba_ssm_if_available():
     assert not bad, f"less accurate than mamba_ssm: {bad}"
 
 
+VARIANTS = (("flat2", "pnfast", "old"), ("xs", "pnfast", "slots"), ("xs2", "pnfast", "fused"),
+            ("chunk", "hb2", "grid"))  # (LM_SSD_SCAN, LM_SSD_STATE, LM_SSD_BWD); the first is the baseline
+
+
 @pytest.mark.parametrize("h,g", [(16, 2), (12, 4)])
-def test_gpu_chunk_scan_and_variants_agree(h, g, monkeypatch):
-    """bf16: the whole-chunk scan kernel with (n, p) chunk states ("chunk", head pairs where the group has an
-    even number of heads, else single heads) and the head-pair state kernel ("hb2") give the same forward
-    and gradients as the row-block scan kernel ("flat2") and the single-head state kernel ("pnfast"), and
-    both are as close to float64 as the tolerance of the real-shape test."""
+def test_gpu_scan_and_backward_variants_agree(h, g, monkeypatch):
+    """bf16: every forward scan / state kernel / backward variant in VARIANTS (row-block scan with the decay
+    on C.B "flat2", on x "xs", on x~ stored by the state kernel "xs2", whole-chunk scan "chunk" with
+    head-pair states "hb2"; backward with atomics "old"/"grid", slots "slots", d(dt*A) in dx_bwd "fused")
+    is as close to float64 as the baseline, for the forward and every gradient."""
     d = make(2, 1100, h, 64, g, 128)
     out = {}
-    for scan, state in (("chunk", "hb2"), ("flat2", "pnfast")):
+    for scan, state, bwd in VARIANTS:
         monkeypatch.setenv("LM_SSD_SCAN", scan)
         monkeypatch.setenv("LM_SSD_STATE", state)
+        monkeypatch.setenv("LM_SSD_BWD", bwd)
         y, f, gr = run("triton", d, torch.bfloat16, chunk_size=256, dt_limit=(0.0, 4.0))
-        out[scan] = {"y": y, "final": f, **{f"d{k}": v for k, v in gr.items()}}
+        out[(scan, state, bwd)] = {"y": y, "final": f, **{f"d{k}": v for k, v in gr.items()}}
     yr, fr, grr = run("reference", d, F64, chunk_size=256, dt_limit=(0.0, 4.0))
     ref = {"y": yr, "final": fr, **{f"d{k}": v for k, v in grr.items()}}
-    errs = {k: (rel(out["chunk"][k], ref[k]), rel(out["flat2"][k], ref[k]), rel(out["chunk"][k], out["flat2"][k]))
-            for k in ref}
-    print("chunk/flat2 vs float64, chunk vs flat2:", {k: "/".join(f"{e:.1e}" for e in v) for k, v in errs.items()})
-    bad = {k: v for k, v in errs.items()
-           if not (v[0] < (0.15 if k in REDUCED else 3e-2) and v[0] < 1.5 * v[1] + 2e-3)}
-    assert not bad, f"chunk / hb2 kernels less accurate than flat2 / pnfast: {bad}"
+    base = VARIANTS[0]
+    bad = {}
+    for v in VARIANTS:
+        errs = {k: rel(out[v][k], ref[k]) for k in ref}
+        print("/".join(v), "vs float64:", {k: f"{e:.1e}" for k, e in errs.items()})
+        for k, e in errs.items():
+            b = rel(out[base][k], ref[k])
+            if not (e < (0.15 if k in REDUCED else 3e-2) and e < 1.5 * b + 2e-3):
+                bad["/".join(v) + ":" + k] = (e, b)
+    assert not bad, f"variants less accurate than {'/'.join(base)}: {bad}"

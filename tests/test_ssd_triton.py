@@ -131,12 +131,13 @@ def test_triton_chunk_scan_odd_sizes_varlen(heads, groups, monkeypatch):
     compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("scan,bwd", [("xs", "slots"), ("xs2", "grid"), ("flat2", "old")])
+@pytest.mark.parametrize("scan,bwd", [("xs", "slots"), ("xs2", "fused"), ("flat2", "grid"), ("flat2", "old")])
 def test_triton_xs_scans_and_backward_grids_with_several_tiles(scan, bwd, monkeypatch):
     """16-row tiles in 64-row chunks (4 row blocks): the "xs" scans (decay on the x rows below the diagonal;
     "xs2" with x~ stored by the state kernel and the accumulator carried from block to block) and the
     backward variants ("slots": dcb_bwd's d(dt*A) shares in per-row-block slots plus per-tile totals over the
-    blocks between, summed by dt_bwd; "grid"/"old": atomics), fixed-length with a partial chunk and packed
+    blocks between, summed by dt_bwd; "fused": the same shares from dx_bwd, dcb_bwd summing Q alone with the
+    factorised decay off the diagonal; "grid"/"old": atomics), fixed-length with a partial chunk and packed
     documents (chunks cut short, so some row blocks and slots do not exist)."""
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "TILE_ROWS", 16)

@@ -985,12 +985,35 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr
 
 
 @triton.jit
+def _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, h, b, t0, BT, T, k0, rows_m, rows_k, mmask, kmask, causal, offs_p, pmask,
+                s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, BK: tl.constexpr, DIAG: tl.constexpr,
+                DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One head's (dy_m . x_k) e^{cs_m - cs_k} dt_k tile (float32); off the diagonal (every k row valid) the
+    decay factorises through the k block's last row r (both exponents <= 0)."""
+    tok0 = h * BT + b * T + t0
+    dym = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_m[:, None]) * s_dy_t + offs_p[None, :],
+                  mask=mmask[:, None] & pmask[None, :], other=0.0).to(DOT_DT)
+    xk = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :],
+                 mask=kmask[:, None] & pmask[None, :], other=0.0).to(DOT_DT)
+    qq = tl.dot(dym, tl.trans(xk), input_precision=DOT_PREC)
+    cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+    cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+    dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+    if DIAG:
+        return qq * tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf"))) * dt_k[None, :]
+    else:
+        cs_r = tl.load(cs_ptr + tok0 + k0 + BK - 1)
+        fm = tl.where(mmask, tl.exp(cs_m - cs_r), 0.0)
+        return qq * fm[:, None] * (tl.exp(cs_r - cs_k) * dt_k)[None, :]
+
+
+@triton.jit
 def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddarange_ptr, chunk_t0_ptr, chunk_len_ptr,
                    T, H, P, NC, BT, R, G,
                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h,
                    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr,
                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
-                   TILE_FAST: tl.constexpr = False, SLOTS: tl.constexpr = False):
+                   TILE_FAST: tl.constexpr = False, SLOTS: tl.constexpr = False, QONLY: tl.constexpr = False):
     """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32), and
     per head the intra-chunk part of d(dt*A) in its stable form: with M = Q_h * CB,
         dda_l = sum_{m >= l} sum_{s < l} M[m, s]
@@ -1002,7 +1025,9 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddara
     dda slot s ((L // BM, H, B*T) buffer); each tile's total goes to ddarange[(chunk, head), m block, k
     block] and dt_bwd adds the totals of the tiles (mb, kb) with kb < j < mb to block j.
     TILE_FAST: grid (tile, group, chunk), so a chunk's tiles run together and share its dy / x rows
-    through L2; else (chunk, group, tile)."""
+    through L2; else (chunk, group, tile).
+    QONLY: Q alone (dx_bwd computes the d(dt*A) shares); below the diagonal the decay factorises through
+    the k block's last row r, e^{cs_m - cs_r} e^{cs_r - cs_k} (both exponents <= 0)."""
     if TILE_FAST:
         pid_mk = tl.program_id(0)
         g = tl.program_id(1)
@@ -1027,46 +1052,58 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddara
     causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :] & mmask[:, None]
     NMB: tl.constexpr = L // BM
     HBT = H.to(tl.int64) * BT
-    cbt = tl.load(CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L + rows_m[:, None] * L + rows_k[None, :], mask=causal,
-                  other=0.0).to(tl.float32)
     acc = tl.zeros((BM, BK), dtype=tl.float32)
-    for hh in range(0, R):
-        h = g * R + hh
-        tok0 = h * BT + b * T + t0
-        dym = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_m[:, None]) * s_dy_t + offs_p[None, :],
-                      mask=mmask[:, None] & pmask[None, :], other=0.0).to(dtype)
-        xk = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :],
-                     mask=kmask[:, None] & pmask[None, :], other=0.0).to(dtype)
-        qq = tl.dot(dym, tl.trans(xk), input_precision=DOT_PREC)
-        cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
-        cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
-        dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
-        decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
-        contrib = qq * decay * dt_k[None, :]
-        acc += contrib
-        M = contrib * cbt
-        if k0 == m0:  # diagonal tile: sum_{m >= l} sum_{s < l} M[m, s] for l in the block
-            prefix = tl.cumsum(M, axis=1) - M  # [m, l] = sum_{s < l} M[m, s]
-            F = tl.sum(tl.where(rows_m[:, None] >= rows_k[None, :], prefix, 0.0), 0)
-            if SLOTS:
-                tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, F, mask=kmask)
-            else:
-                tl.atomic_add(dda_ptr + tok0 + rows_k, F, mask=kmask)
+    if QONLY:
+        if k0 == m0:
+            for hh in range(0, R):
+                acc += _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, g * R + hh, b, t0, BT, T, k0, rows_m, rows_k, mmask,
+                                   kmask, causal, offs_p, pmask, s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, BK, True,
+                                   dtype, DOT_PREC)
         else:
-            colsum = tl.sum(M, 0)
-            rowsum = tl.sum(M, 1)
-            total = tl.sum(rowsum, 0)
-            if SLOTS:
-                tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum,
-                         mask=kmask)
-                tl.store(dda_ptr + (k0 // BK).to(tl.int64) * HBT + tok0 + rows_m,
-                         total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
-                tl.store(ddarange_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + m0 // BM) * NMB + k0 // BK, total)
+            for hh in range(0, R):
+                acc += _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, g * R + hh, b, t0, BT, T, k0, rows_m, rows_k, mmask,
+                                   kmask, causal, offs_p, pmask, s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, BK, False,
+                                   dtype, DOT_PREC)
+    else:
+        cbt = tl.load(CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L + rows_m[:, None] * L + rows_k[None, :], mask=causal,
+                      other=0.0).to(tl.float32)
+        for hh in range(0, R):
+            h = g * R + hh
+            tok0 = h * BT + b * T + t0
+            dym = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_m[:, None]) * s_dy_t + offs_p[None, :],
+                          mask=mmask[:, None] & pmask[None, :], other=0.0).to(dtype)
+            xk = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_k[:, None]) * s_x_t + offs_p[None, :],
+                         mask=kmask[:, None] & pmask[None, :], other=0.0).to(dtype)
+            qq = tl.dot(dym, tl.trans(xk), input_precision=DOT_PREC)
+            cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
+            cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+            dt_k = tl.load(dtp_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+            decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+            contrib = qq * decay * dt_k[None, :]
+            acc += contrib
+            M = contrib * cbt
+            if k0 == m0:  # diagonal tile: sum_{m >= l} sum_{s < l} M[m, s] for l in the block
+                prefix = tl.cumsum(M, axis=1) - M  # [m, l] = sum_{s < l} M[m, s]
+                F = tl.sum(tl.where(rows_m[:, None] >= rows_k[None, :], prefix, 0.0), 0)
+                if SLOTS:
+                    tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, F, mask=kmask)
+                else:
+                    tl.atomic_add(dda_ptr + tok0 + rows_k, F, mask=kmask)
             else:
-                tl.atomic_add(dda_ptr + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum, mask=kmask)
-                tl.atomic_add(dda_ptr + tok0 + rows_m, total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
-                tl.atomic_add(ddarange_ptr + tok0 + k0 + BK, total)
-                tl.atomic_add(ddarange_ptr + tok0 + m0, -total)
+                colsum = tl.sum(M, 0)
+                rowsum = tl.sum(M, 1)
+                total = tl.sum(rowsum, 0)
+                if SLOTS:
+                    tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum,
+                             mask=kmask)
+                    tl.store(dda_ptr + (k0 // BK).to(tl.int64) * HBT + tok0 + rows_m,
+                             total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
+                    tl.store(ddarange_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + m0 // BM) * NMB + k0 // BK, total)
+                else:
+                    tl.atomic_add(dda_ptr + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum, mask=kmask)
+                    tl.atomic_add(dda_ptr + tok0 + rows_m, total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
+                    tl.atomic_add(ddarange_ptr + tok0 + k0 + BK, total)
+                    tl.atomic_add(ddarange_ptr + tok0 + m0, -total)
     q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     tl.store(q_base + rows_m[:, None] * L + rows_k[None, :], acc)
 
@@ -1144,14 +1181,52 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
 
 
 @triton.jit
+def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
+             offs_p, pmask, s_dy_t, HBT, pid_c, h, H,
+             L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NMB: tl.constexpr, DIAG: tl.constexpr,
+             DDA: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k. DDA: with x_l . dy_m
+    (xld = x_l) the transposed tile M^T[l, m] = M[m, l] of dcb_bwd (M = Q_h * CB) gives the same
+    d(dt*A) shares as dcb_bwd's SLOTS: on the diagonal block (DIAG) the stable sum_{m >= l} sum_{s < l},
+    else the column part (slot of block m, rows l), the row part (slot of block l, rows m) and the tile total."""
+    rows_k = k + tl.arange(0, BK)
+    kmask = rows_k < clen
+    causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
+    cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=causal & lmask[:, None],
+                  other=0.0).to(tl.float32)  # [l, m] = C_m . B_l
+    cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+    decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
+    dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],
+                  other=0.0).to(DOT_DT)
+    cbd = cbT * decay
+    dxi = tl.dot(cbd.to(DOT_DT), dyk, dxi, input_precision=DOT_PREC)
+    if DDA:
+        MT = tl.dot(xld, tl.trans(dyk), input_precision=DOT_PREC) * cbd * dt_l[:, None]  # [l, m] = M[m, l]
+        if DIAG:
+            pre = tl.cumsum(MT, axis=0) - MT  # [l, m] = sum_{s < l} M[m, s]
+            F = tl.sum(tl.where(rows_k[None, :] >= rows_l[:, None], pre, 0.0), 1)
+            tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_l, F, mask=lmask)
+        else:
+            col = tl.sum(MT, 1)  # per l: sum_m M[m, l]
+            row = tl.sum(MT, 0)  # per m: sum_l M[m, l]
+            total = tl.sum(col, 0)
+            tl.store(dda_ptr + (k // BK) * HBT + tok0 + rows_l, tl.cumsum(col, 0) - col, mask=lmask)
+            tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_k, total - tl.cumsum(row, 0) + row,
+                     mask=kmask)
+            tl.store(tot_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + k // BK) * NMB + l0 // BM, total)
+    return dxi
+
+
+@triton.jit
 def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, D_ptr,
                   dx_ptr, ddt_ptr, dcs_ptr, q_ptr, dD_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
-                  ROW_FAST: tl.constexpr = False):
+                  ROW_FAST: tl.constexpr = False, dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums.
+    DDA: also the intra-chunk d(dt*A) shares of dcb_bwd's SLOTS scheme (see _dx_tile), so that dcb_bwd only sums Q.
     ROW_FAST: grid (l-block, head, chunk), so a (chunk, head)'s row blocks and then a chunk's heads run
     together (dy tiles, chunk states and the group's C.B / B / C rows come from L2); else (chunk, head, l-block)."""
     if ROW_FAST:
@@ -1188,17 +1263,22 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
     dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
     dxi = tl.zeros((BM, BPF), dtype=tl.float32)
-    for k in range(l0, clen, BK):
-        rows_k = k + tl.arange(0, BK)
-        kmask = rows_k < clen
-        causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
-        cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=causal & lmask[:, None],
-                      other=0.0).to(tl.float32)  # [l, m] = C_m . B_l
-        cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
-        decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
-        dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],
-                      other=0.0).to(dtype)
-        dxi = tl.dot((cbT * decay).to(dtype), dyk, dxi, input_precision=DOT_PREC)
+    if DDA:
+        NMB: tl.constexpr = L // BM
+        HBT = H.to(tl.int64) * BT
+        xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
+                      mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
+        dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask, cs_l,
+                       dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True, dtype, DOT_PREC)
+        for k in range(l0 + BK, clen, BK):
+            dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
+                           cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, True, dtype,
+                           DOT_PREC)
+    else:
+        for k in range(l0, clen, BK):
+            dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
+                           cs_l, dt_l, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, False, False, dtype,
+                           DOT_PREC)
     lp = lmask[:, None] & pmask[None, :]
     xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
     dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)

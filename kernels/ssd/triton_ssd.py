@@ -175,9 +175,9 @@ _fused_fwd = triton.autotune(
     key=["P", "N", "R", "L", "NC", "FACT"], prune_configs_by={"early_config_prune": _prune_fused})(
         K.ssd_fused_fwd_kernel)
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "TILE_FAST", "SLOTS"], reset_to_zero=["dda_ptr", "ddarange_ptr"])(K.dcb_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "TILE_FAST", "SLOTS", "QONLY"], reset_to_zero=["dda_ptr", "ddarange_ptr"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "ROW_FAST"])(K.dx_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "ROW_FAST", "DDA"])(K.dx_bwd_kernel)
 
 
 def _p2(v, lo=16):
@@ -320,14 +320,15 @@ def _nograd_variant(plan):
     return v or "split"
 
 
-_BWD_VARIANTS = ("old", "grid", "slots")
+_BWD_VARIANTS = ("old", "grid", "slots", "fused")
 
 
 def _bwd_variant():
     """Backward grids: "old" (chunk fastest; dcb_bwd adds its d(dt*A) shares with atomics); "grid" (dcb_bwd's
     tiles and dx_bwd's row blocks of a chunk next to each other, then the heads; atomics kept); "slots"
     ("grid", and dcb_bwd stores its shares in per-row-block slots and per-tile totals summed by dt_bwd: no
-    atomics, no zeroed buffers). LM_SSD_BWD overrides the default."""
+    atomics, no zeroed buffers); "fused" ("slots" with the d(dt*A) shares computed in dx_bwd from the C.B and
+    decay tiles it builds anyway, and dcb_bwd summing Q alone). LM_SSD_BWD overrides the default."""
     v = os.environ.get("LM_SSD_BWD", "").strip().lower()
     if v and v not in _BWD_VARIANTS:
         raise ValueError(f"LM_SSD_BWD={v!r} must be one of {_BWD_VARIANTS} (or unset)")
@@ -489,7 +490,8 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
     bv = _bwd_variant()
     nm = triton.cdiv(L, pl.BM)
-    slots = bv == "slots"
+    slots = bv in ("slots", "fused")
+    fused = bv == "fused"
     if slots:  # every slot a kernel reads is written (dt_bwd skips the slots of row blocks a chunk lacks)
         dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
         ddarange = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
@@ -502,7 +504,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         pl.T, H, P, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        TILE_FAST=bv != "old", SLOTS=slots)
+        TILE_FAST=bv != "old", SLOTS=slots, QONLY=fused)
     # dx, direct ddt, per-row dcs
     dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
@@ -517,7 +519,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
         D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        ROW_FAST=bv != "old")
+        ROW_FAST=bv != "old", dda_ptr=dda, tot_ptr=ddarange, DDA=fused)
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
