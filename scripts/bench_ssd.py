@@ -203,42 +203,6 @@ def main(argv=None):
             y_default = ours_ng()
             y_peer = peer_fn(inp, chunk)() if peer else None
         row["ours_fwd_ms"] = bench(ours, args.warmup, args.rep)
-        # kernel variants (environment switches read at each call): no-grad and grad-enabled forward
-        for vname, venv in variants:
-            saved = {k: os.environ.get(k) for k in venv}
-            os.environ.update(venv)
-            try:
-                with torch.no_grad():
-                    yv = ours_ng()
-                    row[f"ours_nograd_fwd_ms_{vname}"] = bench(ours_ng, args.warmup, args.rep)
-                    row[f"y_rel_{vname}_vs_default"] = rel(yv, y_default)
-                    if peer:
-                        row[f"y_rel_{vname}_vs_mamba"] = rel(yv, y_peer)
-                if venv.get("LM_SSD_NOGRAD", "split") != "fused":
-                    ours()
-                    row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
-                if "LM_SSD_BWD" in venv:  # a backward variant: forward + backward and its kernels too
-                    fb = fwd_bwd(ours, gy)
-                    fb()
-                    row[f"ours_fwd_bwd_ms_{vname}"] = bench(fb, args.warmup, args.rep, grad_to_none=list(gin.values()))
-                    if device == "cuda" and not args.no_profile:
-                        row[f"kernels_ms_fwd_bwd_{vname}"] = [(n, round(t, 4)) for n, t in
-                                                              profile_kernels([("v", fb)])["v"][:10]]
-                if device == "cuda" and not args.no_profile:
-                    def ng():
-                        with torch.no_grad():
-                            ours_ng()
-                    row[f"kernels_ms_nograd_{vname}"] = [(n, round(t, 4)) for n, t in profile_kernels([("v", ng)])["v"][:8]]
-            except Exception as e:  # a variant that fails to compile must not cost the rest of the run
-                print(f"variant {vname} failed: {e!r}", file=sys.stderr)
-                row[f"ours_nograd_fwd_ms_{vname}"] = float("nan")
-                row[f"error_{vname}"] = repr(e)[:500]
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
         with torch.no_grad():
             row["ours_nograd_fwd_ms_repeat"] = bench(ours_ng, args.warmup, args.rep)  # spread of one version
             row["ours_nograd_host_ms"] = host_ms(ours_ng)
@@ -280,6 +244,48 @@ def main(argv=None):
         print_row(name, row)
         if args.json:  # after every shape, so a run cut short keeps what it measured
             write_json(args.json, result)
+        # kernel variants (environment switches read at each call): no-grad and grad-enabled forward (+ backward
+        # for LM_SSD_BWD variants), after the default path and the peer, each printed and saved when done (a run
+        # cut short keeps what it measured)
+        for vname, venv in variants:
+            saved = {k: os.environ.get(k) for k in venv}
+            os.environ.update(venv)
+            try:
+                with torch.no_grad():
+                    yv = ours_ng()
+                    row[f"ours_nograd_fwd_ms_{vname}"] = bench(ours_ng, args.warmup, args.rep)
+                    row[f"y_rel_{vname}_vs_default"] = rel(yv, y_default)
+                    if peer:
+                        row[f"y_rel_{vname}_vs_mamba"] = rel(yv, y_peer)
+                if venv.get("LM_SSD_NOGRAD", "split") != "fused":
+                    ours()
+                    row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
+                if "LM_SSD_BWD" in venv:  # a backward variant: forward + backward and its kernels too
+                    fb = fwd_bwd(ours, gy)
+                    fb()
+                    row[f"ours_fwd_bwd_ms_{vname}"] = bench(fb, args.warmup, args.rep, grad_to_none=list(gin.values()))
+                    if device == "cuda" and not args.no_profile:
+                        row[f"kernels_ms_fwd_bwd_{vname}"] = [(n, round(t, 4)) for n, t in
+                                                              profile_kernels([("v", fb)])["v"][:10]]
+                if device == "cuda" and not args.no_profile:
+                    def ng():
+                        with torch.no_grad():
+                            ours_ng()
+                    row[f"kernels_ms_nograd_{vname}"] = [(n, round(t, 4)) for n, t in profile_kernels([("v", ng)])["v"][:8]]
+            except Exception as e:  # a variant that fails to compile must not cost the rest of the run
+                print(f"variant {vname} failed: {e!r}", file=sys.stderr)
+                row[f"ours_nograd_fwd_ms_{vname}"] = float("nan")
+                row[f"error_{vname}"] = repr(e)[:500]
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            print_variant(row, vname)
+            if args.json:
+                write_json(args.json, result)
+        row["autotuned"] = autotuned_configs()
         del inp, gin
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -305,22 +311,8 @@ def print_row(name, row):
         ratio = row.get(f"ratio_{key}")
         print(f"{label:14s}{ours:10.3f}{theirs if theirs is not None else float('nan'):10.3f}"
               f"{ratio if ratio is not None else float('nan'):8.3f}{TARGETS[tkey]:8.2f}")
-    names = [k[len("ours_nograd_fwd_ms_"):] for k in row if k.startswith("ours_nograd_fwd_ms_")]
-    mf = row.get("mamba_fwd_ms")
-    for v in names:
-        ng, fw = row[f"ours_nograd_fwd_ms_{v}"], row.get(f"ours_fwd_ms_{v}")
-        print(f"  variant {v:12s} nograd {ng:.3f} ms" + (f" ({ng / mf:.3f})" if mf else "")
-              + (f"  fwd {fw:.3f} ms" + (f" ({fw / mf:.3f})" if mf else "") if fw is not None else "")
-              + f"  y vs default {row.get(f'y_rel_{v}_vs_default', float('nan')):.1e}"
-              + (f" vs mamba {row[f'y_rel_{v}_vs_mamba']:.1e}" if f"y_rel_{v}_vs_mamba" in row else ""))
-        ks = row.get(f"kernels_ms_nograd_{v}")
-        if ks:
-            print("      " + ", ".join(f"{n[:28]}={t:.3f}" for n, t in ks[:6]))
-        fb = row.get(f"ours_fwd_bwd_ms_{v}")
-        if fb is not None:
-            mfb = row.get("mamba_fwd_bwd_ms")
-            print(f"      fwd+bwd {fb:.3f} ms" + (f" ({fb / mfb:.3f})" if mfb else "") + ": " + ", ".join(
-                f"{n[:24]}={t:.3f}" for n, t in row.get(f"kernels_ms_fwd_bwd_{v}", [])[:8]))
+    if "ours_nograd_fwd_ms_repeat" in row:
+        print_variant(row, "repeat")
     if "mamba_nograd_fwd_ms" in row:
         print(f"mamba no-grad fwd {row['mamba_nograd_fwd_ms']:.3f} ms (ours no-grad / it: "
               f"{row['ratio_nograd_vs_mamba_nograd']:.3f}); host ms per call: ours no-grad "
@@ -330,6 +322,23 @@ def print_row(name, row):
         print("ours vs mamba_ssm (relative L2):", {k: f"{v:.2e}" for k, v in row["ours_vs_mamba_rel"].items()})
     for label, ks in row.get("kernels_ms", {}).items():
         print(f"  [{label}] " + ", ".join(f"{n[:40]}={t:.3f}" for n, t in ks[:10]))
+
+
+def print_variant(row, v):
+    mf = row.get("mamba_fwd_ms")
+    ng, fw = row[f"ours_nograd_fwd_ms_{v}"], row.get(f"ours_fwd_ms_{v}")
+    print(f"  variant {v:12s} nograd {ng:.3f} ms" + (f" ({ng / mf:.3f})" if mf else "")
+          + (f"  fwd {fw:.3f} ms" + (f" ({fw / mf:.3f})" if mf else "") if fw is not None else "")
+          + f"  y vs default {row.get(f'y_rel_{v}_vs_default', float('nan')):.1e}"
+          + (f" vs mamba {row[f'y_rel_{v}_vs_mamba']:.1e}" if f"y_rel_{v}_vs_mamba" in row else ""), flush=True)
+    ks = row.get(f"kernels_ms_nograd_{v}")
+    if ks:
+        print("      " + ", ".join(f"{n[:28]}={t:.3f}" for n, t in ks[:6]))
+    fb = row.get(f"ours_fwd_bwd_ms_{v}")
+    if fb is not None:
+        mfb = row.get("mamba_fwd_bwd_ms")
+        print(f"      fwd+bwd {fb:.3f} ms" + (f" ({fb / mfb:.3f})" if mfb else "") + ": " + ", ".join(
+            f"{n[:24]}={t:.3f}" for n, t in row.get(f"kernels_ms_fwd_bwd_{v}", [])[:8]), flush=True)
 
 
 if __name__ == "__main__":
