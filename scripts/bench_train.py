@@ -59,9 +59,30 @@ def run_case(args) -> dict:
         "log": {"progress": False, "peak_flops": args.peak_flops},
         "eval": {"at_end": False, "sample_tokens": 0},
     })
+    hooks, prof = {}, None
+    if args.profile:
+        # profile `--profile` steps after the warmup: the hook runs after each micro-batch's forward, so
+        # prof.step() at micro 0 marks a training-step boundary for the profiler's schedule
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        prof = profile(activities=acts, schedule=schedule(wait=max(0, args.warmup - 1), warmup=1,
+                                                          active=args.profile, repeat=1))
+        prof.start()
+
+        def _mark(step, micro, out):
+            if micro == 0:
+                prof.step()
+            return out
+
+        hooks["after_forward"] = _mark
     t0 = time.perf_counter()
-    summary = train(cfg)
+    summary = train(cfg, hooks=hooks)
     wall = time.perf_counter() - t0
+    prof_rows = None
+    if prof is not None:
+        prof.stop()
+        prof_rows = _profile_rows(prof, args.profile)
     recs = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     steps = [r for r in recs if "event" not in r][args.warmup:]
     start = next(r for r in recs if r.get("event") == "start")
@@ -81,12 +102,31 @@ def run_case(args) -> dict:
         "fp_iterations": steps[-1].get("fp/iterations"), "wall_s": wall,
         "step_times": [r["step_time"] for r in steps],
     }
+    if prof_rows is not None:
+        out["profile"] = prof_rows
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()
         # allocator retries (cudaFree + retry on fragmentation) stall every stream: near-full memory shows here
         out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         out["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     return out
+
+
+def _profile_rows(prof, n_steps: int, top: int = 40) -> dict:
+    """Per-step device time by kernel (self time, sorted) and the device-busy total, from a torch.profiler
+    run over `n_steps` training steps. Step wall time minus device-busy time is host-bound time."""
+    rows = []
+    total = 0.0
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0.0)
+        if (dev and dev > 0 and e.device_type is not None and "cuda" in str(e.device_type).lower()
+                and not e.key.startswith("ProfilerStep")):  # the step annotation spans the step: not a kernel
+            rows.append({"name": e.key[:120], "ms_per_step": dev / 1e3 / n_steps, "calls_per_step": e.count / n_steps})
+            total += dev / 1e3 / n_steps
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return {"device_ms_per_step": total, "kernels": rows[:top]}
 
 
 def main() -> int:
@@ -108,6 +148,8 @@ def main() -> int:
     ap.add_argument("--peak-flops", type=float, default=989e12)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per case")
     ap.add_argument("--out", default=None, help="JSON file for the results")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="torch.profiler over this many steps after the warmup: per-kernel device ms per step")
     args = ap.parse_args()
     if args.case:
         print("RESULT " + json.dumps(run_case(args)), flush=True)
@@ -121,7 +163,7 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--case", case, "--size", args.size, "--seq-len", str(args.seq_len),
                    "--micro", str(micro), "--accum", str(accum), "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--precision", args.precision, "--engine", args.engine,
-                   "--device", args.device, "--peak-flops", str(args.peak_flops), "--compile", mode] + (["--act-ckpt"] if args.act_ckpt else [])
+                   "--device", args.device, "--peak-flops", str(args.peak_flops), "--compile", mode, "--profile", str(args.profile)] + (["--act-ckpt"] if args.act_ckpt else [])
             t0 = time.time()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -137,6 +179,12 @@ def main() -> int:
                       + (f"  alloc retries {r['alloc_retries']}" if "alloc_retries" in r else "")
                       + f"  (case wall {time.time() - t0:.0f}s)",
                       flush=True)
+                if "profile" in r:
+                    pr = r["profile"]
+                    print(f"  device busy {pr['device_ms_per_step']:.1f} ms of {1e3 * r['step_time_s']:.1f} ms per step; "
+                          "top kernels (ms/step, calls/step):")
+                    for k in pr["kernels"][:25]:
+                        print(f"    {k['ms_per_step']:8.2f} {k['calls_per_step']:6.0f}  {k['name']}")
                 break
             if "out of memory" in text.lower() and micro > 1:
                 micro, accum = micro // 2, accum * 2

@@ -321,3 +321,34 @@ def test_llama_varlen_attention_equals_dense_block_mask():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = varlen_causal_attention(q, k, v, cu, position_in_document(n, cu, q.device))
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("implicit", [None, IMPLICIT], ids=["explicit", "implicit"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_llama_rotary_tables_once_per_forward_equal_per_layer(implicit, packed, monkeypatch):
+    """Attention's rotary tables come from the model once per forward (Mixer.shared_inputs); the result
+    must equal each layer computing its own (the path with a cache), with and without packing, and the
+    tables must be computed once per forward, not per layer or per fixed-point iteration."""
+    import lm.models.llama as llama_mod
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config("llama", dict(implicit) if implicit else None)).eval()
+    ids = torch.randint(0, V, (1, 20))
+    cu = torch.tensor([0, 7, 20]) if packed else None
+    calls = []
+    real = llama_mod.rotary_cos_sin
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(llama_mod, "rotary_cos_sin", counting)
+    with torch.no_grad():
+        shared = model(ids, cu_seqlens=cu).logits
+        n_shared = len(calls)
+        calls.clear()
+        monkeypatch.setattr(llama_mod.Attention, "shared_inputs", lambda self, t, c, d: {})
+        per_layer = model(ids, cu_seqlens=cu).logits
+    assert n_shared == 1
+    assert len(calls) >= 2  # every layer call computed its own tables
+    assert torch.equal(shared, per_layer)

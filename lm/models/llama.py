@@ -65,7 +65,12 @@ class Attention(Mixer):
         # causal QK^T and AV: 2 matmuls of (t x d) average length t/2, 2 FLOPs per MAC
         return 2 * 2 * self.n_heads * self.head_dim * seq_len / 2
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+    def shared_inputs(self, t: int, cu_seqlens, device) -> dict:
+        """The rotary tables (cos, sin), float32 (t, head_dim), computed once per model forward."""
+        pos = position_in_document(t, cu_seqlens, device)
+        return {"rope": rotary_cos_sin(pos, self.head_dim, self.rope_theta, torch.float32)}
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None):
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)
         if injection is not None:
@@ -80,7 +85,10 @@ class Attention(Mixer):
             raise ValueError("Attention: cu_seqlens (packed training) cannot be combined with a generation cache")
         offset = cache.seen_tokens if cache is not None else 0
         pos = position_in_document(t, cu_seqlens, x.device) + offset
-        cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)
+        if rope is None:
+            cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)
+        else:  # the model's tables for this forward (float32; same values, rounded here as above)
+            cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if cache is not None:
