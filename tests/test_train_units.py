@@ -175,3 +175,13 @@ def test_paper_curriculum_only_for_the_paper_families():
     assert paper_curriculum("lm_mamba2")[1].implicit["max_iter"] == 24
     with pytest.raises(ValueError, match="give the phases explicitly"):
         paper_curriculum("lm_deltaproduct")
+
+
+def test_auto_engine_is_plain_torch_for_one_process():
+    from lm.train.trainer import resolve_auto_engine
+
+    assert resolve_auto_engine(1, None, True) == "torch"  # one GPU: DeepSpeed only adds overhead
+    assert resolve_auto_engine(2, None, True) == "deepspeed"
+    assert resolve_auto_engine(1, "configs/deepspeed/zero2_offload.json", True) == "deepspeed"
+    assert resolve_auto_engine(1, None, False) == "torch"
+    assert resolve_auto_engine(4, None, False) == "torch"  # Dist then refuses torch with several ranks

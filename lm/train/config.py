@@ -65,7 +65,7 @@ class TrainSection:
     global_batch_tokens: int = 8192          # = micro_batch_size * seq_len * world_size * accumulation
     micro_batch_size: int = 8
     precision: str = "fp32"                  # bf16 | fp32
-    engine: str = "auto"                     # auto (deepspeed if installed, else torch) | deepspeed | torch
+    engine: str = "auto"                     # auto (deepspeed for several ranks or a deepspeed_config, else torch) | deepspeed | torch
     zero_stage: int = 2
     deepspeed_config: Union[str, None] = None  # a base DeepSpeed json; batch/clip/precision/zero are set from here
     device: str = "auto"                     # auto | cpu | cuda
