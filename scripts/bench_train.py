@@ -140,7 +140,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--engine", default="deepspeed", choices=["deepspeed", "torch"])
+    ap.add_argument("--engine", default="auto", choices=["auto", "deepspeed", "torch"],
+                    help="train.engine (auto: plain PyTorch in one process)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing")
     ap.add_argument("--compile", default="off", choices=["off", "on", "both"],
