@@ -29,25 +29,13 @@ import torch.nn.functional as F
 # Candidate kernel choices compared side by side in one process (--variants): module attributes of
 # lm_kernels.deltaproduct.triton_chunk set before each variant's timings.
 VARIANTS = {
-    # session 1's kernels (prep at 4 warps and main at 8 warps/1 stage: what they were autotuned to)
-    "base": dict(H_O_IMPL="v1", DH_IMPL="v1", TM_IN_K_DTYPE=False, PREP_SCALE_T=False, PREP_REBASE=False,
-                 MAIN_REBASE=False, FIXED={"main": ({"BV": 64}, 8, 1), "prep": ({}, 4, 1)}),
     "new": dict(),  # the module defaults
-    "prep_plain": dict(PREP_SCALE_T=False, PREP_REBASE=False),
-    "prep_full": dict(PREP_SCALE_T=True, PREP_REBASE=True),
-    "prep_noscale": dict(PREP_SCALE_T=False, PREP_REBASE=True),
     "main_norebase": dict(MAIN_REBASE=False),
-    "new_ho1": dict(H_O_IMPL="v1"),  # the defaults with session 1's sequential forward kernel
     "ho_64w8": dict(FIXED={"h_o": ({"BV": 64}, 8, 2)}),
     "ho_32w4": dict(FIXED={"h_o": ({"BV": 32}, 4, 2)}),
     "main_32s2": dict(FIXED={"main": ({"BV": 32}, 8, 2)}),
-    # session 3 (BENCH.md), relative to its defaults: the prep split in two launches (PREP_SPLIT; _kkt_inv_kernel
-    # with early A blocks and tf32 merges, _wu_kernel), Aqk^T dO inside the sequential backward (DH_FUSE_DVL),
-    # the SAVE launch config of the sequential forward, late K/Q loads in the main backward
-    "s2": dict(PREP_SPLIT=False, DH_FUSE_DVL=False, H_O_SAVE_CONFIG=None, MAIN_LATE_LOADS=False),  # session 2
-    "s3_run2": dict(PREP_SPLIT=None, KKT_EARLY_A=False, KKT_MERGE_TF32=False, MAIN_LATE_LOADS=False),  # run 2's "new"
-    "split_nh1": dict(PREP_SPLIT=None),  # split only at nh=1
-    "fused_prep": dict(PREP_SPLIT=False),
+    # session 3 (BENCH.md): kkt kernel choices, Aqk^T dO inside the sequential backward (DH_FUSE_DVL), the SAVE
+    # launch config of the sequential forward, late K/Q loads in the main backward
     "no_early": dict(KKT_EARLY_A=False),
     "no_tf32": dict(KKT_MERGE_TF32=False),
     "no_late": dict(MAIN_LATE_LOADS=False),
@@ -58,30 +46,25 @@ VARIANTS = {
     "kkt_w1": dict(KKT_INV_CONFIG=({}, 1, 1)),
     "wu_w8": dict(WU_CONFIG=({"BV": 64}, 8, 2)),
     "wu_s2": dict(WU_CONFIG=({"BV": 64}, 4, 2)),
-    "two_pass": dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False),
-    "two_pass_64": dict(MAIN_TWO_PASS=True, MAIN_LATE_LOADS=False, MAIN_CONFIG=({"BV": 64}, 8, 2)),
     "dh_32": dict(DH_CONFIG=({"BV": 32}, 4, 2)),
-    # main backward launch configs with the late loads (not timed yet: its register picture changed)
     "main_64s2": dict(MAIN_CONFIG=({"BV": 64}, 8, 2)),
     "main_32s2l": dict(MAIN_CONFIG=({"BV": 32}, 8, 2)),
     "main_16s3": dict(MAIN_CONFIG=({"BV": 16}, 8, 3)),
     "main_w4": dict(MAIN_CONFIG=({"BV": 32}, 4, 2)),
-    # the backward's output side in its own kernel (MAIN_OUT_SPLIT; untimed), main kernel at 8 or 4 warps
-    "out_split": dict(MAIN_OUT_SPLIT=True),
-    "out_split_w4": dict(MAIN_OUT_SPLIT=True, MAIN_CONFIG=({"BV": 32}, 4, 2)),
-    "out_split_o8": dict(MAIN_OUT_SPLIT=True, OUT_CONFIG=({"BV": 64}, 8, 2)),
     "intra1": dict(INTRA_MIN_NH=1),
     # session 4 (BENCH.md): the forward with grad stores less, the backward recomputes it
     "novn": dict(VN_RECOMPUTE_MIN_NH=1),  # no Vn store; the main backward forms Vn = U - W S
     "novn2": dict(VN_RECOMPUTE_MIN_NH=2),  # the same from nh=2 on (nh=1 stores Vn)
-    "aqk": dict(AQK_SAVE=True),  # Aqk^T stored by the forward, read by the sequential backward
+    "vn_all": dict(VN_RECOMPUTE_MIN_NH=99),  # Vn stored at every nh
+    "aqk": dict(AQK_SAVE=True),  # Aqk^T stored by the forward, read by the sequential backward, at every nh
+    "no_aqk": dict(AQK_SAVE=False),
     "novn_aqk": dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True),
-    "stream": dict(SAVE_STREAM=True),  # streaming cache hint on the state / Vn stores
-    "novn_stream": dict(VN_RECOMPUTE_MIN_NH=1, SAVE_STREAM=True),
+    "s3": dict(VN_RECOMPUTE_MIN_NH=99, AQK_SAVE=False),  # session 3's defaults
     "save_128w8": dict(H_O_SAVE_CONFIG=({"BV": 128}, 8, 1)),  # SAVE launch: half the programs, 8 warps
     "aqk_dh32": dict(AQK_SAVE=True, DH_CONFIG=({"BV": 32}, 4, 2)),
+    "dh1": dict(DH_CONFIG=({"BV": 64}, 4, 1)),  # sequential backward at 1 stage (less shared memory)
+    "aqk_dh1": dict(AQK_SAVE=True, DH_CONFIG=({"BV": 64}, 4, 1)),
     "novn_64s2": dict(VN_RECOMPUTE_MIN_NH=1, MAIN_CONFIG=({"BV": 64}, 8, 2)),
-    "dh_v1": dict(DH_IMPL="v1"),
 }
 
 

@@ -16,11 +16,11 @@ Forward:  _kkt_inv_kernel (parallel over chunks) gate cumsum, A = beta KK^T o Ga
 Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent part Aqk^T dO computed inline)
                                                   and the state gradient entering each chunk
           _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
-Kept selectable as measured alternatives (module constants below, H100 timings in BENCH.md): _prep_kernel
-(the two forward prep kernels in one, PREP_SPLIT=False), _bwd_dvloc_kernel (Aqk^T dO as its own launch,
-DH_FUSE_DVL=False), and the
-first versions of the two sequential kernels, _fwd_h_o_kernel and _bwd_dh_kernel (LM_DELTAPRODUCT_H_O /
-LM_DELTAPRODUCT_DH = v1).
+Kept selectable as a measured alternative (module constants below, H100 timings in BENCH.md):
+_bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Removed after measuring slower in every
+H100 run (session 4, BENCH.md keeps their numbers): the one-kernel forward prep (_prep_kernel), the first
+versions of the sequential kernels (_fwd_h_o_kernel, _bwd_dh_kernel), the main backward in two V passes and
+its output side in a kernel of its own (_bwd_out_kernel).
 
 The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
     dVn = (Q K^T o Gam o M)^T dO + Kd dS'                 dS = e^gC dS' + (e^g Q)^T dO - W^T dVn
@@ -42,38 +42,21 @@ from ._common import check_inputs, l2norm
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_CHUNKS = (16, 32, 64)
-# From which nh the S-independent output terms are computed in the parallel _prep_kernel (O = O_loc + Qe S)
-# instead of inside the sequential _fwd_h_o_kernel. Measured on an H100 (B8 T2048 H16 K128 V256 bf16):
+# From which nh the S-independent output terms are computed in the parallel prep (_wu_kernel; O = O_loc + Qe S)
+# instead of inside the sequential forward kernel. Measured on an H100 (B8 T2048 H16 K128 V256 bf16):
 # nh=1 1.03 ms inside vs 1.36 ms in prep (the 64-token query tile of nh=1 overloads the prep kernel);
 # nh=2 2.04 ms inside vs 1.58 ms in prep (session 1); again with the kernels of session 2 at nh=1: 1.275 in
 # prep vs 1.074 inside.
 INTRA_MIN_NH = int(os.environ.get("LM_DELTAPRODUCT_INTRA_MIN_NH", "2"))
-# Kernel choices, each measured side by side on an H100 (B8 T2048 H16 K128 V256 bf16, triton 3.6, one run,
-# forward no-grad / forward with grad, ms; see BENCH.md).
-# Sequential forward kernel: "v2" _fwd_h_o_v2_kernel (restructured, no spills on sm_90) or "v1" _fwd_h_o_kernel.
-# One kernel for the no-grad and the grad forward, so that both give the same output (v1 and v2 round the
-# state update differently in bf16: ~2.5e-3 relative apart in a float32 emulation at nh=2, over the 2e-3
-# that tests/test_deltaproduct_op_gpu.py allows between the two paths).
-# v2: nh=1 1.027 / 1.097 (v1 1.003 / 1.208 against v2's 1.074 / 1.145 with the prep kernel's nh>=2
-# settings), nh=2 1.378 / 1.815 (v1 1.427 / 1.652), nh=3 1.988 / 2.625 (v1 2.032 / 2.375): v2 is what
-# brings the nh>=2 no-grad forward under 0.9 of fla's; f+b is faster with it at nh=1 and slower at nh>=2
-# (4.948 vs 4.788, 7.033 vs 6.777 ms): see BENCH.md.
-H_O_IMPL = os.environ.get("LM_DELTAPRODUCT_H_O", "v2")
-# Sequential backward kernel: "v2" (_bwd_dh_v2_kernel; nh=1 f+b 3.097 vs 3.267 ms with v1) or "v1".
-DH_IMPL = os.environ.get("LM_DELTAPRODUCT_DH", "v2")
 # T = (I + A)^-1 stored in k's dtype (it is only ever used as a tensor-core operand in that dtype) or float32
 TM_IN_K_DTYPE = True
-# prep kernel: SCALE_T folds beta and the decay into T's columns instead of scaling the K and V tiles; REBASE
-# uses int32 tile offsets from per-chunk int64 base pointers. Both on for nh>=2 (nh=3 no-grad 1.988 vs 2.022
-# with both off), both off for nh=1 (1.027 vs 1.074 with both on). None: that choice; True/False force it.
+# _wu_kernel: SCALE_T folds beta and the decay into T's columns instead of scaling the K and V tiles (measured
+# in the one-kernel prep of session 2: on for nh>=2, nh=3 no-grad 1.988 vs 2.022; off for nh=1, 1.027 vs
+# 1.074). None: that choice; True/False force it.
 PREP_SCALE_T = None
-PREP_REBASE = None
-# Prep split in two launches: _kkt_inv_kernel (gate cumsum, A and T = (I+A)^-1) and _wu_kernel (W, U and with
-# INTRA the intra-chunk output terms, pipelined over V), instead of the one _prep_kernel (255 registers, 2
-# programs per SM). H100 no-grad forward, session 3 (BENCH.md): nh=1 0.912 vs 1.020 ms (run 1, kkt at 2
-# warps); with the early A blocks nh=2/3 1.329/1.895 vs 1.372/1.975 with the one kernel (run 2).
-# None: split only where the output terms are not in the prep (nh < INTRA_MIN_NH); True/False force it.
-PREP_SPLIT = True
+# The forward prep is two launches: _kkt_inv_kernel (gate cumsum, A and T = (I+A)^-1) and _wu_kernel (W, U and
+# with INTRA the intra-chunk output terms, pipelined over V); one kernel for both (255 registers, 2 programs per
+# SM) was slower at every nh (BENCH.md, sessions 3 and 4), and was removed.
 # Launch configs (meta, num_warps, num_stages) of the two split kernels (compiled GPU runs; FIXED overrides).
 # _kkt_inv_kernel at 2 warps: nh=1 forward 0.912 ms (4 warps 1.091, 1 warp 0.925; run 1); _wu_kernel at 3
 # stages (nh=1 1.075 vs 1.091 at 2 stages, run 1).
@@ -100,35 +83,26 @@ DH_FUSE_DVL = True
 DH_CONFIG = None
 # REBASE for the main backward kernel (f+b nh=1/2/3: 3.070/4.948/7.033 vs 3.152/5.093/7.594 without)
 MAIN_REBASE = True
-# Main backward kernel: two loops over V (three accumulators live each) instead of one (five), and its
-# launch config (meta, num_warps, num_stages) or None (the autotune list below). Two passes measured slower
-# (f+b nh=1/2/3 3.325/5.092/7.244 vs 3.077/4.994/6.909 ms, run 1; also at BV 64).
-MAIN_TWO_PASS = False
 # Main backward kernel: load the K and Q tiles after the V loop (they are only used after it): main kernel
 # nh=1/2/3 1.328/2.019/2.885 vs 1.370/2.139/2.938 ms (run 2).
 MAIN_LATE_LOADS = True
+# Main backward launch config (meta, num_warps, num_stages) or None (the autotune list below).
 MAIN_CONFIG = None
-# The backward's output side (dO S^T, dO Vn^T -> dq and the dk / dg parts from Q) in its own kernel
-# _bwd_out_kernel before the main one, which then keeps three accumulators across its V loop instead of five
-# (costs a float32 dk / dg partial written and read, and S and Vn read twice). Not timed on a GPU yet.
-MAIN_OUT_SPLIT = False
-OUT_CONFIG = ({"BV": 64}, 4, 2)
 # From which nh the forward with grad skips the Vn store and the main backward recomputes Vn = U - W S from U
 # (written by _wu_kernel anyway, kept for the backward instead of Vn), W and the saved chunk state it loads (one
-# [BT, K] x [K, BV] product more per V block there): 2 x L x H x V bytes fewer written by the SAVE forward
-# (134 MB per nh at B8 T2048 H16 V256 bf16). Session 4 candidate (BENCH.md).
+# [BT, K] x [K, BV] product more per V block there). Off (99): H100 session 4 run 1, forward with grad nh=2/3
+# 1.531/2.197 vs 1.615/2.309 ms, but f+b 4.636/6.862 vs 4.225/6.067 (the main backward spills more: 1.56 vs
+# 1.32 ms at nh=1, 2.53 vs 2.02 at nh=2) and nh=1 2.962 vs 2.703.
 VN_RECOMPUTE_MIN_NH = 99
 # The forward with grad stores Aqk^T = (Q K^T o Gam o M)^T scale per chunk ([BT, BQ] in k's dtype, written by one
 # program: _wu_kernel for nh >= INTRA_MIN_NH, the V-block-0 program of the sequential forward otherwise), and the
 # sequential backward reads it instead of recomputing Q K^T and its decay in every V-block program (needs
-# DH_FUSE_DVL and the v2 kernels). Session 4 candidate (BENCH.md).
-AQK_SAVE = False
-# The SAVE forward writes the chunk states and Vn with the streaming cache hint (".cs": read again only in the
-# backward, long after they left L2), so that they do not push out the W, K, U tiles that the other V-block
-# programs of the same sequence and head read next. Session 4 candidate (BENCH.md).
-SAVE_STREAM = False
+# DH_FUSE_DVL). None: only where the sequential forward forms Aqk itself (nh < INTRA_MIN_NH); True/False force.
+# H100 session 4 run 1: nh=1 f+b 2.577 vs 2.703 ms (sequential backward 0.411 vs 0.571), forward with grad
+# 0.852 vs 0.836; at nh=2/3 f+b 4.506/6.481 vs 4.225/6.067 (the sequential backward grows to 0.876 / 1.287 ms).
+AQK_SAVE = None
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
-# e.g. {"main": ({"BV": 64}, 8, 1)}; names: prep, kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, out, main.
+# e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
 
 
@@ -211,146 +185,13 @@ def _store_blk(T, r0, eos, i_h, i: tl.constexpr, j: tl.constexpr, X, H: tl.const
 # ----------------------------------------------------------------------------------------------------
 # One config per kernel, the fastest the autotuner found on an H100 at B8 T2048 H16 K128 V256 nh=1 bf16
 # (among those named beside each); a single config compiles once and is never re-timed at start.
-def _prep_configs():
-    # among 4/1, 8/1, 8/2 (warps/stages)
-    return _configs([4], [1])
-
-
-@triton.autotune(configs=_prep_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "REBASE"])
-@triton.jit
-def _prep_kernel(q, k, v, beta, g, gc, Tm, w, u, qe, o, chunk_seq, chunk_row, cu_rows, scale,
-                 NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                 INTRA: tl.constexpr, PREC: tl.constexpr, SCALE_T: tl.constexpr, REBASE: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    n = tl.load(chunk_seq + i_c)
-    r0 = tl.load(chunk_row + i_c).to(tl.int64)
-    eos = tl.load(cu_rows + n + 1).to(tl.int64)
-    ph = 0
-    if REBASE:
-        # move every pointer to this chunk's first row / token and head once (int64), so that all tile
-        # offsets below are small int32 (fewer registers than int64 offsets per element)
-        ph = (r0 % NH).to(tl.int32)  # sub-step of the chunk's first row
-        t0 = r0 // NH
-        k += (r0 * H + i_h) * K
-        w += (r0 * H + i_h) * K
-        v += (r0 * H + i_h) * V
-        u += (r0 * H + i_h) * V
-        beta += r0 * H + i_h
-        gc += r0 * H + i_h
-        Tm += (r0 * H + i_h) * BT
-        g += t0 * H + i_h
-        q += (t0 * H + i_h) * K
-        qe += (t0 * H + i_h) * K
-        o += (t0 * H + i_h) * V
-        eos = (eos - r0).to(tl.int32)
-        r0 = 0
-        i_h = 0
-    o_t = tl.arange(0, BT)
-    rows = r0 + o_t
-    m_t = rows < eos
-    if USE_G:
-        gl = tl.load(g + ((rows + ph) // NH) * H + i_h, mask=m_t & ((rows + ph) % NH == 0), other=0.0).to(tl.float32)
-    else:
-        gl = tl.zeros([BT], dtype=tl.float32)
-    gcs = tl.cumsum(gl, 0)
-    tl.store(gc + rows * H + i_h, gcs, mask=m_t)
-    tl.debug_barrier()
-    # A in 16x16 blocks, diagonal blocks inverted, then merged: T = (I + A)^-1
-    k1, b1, g1, m1 = _load_blk(k, beta, gc, r0, eos, i_h, 0, H, K, BK)
-    T11 = _inv16(_akk(k1, b1, g1, m1, k1, g1, m1, True, PREC))
-    _store_blk(Tm, r0, eos, i_h, 0, 0, T11, H, BT)
-    if BT >= 32:
-        k2, b2, g2, m2 = _load_blk(k, beta, gc, r0, eos, i_h, 1, H, K, BK)
-        T22 = _inv16(_akk(k2, b2, g2, m2, k2, g2, m2, True, PREC))
-        A21 = _akk(k2, b2, g2, m2, k1, g1, m1, False, PREC)
-        T21 = -_mm(_mm(T22, A21), T11)
-        _store_blk(Tm, r0, eos, i_h, 1, 0, T21, H, BT)
-        _store_blk(Tm, r0, eos, i_h, 1, 1, T22, H, BT)
-    if BT >= 64:
-        k3, b3, g3, m3 = _load_blk(k, beta, gc, r0, eos, i_h, 2, H, K, BK)
-        k4, b4, g4, m4 = _load_blk(k, beta, gc, r0, eos, i_h, 3, H, K, BK)
-        T33 = _inv16(_akk(k3, b3, g3, m3, k3, g3, m3, True, PREC))
-        T44 = _inv16(_akk(k4, b4, g4, m4, k4, g4, m4, True, PREC))
-        A31 = _akk(k3, b3, g3, m3, k1, g1, m1, False, PREC)
-        A32 = _akk(k3, b3, g3, m3, k2, g2, m2, False, PREC)
-        A41 = _akk(k4, b4, g4, m4, k1, g1, m1, False, PREC)
-        A42 = _akk(k4, b4, g4, m4, k2, g2, m2, False, PREC)
-        A43 = _akk(k4, b4, g4, m4, k3, g3, m3, False, PREC)
-        T32 = -_mm(_mm(T33, A32), T22)
-        T43 = -_mm(_mm(T44, A43), T33)
-        T31 = -_mm(T33, _mm(A31, T11) + _mm(A32, T21))
-        T42 = -_mm(T44, _mm(A42, T22) + _mm(A43, T32))
-        T41 = -_mm(T44, _mm(A41, T11) + _mm(A42, T21) + _mm(A43, T31))
-        _store_blk(Tm, r0, eos, i_h, 2, 0, T31, H, BT)
-        _store_blk(Tm, r0, eos, i_h, 2, 1, T32, H, BT)
-        _store_blk(Tm, r0, eos, i_h, 2, 2, T33, H, BT)
-        _store_blk(Tm, r0, eos, i_h, 3, 0, T41, H, BT)
-        _store_blk(Tm, r0, eos, i_h, 3, 1, T42, H, BT)
-        _store_blk(Tm, r0, eos, i_h, 3, 2, T43, H, BT)
-        _store_blk(Tm, r0, eos, i_h, 3, 3, T44, H, BT)
-    tl.debug_barrier()
-    tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
-    b_b = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    o_k = tl.arange(0, BK)
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
-                  other=0.0)
-    kdt = b_k.dtype
-    if SCALE_T:
-        # W = T diag(beta e^g) K, U = T diag(beta) V: scale T's 64 columns, not the K and V tiles, so K and
-        # V go from memory to the tensor-core products untouched (fewer registers)
-        b_Tf = b_T.to(tl.float32)
-        b_Tw = (b_Tf * (b_b * tl.exp(gcs))[None, :]).to(kdt)
-        b_T = (b_Tf * b_b[None, :]).to(kdt)
-        b_w = tl.dot(b_Tw, b_k, input_precision=PREC).to(kdt)
-    else:
-        b_T = b_T.to(kdt)
-        b_kb = (b_k.to(tl.float32) * (b_b * tl.exp(gcs))[:, None]).to(kdt)
-        b_w = tl.dot(b_T, b_kb, input_precision=PREC).to(kdt)
-    tl.store(w + (rows[:, None] * H + i_h) * K + o_k[None, :], b_w.to(w.dtype.element_ty),
-             mask=m_t[:, None] & (o_k < K)[None, :])
-    if INTRA:
-        # the state-independent part of the outputs of the tokens whose last sub-step lies in this chunk:
-        # O = e^g Q S + Aqk (U - W S) = Aqk U + (e^g Q - Aqk W) S = O_loc + Qe S
-        re = tl.minimum(r0 + BT, eos)
-        o_q = tl.arange(0, BQ)
-        toks = r0 // NH + o_q
-        rq = toks * NH + NH - 1 - ph
-        m_q = rq < re
-        b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & (o_k < K)[None, :],
-                      other=0.0)
-        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
-        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-        b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - gcs[None, :], 0.0))), 0.0)
-        b_Ak = b_A.to(kdt)
-        b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
-        tl.store(qe + (toks[:, None] * H + i_h) * K + o_k[None, :], b_qe.to(qe.dtype.element_ty),
-                 mask=m_q[:, None] & (o_k < K)[None, :])
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mv = m_t[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mv, other=0.0)
-        if SCALE_T:
-            b_u = tl.dot(b_T, b_v, input_precision=PREC).to(kdt)  # b_T holds T diag(beta) here
-        else:
-            b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
-            b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
-        tl.store(u + (rows[:, None] * H + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
-        if INTRA:
-            b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
-            tl.store(o + (toks[:, None] * H + i_h) * V + o_v[None, :], b_ol.to(o.dtype.element_ty),
-                     mask=m_q[:, None] & (o_v < V)[None, :])
-
-
 @triton.autotune(configs=_configs([4], [1]), key=["H", "K", "BT", "NH", "EARLY_A", "MP"])
 @triton.jit
 def _kkt_inv_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                     USE_G: tl.constexpr, PREC: tl.constexpr, EARLY_A: tl.constexpr,
                     MP: tl.constexpr):
-    """First half of _prep_kernel as its own launch: within-chunk gate cumsum (gc) and T = (I + A)^-1,
+    """First half of the forward prep: within-chunk gate cumsum (gc) and T = (I + A)^-1,
     A = strict_lower(beta (K K^T o Gam)), by 16x16 block inversions and merges (the merge products at
     precision MP: "ieee", or "tf32" for bf16 inputs whose T is stored in bf16 anyway). Holds only the four 16-row
     K blocks and 16x16 fp32 blocks, so many programs fit on an SM."""
@@ -447,7 +288,7 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_
                NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
                SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr):
-    """Second half of _prep_kernel as its own launch (T and gc from _kkt_inv_kernel): W = T diag(beta e^g) K,
+    """Second half of the forward prep (T and gc from _kkt_inv_kernel): W = T diag(beta e^g) K,
     U = T diag(beta) V over V blocks (software-pipelined by num_stages), and with INTRA the outputs' state-
     independent terms O_loc = Aqk U and Qe = e^g Q - Aqk W."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -519,12 +360,6 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_
                      mask=m_q[:, None] & (o_v < V)[None, :])
 
 
-def _h_o_configs():
-    if _INTERPRET:
-        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=2) for bv, w in ((32, 4), (64, 4), (64, 8))]
-
-
 def _h_o_v2_configs():
     # among BV 32/2 warps, 32/4, 64/4, 64/8 (all 2 stages)
     if _INTERPRET:
@@ -532,90 +367,20 @@ def _h_o_v2_configs():
     return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
 
 
-@triton.autotune(configs=_h_o_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA"], restore_value=["o"])
-@triton.jit
-def _fwd_h_o_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, cu_rows, chunk_off, scale,
-                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
-                    STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr):
-    """Sequential over the chunks of one sequence: Vn = U - W S, S <- e^gC S + Kd^T Vn, and the outputs:
-    INTRA: o = O_loc + Qe S (O_loc, Qe from _prep_kernel); else o = scale (e^g Q S + (Q K^T o Gam o M) Vn)."""
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_rows + i_n).to(tl.int64)
-    eos = tl.load(cu_rows + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_off + i_n).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mk = o_k < K
-    mv = o_v < V
-    o_t = tl.arange(0, BT)
-    o_q = tl.arange(0, BQ)
-    kdt = k.dtype.element_ty
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_S += tl.load(h0 + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
-                       mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    for c in range(tl.cdiv(eos - bos, BT)):
-        r0 = bos + c * BT
-        rows = r0 + o_t
-        m_t = rows < eos
-        re = tl.minimum(r0 + BT, eos)
-        if SAVE:
-            tl.store(hs + (((c0 + c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
-                     b_S.to(hs.dtype.element_ty), mask=mk[:, None] & mv[None, :])
-        mkv = m_t[:, None] & mk[None, :]
-        b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
-        b_u = tl.load(u + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & mv[None, :],
-                      other=0.0)
-        toks = r0 // NH + o_q
-        rq = toks * NH + NH - 1
-        m_q = rq < re
-        p_o = o + (toks[:, None] * H + i_h) * V + o_v[None, :]
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
-        b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
-        g_last = tl.load(gc + (re - 1) * H + i_h)
-        b_Sk = b_S.to(kdt)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
-        if SAVE:
-            tl.store(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], b_vn.to(vn.dtype.element_ty),
-                     mask=m_t[:, None] & mv[None, :])
-        b_vnk = b_vn.to(kdt)
-        if INTRA:
-            b_qe = tl.load(qe + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
-                           other=0.0)
-            b_ol = tl.load(p_o, mask=m_q[:, None] & mv[None, :], other=0.0)
-            b_o = b_ol.to(tl.float32) + tl.dot(b_qe, b_Sk, input_precision=PREC)
-        else:
-            b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
-                          other=0.0)
-            b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
-            m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-            b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-            b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
-            b_qg = (b_q.to(tl.float32) * tl.exp(b_gq)[:, None]).to(kdt)
-            b_o = tl.dot(b_qg, b_Sk, input_precision=PREC) + tl.dot(b_A.to(kdt), b_vnk, input_precision=PREC)
-            b_o = b_o * scale
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_q[:, None] & mv[None, :])
-        b_kd = (b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]).to(kdt)
-        b_S = b_S * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vnk, input_precision=PREC)
-    if STORE_FINAL:
-        tl.store(ht + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], b_S,
-                 mask=mk[:, None] & mv[None, :])
-
-
-@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
-                                                   "STREAM"],
+@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ"],
                  restore_value=["o"])
 @triton.jit
 def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, cu_rows, chunk_off, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
                     STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
-                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, STREAM: tl.constexpr):
-    """_fwd_h_o_kernel restructured for registers: K^T is loaded directly (one tile serves Q K^T and K^T Vn),
-    the decays scale the small row operands (Vn rows, output rows) instead of the K and Q tiles, so that w,
-    k, q go from memory to the tensor-core products untouched, and tile offsets are int32 from an int64
-    chunk base. Compiled for sm_90 (triton 3.6) it has no spills where _fwd_h_o_kernel spills 96-224 B/thread."""
+                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr):
+    """Sequential over the chunks of one sequence (one V block of the state per program): Vn = U - W S,
+    S <- e^gC S + Kd^T Vn, and the outputs: INTRA: o = O_loc + Qe S (O_loc, Qe from _wu_kernel); else
+    o = scale (e^g Q S + (Q K^T o Gam o M) Vn). K^T is loaded directly (one tile serves Q K^T and K^T Vn), the
+    decays scale the small row operands (Vn rows, output rows) instead of the K and Q tiles, tile offsets are
+    int32 from an int64 chunk base (no spills on sm_90, where session 1's version spilled 96-224 B/thread).
+    SAVE (forward with grad): also writes the state entering each chunk, Vn (SAVE_VN) and Aqk^T (SAVE_AQ)."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -644,11 +409,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, cu_rows, chunk
         t0 = r0 // NH
         nt = re - r0
         if SAVE:
-            if STREAM:
-                tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv,
-                         cache_modifier=".cs")
-            else:
-                tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
+            tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
         bk = (r0.to(tl.int64) * H + i_h) * K
         bv = (r0.to(tl.int64) * H + i_h) * V
         m_t = o_t < nt
@@ -662,10 +423,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, cu_rows, chunk
         b_Sk = b_S.to(kdt)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
         if SAVE and SAVE_VN:
-            if STREAM:
-                tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv, cache_modifier=".cs")
-            else:
-                tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
+            tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
         rq = (t0 + o_q) * NH + NH - 1
         m_q = rq < re
         bq = (t0.to(tl.int64) * H + i_h) * K
@@ -737,64 +495,6 @@ def _bwd_dvloc_kernel(q, k, gc, do, dvn, chunk_seq, chunk_row, cu_rows, scale,
                  mask=m_t[:, None] & mv[None, :])
 
 
-@triton.autotune(configs=_configs([4, 8], [2]), key=["H", "K", "V", "BT", "NH", "BV"], restore_value=["dvn"])
-@triton.jit
-def _bwd_dh_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, cu_rows, chunk_off, scale,
-                   NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
-                   STORE_DH0: tl.constexpr, PREC: tl.constexpr):
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_rows + i_n).to(tl.int64)
-    eos = tl.load(cu_rows + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_off + i_n).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mk = o_k < K
-    mv = o_v < V
-    o_t = tl.arange(0, BT)
-    o_q = tl.arange(0, BQ)
-    kdt = k.dtype.element_ty
-    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dS += tl.load(dht + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
-                        mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    NT = tl.cdiv(eos - bos, BT)
-    for cc in range(NT):
-        c = NT - 1 - cc
-        r0 = bos + c * BT
-        rows = r0 + o_t
-        m_t = rows < eos
-        re = tl.minimum(r0 + BT, eos)
-        tl.store(dh + (((c0 + c) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
-                 b_dS.to(dh.dtype.element_ty), mask=mk[:, None] & mv[None, :])
-        mkv = m_t[:, None] & mk[None, :]
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
-        b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
-        b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
-        g_last = tl.load(gc + (re - 1) * H + i_h)
-        toks = r0 // NH + o_q
-        rq = toks * NH + NH - 1
-        m_q = rq < re
-        b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
-                      other=0.0)
-        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
-        b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
-                       other=0.0)
-        p_dvn = dvn + (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_dvl = tl.load(p_dvn, mask=m_t[:, None] & mv[None, :], other=0.0)  # Aqk^T dO, from _bwd_dvloc_kernel
-        b_kd = (b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]).to(kdt)
-        b_dSk = b_dS.to(kdt)
-        b_dvn = b_dvl.to(tl.float32) + tl.dot(b_kd, b_dSk, input_precision=PREC)
-        b_dvn = tl.where(m_t[:, None], b_dvn, 0.0)
-        tl.store(p_dvn, b_dvn.to(dvn.dtype.element_ty), mask=m_t[:, None] & mv[None, :])
-        b_qg = (b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None]).to(kdt)
-        b_dS = b_dS * tl.exp(g_last) + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC) \
-            - tl.dot(tl.trans(b_w), b_dvn.to(kdt), input_precision=PREC)
-    if STORE_DH0:
-        tl.store(dh0 + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], b_dS,
-                 mask=mk[:, None] & mv[None, :])
-
-
 # among 4/2, 8/2
 @triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL", "LOAD_AQ"],
                  restore_value=["dvn"])
@@ -803,10 +503,11 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off
                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
                       STORE_DH0: tl.constexpr, PREC: tl.constexpr, FUSE_DVL: tl.constexpr, LOAD_AQ: tl.constexpr):
-    """_bwd_dh_kernel restructured like _fwd_h_o_v2_kernel: Q^T and W^T are loaded directly, the decays
-    scale dO rows and the (K dS) rows instead of the Q and K tiles, int32 tile offsets. FUSE_DVL: the
-    state-independent part of dVn, (Q K^T o Gam o M)^T dO, is computed here (off the loop-carried chain)
-    instead of being read from _bwd_dvloc_kernel's output."""
+    """Sequential over the chunks of one sequence in reverse: dVn and the state gradient entering each chunk.
+    Q^T and W^T are loaded directly, the decays scale dO rows and the (K dS) rows instead of the Q and K tiles,
+    int32 tile offsets. FUSE_DVL: the state-independent part of dVn, (Q K^T o Gam o M)^T dO, is computed here
+    (off the loop-carried chain) instead of being read from _bwd_dvloc_kernel's output; LOAD_AQ: its
+    Aqk^T factor is read from the forward's save instead of recomputed."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -874,77 +575,6 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_dS, mask=m_kv)
 
 
-def _out_configs():
-    if _INTERPRET:
-        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
-
-
-@triton.autotune(configs=_out_configs(), key=["H", "K", "V", "BT", "NH"])
-@triton.jit
-def _bwd_out_kernel(q, k, gc, hs, vn, do, dq, dko, dgo, chunk_seq, chunk_row, cu_rows, chunk_off, scale,
-                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, PREC: tl.constexpr):
-    """The output side of the backward of one chunk (MAIN_OUT_SPLIT): dO S^T and dO Vn^T over V, then dq, and
-    the parts of dk (dAqk^T Q) and of the per-row log-gate gradient that come from the outputs, as float32
-    for _bwd_main_kernel (OUT), which then keeps three accumulators across its V loop instead of five."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    n = tl.load(chunk_seq + i_c)
-    r0 = tl.load(chunk_row + i_c).to(tl.int64)
-    bos = tl.load(cu_rows + n).to(tl.int64)
-    eos = tl.load(cu_rows + n + 1).to(tl.int64)
-    c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
-    ph = (r0 % NH).to(tl.int32)
-    t0 = r0 // NH
-    k += (r0 * H + i_h) * K
-    dko += (r0 * H + i_h) * K
-    vn += (r0 * H + i_h) * V
-    gc += r0 * H + i_h
-    dgo += r0 * H + i_h
-    q += (t0 * H + i_h) * K
-    dq += (t0 * H + i_h) * K
-    do += (t0 * H + i_h) * V
-    hs += (c_glob * H + i_h) * K * V
-    nt = tl.minimum(eos - r0, BT).to(tl.int32)
-    o_t = tl.arange(0, BT)
-    o_q = tl.arange(0, BQ)
-    o_k = tl.arange(0, BK)
-    mk = o_k < K
-    m_t = o_t < nt
-    rq = o_q * NH + NH - 1 - ph  # each token's last row, relative to the chunk's first row
-    m_q = rq < nt
-    b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
-    b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
-    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
-    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mv = o_v < V
-        b_S = tl.load(hs + o_k[:, None] * V + o_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-        b_vn = tl.load(vn + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & mv[None, :], other=0.0)
-        b_do = tl.load(do + o_q[:, None] * (H * V) + o_v[None, :], mask=m_q[:, None] & mv[None, :], other=0.0)
-        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
-        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-    b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
-    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & mk[None, :], other=0.0)
-    kdt = b_k.dtype
-    b_qs = b_q.to(tl.float32) * scale
-    m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
-    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
-    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
-    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
-    tl.store(dq + o_q[:, None] * (H * K) + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_q[:, None] & mk[None, :])
-    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
-    b_e2 = b_daq * b_qk
-    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
-    b_dg = -tl.sum(b_e2, 0)
-    b_dg += tl.sum(tl.where((rq[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
-    tl.store(dko + o_t[:, None] * (H * K) + o_k[None, :], b_dk, mask=m_t[:, None] & mk[None, :])
-    tl.store(dgo + o_t * H, b_dg, mask=m_t)
-
-
 def _main_configs():
     # among BV/warps/stages 64/8/1, 64/8/2, 32/8/2, 32/8/3: stages >= 2 pipeline the V loop's loads (one
     # program per SM at 8 warps: nothing else hides them) and also lower the spills on sm_90
@@ -953,20 +583,17 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
 
 
-@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "TWO_PASS", "LATE", "OUT",
-                                                "RECOMP_VN"])
+@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
 @triton.jit
-def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg, dko, dgo,
+def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr, REBASE: tl.constexpr, TWO_PASS: tl.constexpr, LATE: tl.constexpr,
-                     OUT: tl.constexpr, RECOMP_VN: tl.constexpr):
-    """dq, dk, dv, dbeta, dg of one chunk. LATE: the K and Q tiles (used only after the V loop) are loaded
-    after it, so that they do not hold registers across it. OUT: the output terms (dq, and the dk / dg
-    parts from Q) come from _bwd_out_kernel (dko, dgo, float32) instead of being computed here. TWO_PASS: two loops over V, the first for the output / state terms
-    (dO S^T, dO Vn^T, Vn dS^T), the second for the WY terms (dVn S^T, dVn V^T, T^T dVn), so that three
-    fp32 accumulators are live per loop instead of five (S is read twice, the second time mostly from L2)."""
+                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr):
+    """dq, dk, dv, dbeta, dg of one chunk: one loop over V blocks with five fp32 accumulators (dO S^T,
+    dO Vn^T, Vn dS^T, dVn S^T, dVn V^T), then the intra-chunk, state and WY terms. LATE: the K and Q tiles
+    (used only after the V loop) are loaded after it, so that they do not hold registers across it.
+    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -980,8 +607,6 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
         t0 = r0 // NH
         k += (r0 * H + i_h) * K
         dk += (r0 * H + i_h) * K
-        dko += (r0 * H + i_h) * K
-        dgo += r0 * H + i_h
         v += (r0 * H + i_h) * V
         vn += (r0 * H + i_h) * V
         w += (r0 * H + i_h) * K
@@ -1016,25 +641,22 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_g = tl.load(gc + rows * H + i_h, mask=m_t, other=0.0)
     g_last = tl.load(gc + (re - 1) * H + i_h)
     tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    if not TWO_PASS:
-        b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
-        b_Tk = b_T.to(kdt)
+    b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
+    b_Tk = b_T.to(kdt)
     toks = r0 // NH + o_q
     rq = toks * NH + NH - 1 - ph
     m_q = rq < re
-    if not TWO_PASS and not LATE and not OUT:
+    if not LATE:
         b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
                       other=0.0)
-    if not OUT:
-        b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
-        b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
-        b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
+    b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
+    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
     if RECOMP_VN:  # vn points at U here: Vn = U - W S per V block
         b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
     b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
-    if not TWO_PASS:
-        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     b_dgc = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -1047,48 +669,38 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
         b_vn = tl.load(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
         if RECOMP_VN:
             b_vn = (b_vn.to(tl.float32) - tl.dot(b_w, b_S.to(kdt), input_precision=PREC)).to(kdt)
-        if not TWO_PASS:
-            b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
-            b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
-        if not OUT:
-            b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
-                           other=0.0)
-            b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
-            b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+        b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
+        b_do = tl.load(do + (toks[:, None] * H + i_h) * V + o_v[None, :], mask=m_q[:, None] & mv[None, :],
+                       other=0.0)
+        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
+        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
         b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
-        if not TWO_PASS:
-            b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
+        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
         b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
-        if not TWO_PASS:
-            b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
-            b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
-            tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
-                     (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
-            b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-    if (TWO_PASS or LATE) and not OUT:
+        b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
+        b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
+        tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
+                 (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+    if LATE:
         b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
                       other=0.0)
-    if LATE:
         b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
-
-    if OUT:
-        b_dk = tl.load(dko + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
-        b_dg = tl.load(dgo + rows * H + i_h, mask=m_t, other=0.0)
-    else:
-        # intra-chunk output terms
-        b_qs = b_q.to(tl.float32) * scale
-        m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-        b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
-        b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
-        b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
-        b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
-        tl.store(dq + (toks[:, None] * H + i_h) * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-                 mask=m_q[:, None] & mk[None, :])
-        b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
-        b_e2 = b_daq * b_qk
-        b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
-        b_dg = -tl.sum(b_e2, 0)
-        b_dg += tl.sum(tl.where(((rq - r0)[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
+    # intra-chunk output terms
+    b_qs = b_q.to(tl.float32) * scale
+    m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
+    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
+    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
+    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
+    tl.store(dq + (toks[:, None] * H + i_h) * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_q[:, None] & mk[None, :])
+    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
+    b_e2 = b_daq * b_qk
+    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
+    b_dg = -tl.sum(b_e2, 0)
+    b_dg += tl.sum(tl.where(((rq - r0)[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
     # state passing terms
     b_ed = tl.exp(g_last - b_g)
     b_dk += b_dkd * b_ed[:, None]
@@ -1096,25 +708,6 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_dg -= b_f
     b_dglast = tl.sum(b_f, 0) + tl.exp(g_last) * tl.sum(b_dgc, 0)
     b_dg += tl.where(rows == re - 1, b_dglast, 0.0)
-    if TWO_PASS:
-        b_T = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=tri, other=0.0)
-        b_Tk = b_T.to(kdt)
-        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mv = o_v < V
-            mtv = m_t[:, None] & mv[None, :]
-            p_h = (c_glob * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
-            b_dvn = tl.load(dvn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
-            b_v = tl.load(v + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
-            b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
-            b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)
-            b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
-            tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
-                     (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
-            b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
     # WY representation: W = T Kb, U = T Vb
     b_eb = b_b * tl.exp(b_g)
     b_kb = b_k.to(tl.float32) * b_eb[:, None]
@@ -1215,51 +808,37 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
     # T = (I + A)^-1 is only ever used as a tensor-core operand in k's dtype: store it in that dtype
     Tm = torch.empty(1, L, H, BT, dtype=k.dtype if TM_IN_K_DTYPE else torch.float32, device=dev)
-    if H_O_IMPL not in ("v1", "v2"):
-        raise ValueError(f"LM_DELTAPRODUCT_H_O must be 'v1' or 'v2', got {H_O_IMPL!r}")
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     intra = nh >= INTRA_MIN_NH
     qe = torch.empty_like(q) if intra else gc
     o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
     scale_t = intra if PREP_SCALE_T is None else PREP_SCALE_T
-    split = (not intra) if PREP_SPLIT is None else PREP_SPLIT
-    if split:
-        _launch(_kkt_inv_kernel, "kkt_inv", (NT, H),
-                (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows),
-                dict(NH=nh, H=H, K=K, BT=BT, BK=BK, USE_G=g is not None, PREC=prec, EARLY_A=KKT_EARLY_A,
-                     MP="tf32" if (KKT_MERGE_TF32 and prec == "tf32") else "ieee"),
-                default=KKT_INV_CONFIG)
+    _launch(_kkt_inv_kernel, "kkt_inv", (NT, H),
+            (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows),
+            dict(NH=nh, H=H, K=K, BT=BT, BK=BK, USE_G=g is not None, PREC=prec, EARLY_A=KKT_EARLY_A,
+                 MP="tf32" if (KKT_MERGE_TF32 and prec == "tf32") else "ieee"),
+            default=KKT_INV_CONFIG)
     # Aqk^T saved for the sequential backward (AQK_SAVE): written by _wu_kernel (INTRA) or the sequential forward
     aq = None
-    if save and AQK_SAVE and DH_FUSE_DVL and DH_IMPL == "v2" and H_O_IMPL == "v2" and (split or not intra):
+    if save and (not intra if AQK_SAVE is None else AQK_SAVE) and DH_FUSE_DVL:
         aq = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev)
-    if split:
-        _launch(_wu_kernel, "wu", (NT, H),
-                (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, cseq, crow, cu_rows, scale),
-                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
-                     SAVE_AQ=aq is not None and intra),
-                default=WU_CONFIG)
-    else:
-        _launch(_prep_kernel, "prep", (NT, H),
-                (q, k, v, beta, g if g is not None else gc, gc, Tm, w, u, qe, o, cseq, crow, cu_rows, scale),
-                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_G=g is not None, INTRA=intra,
-                     PREC=prec, SCALE_T=scale_t, REBASE=intra if PREP_REBASE is None else PREP_REBASE))
+    _launch(_wu_kernel, "wu", (NT, H),
+            (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, cseq, crow, cu_rows, scale),
+            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
+                 SAVE_AQ=aq is not None and intra),
+            default=WU_CONFIG)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
-    v2 = H_O_IMPL == "v2"
-    recomp = save and v2 and nh >= VN_RECOMPUTE_MIN_NH
+    recomp = save and nh >= VN_RECOMPUTE_MIN_NH
     vn = torch.empty_like(v) if save and not recomp else None
     meta["recomp_vn"] = recomp
-    kern = _fwd_h_o_v2_kernel if v2 else _fwd_h_o_kernel
     args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
-            hs if hs is not None else gc, vn if vn is not None else gc)
-    args = args + ((aq if aq is not None else gc,) if v2 else ()) + (cu_rows, coff, scale)
+            hs if hs is not None else gc, vn if vn is not None else gc, aq if aq is not None else gc, cu_rows, coff,
+            scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
-              SAVE=save, INTRA=intra, PREC=prec)
-    if v2:
-        kw.update(SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra, STREAM=save and SAVE_STREAM)
-    _launch(kern, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
+              SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra)
+    _launch(_fwd_h_o_v2_kernel, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     # the backward reads Vn, or U when it recomputes Vn (RECOMP_VN), and Aqk^T when saved
     return o, ht, (gc, Tm, w, hs, u if recomp else vn, aq)
@@ -1281,39 +860,25 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)
     dvn = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    fuse = DH_FUSE_DVL and DH_IMPL == "v2"
+    fuse = DH_FUSE_DVL
     if not fuse:
         _bwd_dvloc_kernel[(NT, H)](q, k, gc, do, dvn, cseq, crow, cu_rows, scale, NH=nh, H=H, K=K, V=V, BT=BT,
                                    BK=BK, BV=BV, BQ=BQ, PREC=prec)
-    dh_kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None,
-                 STORE_DH0=h0 is not None, PREC=prec)
-    if DH_IMPL == "v2":
-        dh_kw["FUSE_DVL"] = fuse
-    dh_args = (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn)
-    if DH_IMPL == "v2":
-        dh_kw["LOAD_AQ"] = aq is not None
-        dh_args = dh_args + (aq if aq is not None else gc,)
-    _launch(_bwd_dh_v2_kernel if DH_IMPL == "v2" else _bwd_dh_kernel, "dh", lambda m: (triton.cdiv(V, m["BV"]), N, H),
-            dh_args + (cu_rows, coff, scale), dh_kw, default=DH_CONFIG if DH_IMPL == "v2" else None)
+    _launch(_bwd_dh_v2_kernel, "dh", lambda m: (triton.cdiv(V, m["BV"]), N, H),
+            (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn,
+             aq if aq is not None else gc, cu_rows, coff, scale),
+            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None, STORE_DH0=h0 is not None,
+                 PREC=prec, FUSE_DVL=fuse, LOAD_AQ=aq is not None), default=DH_CONFIG)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
-    out = MAIN_OUT_SPLIT
-    if out and recomp:
-        raise ValueError("MAIN_OUT_SPLIT reads the saved Vn: set VN_RECOMPUTE_MIN_NH above num_householder with it")
-    dko = torch.empty(1, L, H, K, dtype=torch.float32, device=dev) if out else gc
-    dgo = torch.empty(1, L, H, dtype=torch.float32, device=dev) if out else gc
-    if out:
-        _launch(_bwd_out_kernel, "out", (NT, H),
-                (q, k, gc, hs, vn, do, dq, dko, dgo, cseq, crow, cu_rows, coff, scale),
-                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, PREC=prec), default=OUT_CONFIG)
     _launch(_bwd_main_kernel, "main", (NT, H),
-            (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc, dko, dgo,
+            (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 TWO_PASS=MAIN_TWO_PASS, LATE=MAIN_LATE_LOADS, OUT=out, RECOMP_VN=recomp), default=MAIN_CONFIG)
+                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp), default=MAIN_CONFIG)
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
