@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run for the DeltaProduct kernels (see BENCH.md): the GPU tests (the 16-token-chunk case in its own
-# process, since an illegal address kills the CUDA context), triton-cache warm-up processes beside them, then
+# process, since an illegal address kills the CUDA context; the model tests in a third), triton-cache warm-up processes beside them, then
 # scripts/bench_deltaproduct.py with the variants given in $VARS (ours vs fla 0.6.0, per-kernel profile).
 # Run from the repo root with .gpu carried:  VARS="s2 new ..." bash kernels/deltaproduct/gpu_run.sh
 set -u
@@ -18,6 +18,8 @@ t0=$(date +%s)
     > "$OUT/test_small.log" 2>&1; echo "exit $?" >> "$OUT/test_small.log" ) &
 ( timeout 240 python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k "not small_heads" -q -s -p no:cacheprovider \
     > "$OUT/test_main.log" 2>&1; echo "exit $?" >> "$OUT/test_main.log" ) &
+( timeout 240 python3 -m pytest -m gpu tests/test_models_deltaproduct_gpu.py -q -s -p no:cacheprovider \
+    > "$OUT/test_models.log" 2>&1; echo "exit $?" >> "$OUT/test_models.log" ) &
 # compile in parallel: per nh, the variants split in two halves
 set -- $VARS; half=$(( ($# + 1) / 2 )); G1="${*:1:$half}"; G2="${*:$((half + 1))}"
 for nh in $NHS; do
@@ -32,7 +34,8 @@ done
 wait
 cat "$OUT"/warm_*.tmp > "$OUT/warm.log"; rm -f "$OUT"/warm_*.tmp
 echo "tests + warm: $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
-cat "$OUT/test_small.log" "$OUT/test_main.log" > "$OUT/tests.log"; rm -f "$OUT/test_small.log" "$OUT/test_main.log"
+cat "$OUT/test_small.log" "$OUT/test_main.log" "$OUT/test_models.log" > "$OUT/tests.log"
+rm -f "$OUT/test_small.log" "$OUT/test_main.log" "$OUT/test_models.log"
 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_deltaproduct.py --nh $NHS --variants $VARS --profile --profile-variants ${PVARS:-new} ${BENCH_ARGS:-} \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench exit $?, total $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
