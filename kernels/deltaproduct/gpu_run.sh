@@ -2,7 +2,7 @@
 # One device run for the DeltaProduct kernels (see BENCH.md): the GPU tests (the 16-token-chunk case in its own
 # process, since an illegal address kills the CUDA context; the model tests in a third), triton-cache warm-up processes beside them, then
 # scripts/bench_deltaproduct.py with the variants given in $VARS (ours vs fla 0.6.0, per-kernel profile).
-# Run from the repo root with .gpu carried:  VARS="s2 new ..." bash kernels/deltaproduct/gpu_run.sh
+# Run from the repo root with .gpu carried:  VARS="new s3 ..." bash kernels/deltaproduct/gpu_run.sh
 set -u
 OUT=${OUT:-/tmp/dp_out}; mkdir -p "$OUT"
 VARS=${VARS:-new}
