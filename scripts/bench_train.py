@@ -25,12 +25,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = {  # name -> (model family, implicit settings or None)
-    "mamba2-explicit": ("mamba2", None),
-    "mamba2-implicit-4+1": ("mamba2", {"max_iter": 4, "phantom_steps": 1}),
-    "llama-explicit": ("llama", None),
-    "llama-implicit-4+1": ("llama", {"max_iter": 4, "phantom_steps": 1}),
+CASES = {  # name -> (preset, "{size}" filled from --size; implicit settings or None)
+    "mamba2-explicit": ("lm_mamba2-{size}", None),
+    "mamba2-implicit-4+1": ("lm_mamba2-{size}", {"max_iter": 4, "phantom_steps": 1}),
+    "llama-explicit": ("lm_llama-{size}", None),
+    "llama-implicit-4+1": ("lm_llama-{size}", {"max_iter": 4, "phantom_steps": 1}),
+    # the other families at their papers' sizes (not in the default --cases)
+    "deltaproduct-392m-nh2": ("lm_deltaproduct-392m-nh2", None),
+    "deltaproduct-392m-nh2-gated": ("lm_deltaproduct-392m-nh2-gated", None),
+    "fp_mamba-200m": ("lm_fp_mamba-200m", None),
 }
+DEFAULT_CASES = "mamba2-explicit,mamba2-implicit-4+1,llama-explicit,llama-implicit-4+1"
 
 
 def run_case(args) -> dict:
@@ -40,8 +45,8 @@ def run_case(args) -> dict:
     from lm.train.config import config_from_dict
     from lm.train.trainer import train
 
-    family, implicit = CASES[args.case]
-    preset = f"lm_{family}-{args.size}"
+    template, implicit = CASES[args.case]
+    preset = template.format(size=args.size)
     vocab = json.loads((ROOT / "configs" / "models" / f"{preset}.json").read_text())["vocab_size"]
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{args.case}-"))
     tokens_per_step = args.micro * args.accum * args.seq_len
@@ -132,7 +137,7 @@ def _profile_rows(prof, n_steps: int, top: int = 40) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", choices=sorted(CASES), help="run one case in this process (internal)")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases to run")
+    ap.add_argument("--cases", default=DEFAULT_CASES, help=f"comma-separated cases to run, of {', '.join(CASES)}")
     ap.add_argument("--size", default="350m")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro", type=int, default=8)
