@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm_kernels.conv1d import causal_conv1d as _conv1d
+
 
 class _RMSNormFn(torch.autograd.Function):
     """(Gated, grouped) RMSNorm that saves only its inputs and the per-group rstd for backward.
@@ -141,28 +143,11 @@ def causal_conv1d(
     x (b, t, c); weight (c, w); conv_state (b, c, w-1): the last w-1 inputs before x (zeros if None).
     With `cu_seqlens` (b == 1) no tap reaches across a document start. Returns (y (b, t, c), the new
     conv state (b, c, w-1): the last w-1 inputs, for generation).
+
+    Runs `lm_kernels.conv1d`: the Triton kernel on CUDA tensors (x read through its strides, no
+    transposes), the PyTorch reference (F.conv1d) on CPU; LM_CONV1D_BACKEND=reference|triton overrides.
     """
-    b, t, c = x.shape
-    w = weight.shape[-1]
-    xt = x.transpose(1, 2)  # (b, c, t)
-    if conv_state is None:
-        conv_state = xt.new_zeros(b, c, w - 1)
-    full = torch.cat([conv_state.to(xt.dtype), xt], dim=-1)  # (b, c, w-1+t)
-    if cu_seqlens is None:
-        y = F.conv1d(full, weight.unsqueeze(1).to(xt.dtype), groups=c)
-    else:
-        # tap j looks j steps back; mask taps that cross the document start
-        pos = position_in_document(t, cu_seqlens, x.device)
-        y = 0
-        for j in range(w):
-            shifted = full[..., w - 1 - j: w - 1 - j + t]
-            y = y + shifted * weight[:, w - 1 - j].to(xt.dtype).unsqueeze(-1) * (pos >= j).to(xt.dtype)
-    if bias is not None:
-        y = y + bias.to(y.dtype).unsqueeze(-1)
-    if activation == "silu":
-        y = F.silu(y)
-    new_state = full[..., -(w - 1):] if w > 1 else full[..., :0]
-    return y.transpose(1, 2), new_state
+    return _conv1d(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation)
 
 
 def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:

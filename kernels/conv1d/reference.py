@@ -1,0 +1,54 @@
+"""PyTorch depthwise causal conv1d: the reference every fast path is compared with, and the CPU path.
+
+This is the function `lm.models.layers.causal_conv1d` ran before the Triton kernel existed, moved here
+unchanged (kernels/ imports nothing from lm): transpose to (b, c, t), cat the conv state in front,
+F.conv1d with groups = c (or, with cu_seqlens, one shifted product per tap with the taps that cross a
+document start masked), bias, SiLU, all in x's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """Index of every token inside its document, (total,) int64; plain arange without cu_seqlens."""
+    pos = torch.arange(total, device=device)
+    if cu_seqlens is None:
+        return pos
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    doc = torch.searchsorted(cu[1:], pos, right=True)
+    return pos - cu[doc]
+
+
+def causal_conv1d_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (b, t, c); weight (c, w); conv_state (b, c, w-1). Returns (y (b, t, c), new state (b, c, w-1))."""
+    b, t, c = x.shape
+    w = weight.shape[-1]
+    xt = x.transpose(1, 2)  # (b, c, t)
+    if conv_state is None:
+        conv_state = xt.new_zeros(b, c, w - 1)
+    full = torch.cat([conv_state.to(xt.dtype), xt], dim=-1)  # (b, c, w-1+t)
+    if cu_seqlens is None:
+        y = F.conv1d(full, weight.unsqueeze(1).to(xt.dtype), groups=c)
+    else:
+        # tap j looks j steps back; mask taps that cross the document start
+        pos = position_in_document(t, cu_seqlens, x.device)
+        y = 0
+        for j in range(w):
+            shifted = full[..., w - 1 - j: w - 1 - j + t]
+            y = y + shifted * weight[:, w - 1 - j].to(xt.dtype).unsqueeze(-1) * (pos >= j).to(xt.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype).unsqueeze(-1)
+    if activation == "silu":
+        y = F.silu(y)
+    new_state = full[..., -(w - 1):] if w > 1 else full[..., :0]
+    return y.transpose(1, 2), new_state

@@ -1,0 +1,194 @@
+"""Triton depthwise causal conv1d: launches (forward 1 kernel, backward 1 kernel + a sum of the per-program
+dweight/dbias partials) and the autograd.Function.
+
+When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs
+outside autograd and saves nothing (the fixed-point iterations call it many times). With grad, only the
+inputs are saved: the backward recomputes the pre-activation. Accumulation is float32 (float64 for
+float64 inputs); y, dx and the new conv state come out in x's dtype, dweight / dbias / dconv_state in
+the dtype of their input. Tile sizes are autotuned on the GPU (key: channels, width, flags, dtypes);
+under TRITON_INTERPRET=1 one small config (8 x 16 tiles, 16-row backward chunks) so that CPU tests at
+tiny shapes cross tile and chunk borders.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_kernels as K
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_AUTOTUNE = not (_INTERPRET or os.environ.get("LM_CONV1D_AUTOTUNE", "1") == "0")
+MAX_WIDTH = 8
+
+_KEY = ["C", "W", "HAS_STATE", "HAS_BIAS", "VARLEN", "SILU"]
+
+
+def _configs(triples, interpret):
+    if _INTERPRET:
+        triples = [interpret]
+    elif not _AUTOTUNE:
+        triples = triples[:1]
+    return [triton.Config(dict(BT=bt, BC=bc), num_warps=w, num_stages=2) for bt, bc, w in triples]
+
+
+_fwd = triton.autotune(
+    configs=_configs([(64, 128, 4), (32, 128, 4), (64, 64, 4), (128, 128, 8), (32, 256, 4), (16, 256, 4),
+                      (128, 64, 4)], (8, 16, 1)),
+    key=_KEY)(K.conv_fwd_kernel)
+_bwd = triton.autotune(
+    configs=_configs([(32, 128, 4), (16, 128, 4), (32, 64, 4), (64, 64, 4), (64, 128, 8), (16, 256, 4),
+                      (32, 256, 8)], (8, 16, 1)),
+    key=_KEY + ["STATE_GRAD"])(K.conv_bwd_kernel)
+
+_ACC = {torch.float64: tl.float64}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _log_n(cu_seqlens):
+    """(number of documents, binary-search steps) for cu_seqlens (or (1, 0) without)."""
+    if cu_seqlens is None:
+        return 1, 0
+    n = cu_seqlens.numel() - 1
+    return n, max(0, math.ceil(math.log2(n))) if n > 0 else 0
+
+
+def _bwd_chunk(t: int, b: int, c: int, device) -> int:
+    """Rows per backward program: enough programs to fill the GPU ~8x over with 128-channel tiles,
+    few enough that the dweight partials (one (C, W+1) row per program) stay small."""
+    if _INTERPRET:
+        return 16
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    per_chunk = b * triton.cdiv(c, 128)
+    want = max(1, triton.cdiv(8 * sms, per_chunk))
+    return min(1024, max(64, _pow2(triton.cdiv(t, want))))
+
+
+def _state_strides(conv_state):
+    return (0, 0, 0) if conv_state is None else conv_state.stride()
+
+
+def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool):
+    """y (b, t, c) contiguous in x's dtype and the new conv state (b, c, w-1) in x's dtype."""
+    b, t, c = x.shape
+    w = weight.shape[-1]
+    y = torch.empty(b, t, c, device=x.device, dtype=x.dtype)
+    new_state = torch.empty(b, c, w - 1, device=x.device, dtype=x.dtype)
+    n_seq, log_n = _log_n(cu_seqlens)
+    dummy = x
+    grid = lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(c, meta["BC"]), b)  # noqa: E731
+    _fwd[grid](
+        x, conv_state if conv_state is not None else dummy, weight, bias if bias is not None else dummy,
+        cu_seqlens if cu_seqlens is not None else dummy, y, new_state,
+        t, c, n_seq, log_n,
+        *x.stride(), *_state_strides(conv_state), *weight.stride(),
+        y.stride(0), y.stride(1), *new_state.stride(),
+        W=w, BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
+        VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1, ACC=_ACC.get(x.dtype, tl.float32))
+    return y, new_state
+
+
+def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_grad: bool):
+    """(dx (b, t, c) in x's dtype, dweight (c, w), dbias (c,) or None, dconv_state (b, c, w-1) or None)."""
+    b, t, c = x.shape
+    w = weight.shape[-1]
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx = torch.empty(b, t, c, device=x.device, dtype=x.dtype)
+    dstate = torch.empty(b, c, w - 1, device=x.device, dtype=conv_state.dtype) if state_grad else None
+    chunk = _bwd_chunk(t, b, c, x.device)
+    n_chunks = triton.cdiv(t, chunk)
+    wb = _pow2(w + 1)
+    part = torch.empty(b * n_chunks, c, wb, device=x.device, dtype=torch.float64 if x.dtype == torch.float64
+                       else torch.float32)
+    n_seq, log_n = _log_n(cu_seqlens)
+    dummy = x
+    grid = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
+    _bwd[grid](
+        x, conv_state if conv_state is not None else dummy, weight, bias if bias is not None else dummy,
+        cu_seqlens if cu_seqlens is not None else dummy, dy, dx, dstate if dstate is not None else dummy, part,
+        t, c, n_seq, log_n, chunk,
+        *x.stride(), *_state_strides(conv_state), *weight.stride(),
+        dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), part.stride(0), part.stride(1), part.stride(2),
+        *(dstate.stride() if dstate is not None else (0, 0, 0)),
+        W=w, BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
+        VARLEN=cu_seqlens is not None, SILU=silu, STATE_GRAD=state_grad, ACC=_ACC.get(x.dtype, tl.float32), WB=wb)
+    red = part.sum(0)  # (c, wb): weight columns 0..w-1, bias at w
+    dweight = red[:, :w].to(weight.dtype)
+    dbias = red[:, w].to(bias.dtype) if bias is not None else None
+    return dx, dweight, dbias, dstate
+
+
+def _add_new_state_grad(dns, dx, dstate, t, w):
+    """new_state[:, :, k] is the input at position t-(w-1)+k: route its gradient to dx / dconv_state."""
+    n_x = min(w - 1, t)
+    if n_x > 0:
+        dx[:, t - n_x:, :] += dns[:, :, w - 1 - n_x:].transpose(1, 2).to(dx.dtype)
+    if dstate is not None and t < w - 1:
+        dstate[:, :, t:] += dns[:, :, : w - 1 - t].to(dstate.dtype)
+
+
+class CausalConv1dFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv_state, cu_seqlens, silu):
+        y, new_state = conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
+        ctx.save_for_backward(x, weight, bias, conv_state, cu_seqlens)
+        ctx.silu = silu
+        return y, new_state
+
+    @staticmethod
+    def backward(ctx, dy, dns):
+        x, weight, bias, conv_state, cu_seqlens = ctx.saved_tensors
+        b, t, c = x.shape
+        w = weight.shape[-1]
+        state_grad = conv_state is not None and ctx.needs_input_grad[3]
+        if dy is None:
+            dy = torch.zeros(b, t, c, device=x.device, dtype=x.dtype)
+        dx, dweight, dbias, dstate = conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, ctx.silu, state_grad)
+        if dns is not None and w > 1:
+            _add_new_state_grad(dns, dx, dstate, t, w)
+        return (dx if ctx.needs_input_grad[0] else None, dweight if ctx.needs_input_grad[1] else None,
+                dbias if ctx.needs_input_grad[2] else None, dstate, None, None)
+
+
+def check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, max_width=None):
+    """Shapes, widths and the activation; ValueError naming what is wrong."""
+    if x.dim() != 3:
+        raise ValueError(f"causal_conv1d: x must be (batch, seqlen, channels), got shape {tuple(x.shape)}")
+    b, t, c = x.shape
+    if weight.dim() != 2 or weight.shape[0] != c:
+        raise ValueError(f"causal_conv1d: weight must be (channels={c}, width), got {tuple(weight.shape)}")
+    w = weight.shape[1]
+    if w < 1 or (max_width is not None and w > max_width):
+        raise ValueError(f"causal_conv1d: the Triton kernel takes widths 1..{max_width}, got {w}; "
+                         f"use backend='reference' (LM_CONV1D_BACKEND=reference)")
+    if bias is not None and tuple(bias.shape) != (c,):
+        raise ValueError(f"causal_conv1d: bias must be ({c},), got {tuple(bias.shape)}")
+    if conv_state is not None and tuple(conv_state.shape) != (b, c, w - 1):
+        raise ValueError(f"causal_conv1d: conv_state must be (batch, channels, width-1) = {(b, c, w - 1)}, "
+                         f"got {tuple(conv_state.shape)}")
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+                                   or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"causal_conv1d: cu_seqlens must be a 1-D int32/int64 tensor of offsets [0, ..., seqlen], "
+                         f"got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+    if activation not in ("silu", None):
+        raise ValueError(f"causal_conv1d: activation must be 'silu' or None, got {activation!r}")
+
+
+def causal_conv1d_triton(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu"):
+    """Same contract as causal_conv1d_reference (y (b, t, c) contiguous, new state (b, c, w-1))."""
+    check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, MAX_WIDTH)
+    if x.stride(-1) != 1:  # the kernels vectorise along channels
+        x = x.contiguous()
+    silu = activation == "silu"
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(x.device)
+    if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (x, weight, bias, conv_state)):
+        return CausalConv1dFn.apply(x, weight, bias, conv_state, cu_seqlens, silu)
+    return conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
