@@ -29,7 +29,7 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-DEFAULT_VARIANTS = ["xs=xs/-/-", "xs2=xs2/-/-", "bwd_grid=-/-/-/LM_SSD_BWD=grid", "bwd_old=-/-/-/LM_SSD_BWD=old"]
+DEFAULT_VARIANTS = ["flat2=flat2/-/-", "bwd_slots=-/-/-/LM_SSD_BWD=slots"]
 
 
 def parse_variants(specs):

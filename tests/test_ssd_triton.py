@@ -70,13 +70,14 @@ def compare(d, dtype, tol, **kw):
         assert rel(gt[k], gr[k]) < tol, f"grad {k}: {rel(gt[k], gr[k])}"
 
 
-@pytest.mark.parametrize("variant,state", [("hb", "old"), ("flat", "old"), ("fact", "old"), ("grid", "pnfast"),
-                                           ("flat2", "bn128"), ("chunk", "hb2")])
-def test_triton_fp32_all_options_matches_reference(variant, state, monkeypatch):
+@pytest.mark.parametrize("variant,state,bwd", [("flat", "old", "fused"), ("grid", "pnfast", "slots"),
+                                               ("flat2", "bn128", "fused"), ("xs", "pnfast", "fused")])
+def test_triton_fp32_all_options_matches_reference(variant, state, bwd, monkeypatch):
     # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp;
-    # every forward scan kernel and state-kernel layout
+    # every forward scan kernel and state-kernel layout, both backward variants
     monkeypatch.setenv("LM_SSD_SCAN", variant)
     monkeypatch.setenv("LM_SSD_STATE", state)
+    monkeypatch.setenv("LM_SSD_BWD", bwd)
     compare(make(2, 45, 4, 16, 2, 16), torch.float32, 2e-5, chunk_size=16, dt_limit=(0.05, 2.0))
 
 
@@ -86,30 +87,18 @@ def test_triton_fp32_odd_sizes_D_hp_no_gate_no_softplus():
     compare(d, torch.float32, 2e-5, chunk_size=16, dt_softplus=False)
 
 
-@pytest.mark.parametrize("variant", ["hb", "fact", "flat2", "chunk", "chunk_fact"])
-def test_triton_head_blocked_scans_several_row_blocks(variant, monkeypatch):
-    """Chunks of 64 rows: several row blocks per chunk, so "fact" and "flat2" take their factorised
-    below-diagonal path (and "flat2" its diagonal block in several k-steps), and "chunk" walks 4 row blocks
-    of state and causal tiles in one loop (with the factorised decay off the diagonal: "chunk_fact")."""
-    monkeypatch.setenv("LM_SSD_SCAN", variant.removesuffix("_fact"))
-    monkeypatch.setenv("LM_SSD_FACT", "1" if variant.endswith("_fact") else "0")
-    compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
-
-
-def test_triton_flat2_vector_diagonal_and_32_wide_state_blocks(monkeypatch):
-    """flat2 with the diagonal C.B tile loaded as whole rows (LM_SSD_DIAGVEC=1; the unwritten upper triangle
-    is selected away) and the state kernel with 32-wide n blocks (LM_SSD_STATE=bn32); a partial last chunk.
-    Square 16-row tiles, so the diagonal block is one tile (the path DIAGVEC changes)."""
+@pytest.mark.parametrize("variant", ["flat2", "xs"])
+def test_triton_square_scan_tiles(variant, monkeypatch):
+    """Square 16-row scan tiles (BM = BK, the GPU's 64 x 64 case), so the diagonal block is one tile and x_m
+    comes from it; 32-row chunks (two row blocks: one tile below the diagonal) and a partial last chunk."""
     import lm_kernels.ssd.triton_ssd as ts
     if not torch.cuda.is_available():
         monkeypatch.setattr(ts._scan_fwd2, "configs", [triton.Config(dict(BM=16, BK=16, BP=16), num_warps=4)])
-    monkeypatch.setenv("LM_SSD_SCAN", "flat2")
-    monkeypatch.setenv("LM_SSD_DIAGVEC", "1")
-    monkeypatch.setenv("LM_SSD_STATE", "bn32")
+    monkeypatch.setenv("LM_SSD_SCAN", variant)
     compare(make(1, 90, 2, 16, 1, 48), torch.float32, 2e-5, chunk_size=32, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("state", ["pnfast", "hb2"])
+@pytest.mark.parametrize("state", ["pnfast", "old"])
 def test_triton_state_kernels_multi_step_chunks(state, monkeypatch):
     """Chunks longer than the state kernels' step (there: > 256 rows) walk each chunk in several steps."""
     import lm_kernels.ssd.triton_ssd as ts
@@ -119,25 +108,21 @@ def test_triton_state_kernels_multi_step_chunks(state, monkeypatch):
 
 
 @pytest.mark.parametrize("heads,groups", [(3, 1), (4, 2)])
-def test_triton_chunk_scan_odd_sizes_varlen(heads, groups, monkeypatch):
-    """The whole-chunk scan kernel ("chunk"; chunk states in the (n, p) layout, also read by the backward):
-    odd head counts per group (one head per program) and pairs of heads (two per program), headdim and
-    dstate not powers of two, D per (head, p), packed documents with chunks cut short."""
-    monkeypatch.setenv("LM_SSD_SCAN", "chunk")
-    monkeypatch.setenv("LM_SSD_STATE", "hb2")  # two heads per state program where a group has an even number
+def test_triton_odd_sizes_varlen(heads, groups):
+    """Odd head counts per group, headdim and dstate not powers of two, D per (head, p), packed documents
+    with chunks cut short (default kernels)."""
     lens = [9, 0, 30, 1, 20]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     d = make(1, sum(lens), heads, 12, groups, 10, D="hp", ns=len(lens))
     compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("scan,bwd", [("xs", "slots"), ("xs2", "fused"), ("flat2", "grid"), ("flat2", "old")])
-def test_triton_xs_scans_and_backward_grids_with_several_tiles(scan, bwd, monkeypatch):
-    """16-row tiles in 64-row chunks (4 row blocks): the "xs" scans (decay on the x rows below the diagonal;
-    "xs2" with x~ stored by the state kernel and the accumulator carried from block to block) and the
-    backward variants ("slots": dcb_bwd's d(dt*A) shares in per-row-block slots plus per-tile totals over the
-    blocks between, summed by dt_bwd; "fused": the same shares from dx_bwd, dcb_bwd summing Q alone with the
-    factorised decay off the diagonal; "grid"/"old": atomics), fixed-length with a partial chunk and packed
+@pytest.mark.parametrize("scan,bwd", [("xs", "fused"), ("flat2", "slots"), ("xs", "slots")])
+def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, monkeypatch):
+    """16-row tiles in 64-row chunks (4 row blocks): the "xs" scan (decay on the x rows below the diagonal)
+    and "flat2" (on the C.B tile), and both backward variants ("slots": dcb_bwd's d(dt*A) shares in
+    per-row-block slots plus per-tile totals over the blocks between, summed by dt_bwd; "fused": the same
+    shares from dx_bwd, dcb_bwd summing Q alone with the factorised decay off the diagonal), fixed-length with a partial chunk and packed
     documents (chunks cut short, so some row blocks and slots do not exist)."""
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "TILE_ROWS", 16)
@@ -194,11 +179,12 @@ def test_triton_bf16_forward_backward():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_chunk_scan_low_precision(dtype, monkeypatch):
-    """The "chunk" scan reads x and the chunk states through one pointer per tile, so it needs them in one
-    dtype: bf16 (states kept in bf16) runs it, fp16 (float32 states) falls back to flat2; both correct."""
-    monkeypatch.setenv("LM_SSD_SCAN", "chunk")
-    compare(make(1, 48, 2, 16, 1, 16), dtype, 3e-2, chunk_size=16)
+def test_triton_low_precision_several_tiles(dtype, monkeypatch):
+    """bf16 (chunk states kept in bf16) and fp16 (float32 states) with 16-row tiles in 32-row chunks."""
+    import lm_kernels.ssd.triton_ssd as ts
+    monkeypatch.setattr(ts, "TILE_ROWS", 16)
+    monkeypatch.setattr(ts, "_PLANS", {})
+    compare(make(1, 48, 2, 16, 1, 16), dtype, 3e-2, chunk_size=32)
 
 
 def test_triton_no_grad_path_matches_and_builds_no_graph():
@@ -293,5 +279,5 @@ def test_autotuned_kernels_with_atomics_reset_their_outputs():
         src = getattr(fn, "src", None) or inspect.getsource(getattr(fn, "fn", fn))
         targets = set(re.findall(r"tl\.atomic_\w+\((\w+)", src))
         assert targets <= set(obj.reset_to_zero or []), (fn, targets)
-        checked += bool(targets)
-    assert checked >= 1
+        checked += 1
+    assert checked >= 5  # the autotuned kernels were found (none uses atomics since session 4)

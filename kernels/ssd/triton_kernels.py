@@ -121,11 +121,8 @@ def dt_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, chunk_t0_ptr, chunk_
 
 @triton.jit
 def _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, offs_n, P, N, s_x_t, s_B_t,
-                BK: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
-                xt_base=None, xt_on=False, HP=0, XT: tl.constexpr = False, XBK: tl.constexpr = 64):
-    """sum over rows k..k+BK of the chunk of w_l x_l B_l^T, w_l = dt_l e^{a - cs_l}: (BP, BN) float32.
-    XT (where xt_on): also store x~_l = x_l dt_l e^{cs_r - cs_l}, r the last row of l's XBK-row block (the
-    "xs2" scan's B operand below the diagonal), rows of H * P elements from xt_base."""
+                BK: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """sum over rows k..k+BK of the chunk of w_l x_l B_l^T, w_l = dt_l e^{a - cs_l}: (BP, BN) float32."""
     rows = k + tl.arange(0, BK)
     rmask = rows < clen
     cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
@@ -133,13 +130,6 @@ def _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, o
     w = tl.where(rmask, tl.exp(a - cs_k) * dt_k, 0.0)
     xk = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :],
                  mask=rmask[:, None] & (offs_p[None, :] < P), other=0.0)
-    if XT:
-        if xt_on:
-            r = tl.minimum((rows // XBK) * XBK + XBK - 1, clen - 1)
-            cs_r = tl.load(cs_ptr + tok0 + r, mask=rmask, other=0.0)
-            xt = xk.to(tl.float32) * tl.where(rmask, tl.exp(cs_r - cs_k) * dt_k, 0.0)[:, None]
-            tl.store(xt_base + (t0 + rows[:, None]).to(tl.int64) * HP + offs_p[None, :],
-                     xt.to(xt_base.dtype.element_ty), mask=rmask[:, None] & (offs_p[None, :] < P))
     Bk = tl.load(B_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
                  mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
     xw = (xk.to(tl.float32) * w[:, None]).to(DOT_DT)
@@ -152,10 +142,8 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
                      s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                      L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PN_FAST: tl.constexpr = False,
-                     xt_ptr=None, XT: tl.constexpr = False, XBK: tl.constexpr = 64):
+                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PN_FAST: tl.constexpr = False):
     """Per (sequence, head, p-block x n-block): walk the chunks in order, store each chunk's start state.
-    XT: the first n-block's programs also store x~ (see _state_rows) into xt_ptr, contiguous (B, T, H, P).
     PN_FAST: grid (p-block x n-block, head, sequence), so the programs that read the same x rows (one per
     n-block) run together and share them through L2; else (sequence, head, p-block x n-block).
     Chunk state (c, h) element (p, n) is stored at (c * H + h) * P * N + p * s_sp + n * s_sn ("PN" layout:
@@ -183,11 +171,6 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
         S = tl.zeros((BP, BN), dtype=tl.float32)
     x_base = x_ptr + b * s_x_b + h * s_x_h
     B_base = B_ptr + b * s_B_b + g * s_B_g
-    xt_base = x_base
-    xt_on = False
-    if XT:
-        xt_base = xt_ptr + b.to(tl.int64) * T * H * P + h * P
-        xt_on = (pid_pn % n_nb) == 0
     for i in range(0, n_chunks):
         c = c_begin + i
         t0 = t_begin + i * L
@@ -198,94 +181,15 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
         a = tl.load(cs_ptr + tok0 + clen - 1)
         if BK >= L:  # the whole chunk in one step: no inner loop, so the chunk loop gets pipelined
             acc = _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, 0, offs_p, offs_n, P, N,
-                              s_x_t, s_B_t, BK, dtype, DOT_PREC, xt_base, xt_on, H * P, XT, XBK)
+                              s_x_t, s_B_t, BK, dtype, DOT_PREC)
         else:
             acc = tl.zeros((BP, BN), dtype=tl.float32)
             for k in range(0, clen, BK):
                 acc += _state_rows(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a, clen, k, offs_p, offs_n, P, N,
-                                   s_x_t, s_B_t, BK, dtype, DOT_PREC, xt_base, xt_on, H * P, XT, XBK)
+                                   s_x_t, s_B_t, BK, dtype, DOT_PREC)
         S = tl.exp(a) * S + acc
     if HAS_FINAL:
         tl.store(final_ptr + (pid_s * H + h) * P * N + pn_off, S, mask=pn_mask)
-
-
-@triton.jit
-def _state_rows2(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a0, a1, clen, k, offs_p, offs_n, P, N, s_x_t, s_x_h,
-                 s_B_t, BT, BK: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """_state_rows for two heads of one group (x_base: the first head's): the B rows are loaded once."""
-    rows = k + tl.arange(0, BK)
-    rmask = rows < clen
-    Bk = tl.load(B_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
-                 mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0).to(DOT_DT)
-    xmask = rmask[:, None] & (offs_p[None, :] < P)
-    cs0 = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
-    dt0 = tl.load(dtp_ptr + tok0 + rows, mask=rmask, other=0.0)
-    w0 = tl.where(rmask, tl.exp(a0 - cs0) * dt0, 0.0)
-    x0 = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :], mask=xmask, other=0.0)
-    acc0 = tl.dot(tl.trans((x0.to(tl.float32) * w0[:, None]).to(DOT_DT)), Bk, input_precision=DOT_PREC)
-    cs1 = tl.load(cs_ptr + tok0 + BT + rows, mask=rmask, other=0.0)
-    dt1 = tl.load(dtp_ptr + tok0 + BT + rows, mask=rmask, other=0.0)
-    w1 = tl.where(rmask, tl.exp(a1 - cs1) * dt1, 0.0)
-    x1 = tl.load(x_base + s_x_h + (t0 + rows[:, None]) * s_x_t + offs_p[None, :], mask=xmask, other=0.0)
-    acc1 = tl.dot(tl.trans((x1.to(tl.float32) * w1[:, None]).to(DOT_DT)), Bk, input_precision=DOT_PREC)
-    return acc0, acc1
-
-
-@triton.jit
-def state_fwd_hb_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_ptr, cu_ptr, chunk_first_ptr,
-                        T, H, P, N, NC, BT, R,
-                        s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
-                        L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                        DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """state_fwd_kernel for two heads of one group per program (grid (p-block x n-block, head pair, sequence);
-    R even): each chunk's B rows are loaded once for both heads, and each program has two independent
-    products in flight."""
-    pid_pn = tl.program_id(0)
-    h = tl.program_id(1) * 2
-    pid_s = tl.program_id(2)
-    n_nb = tl.cdiv(N, BN)
-    offs_p = (pid_pn // n_nb) * BP + tl.arange(0, BP)
-    offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
-    pn_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
-    pn_off = offs_p[:, None] * N + offs_n[None, :]
-    st_off = offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-    g = h // R
-    b, t_begin, seqlen, c_begin, n_chunks = _seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
-    if HAS_INIT:
-        S0 = tl.load(init_ptr + (pid_s * H + h) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
-        S1 = tl.load(init_ptr + (pid_s * H + h + 1) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
-    else:
-        S0 = tl.zeros((BP, BN), dtype=tl.float32)
-        S1 = tl.zeros((BP, BN), dtype=tl.float32)
-    x_base = x_ptr + b * s_x_b + h * s_x_h
-    B_base = B_ptr + b * s_B_b + g * s_B_g
-    for i in range(0, n_chunks):
-        c = c_begin + i
-        t0 = t_begin + i * L
-        clen = tl.minimum(L, seqlen - i * L)
-        st = states_ptr + (c.to(tl.int64) * H + h) * P * N + st_off
-        tl.store(st, S0.to(states_ptr.dtype.element_ty), mask=pn_mask)
-        tl.store(st + P * N, S1.to(states_ptr.dtype.element_ty), mask=pn_mask)
-        tok0 = h * BT + b * T + t0
-        a0 = tl.load(cs_ptr + tok0 + clen - 1)
-        a1 = tl.load(cs_ptr + tok0 + BT + clen - 1)
-        if BK >= L:  # the whole chunk in one step: no inner loop, so the chunk loop gets pipelined
-            acc0, acc1 = _state_rows2(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a0, a1, clen, 0, offs_p, offs_n, P, N,
-                                      s_x_t, s_x_h, s_B_t, BT, BK, DOT_DT, DOT_PREC)
-        else:
-            acc0 = tl.zeros((BP, BN), dtype=tl.float32)
-            acc1 = tl.zeros((BP, BN), dtype=tl.float32)
-            for k in range(0, clen, BK):
-                u0, u1 = _state_rows2(x_base, B_base, cs_ptr, dtp_ptr, tok0, t0, a0, a1, clen, k, offs_p, offs_n, P,
-                                      N, s_x_t, s_x_h, s_B_t, BT, BK, DOT_DT, DOT_PREC)
-                acc0 += u0
-                acc1 += u1
-        S0 = tl.exp(a0) * S0 + acc0
-        S1 = tl.exp(a1) * S1 + acc1
-    if HAS_FINAL:
-        tl.store(final_ptr + (pid_s * H + h) * P * N + pn_off, S0, mask=pn_mask)
-        tl.store(final_ptr + (pid_s * H + h + 1) * P * N + pn_off, S1, mask=pn_mask)
 
 
 @triton.jit
@@ -404,8 +308,7 @@ def chunk_scan_fwd_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_p
 def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h, St, offs_p, pmask, offs_n,
                nmask, P, s_x_t, s_B_t,
                L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
-               FACT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, DIAGVEC: tl.constexpr = False,
-               XS: tl.constexpr = 0, xt_base=None, HP=0):
+               FACT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, XS: tl.constexpr = False):
     """y rows m0..m0+BM of one chunk and head (before the z gate), float32 (BM, BP), and the x rows m0..m0+BM:
         y_m = e^{cs_m} C_m S^T + sum_{k <= m} CB[m, k] e^{cs_m - cs_k} dt_k x_k + D x_m,   St = S^T (BNF, BP).
     Blocks strictly below the diagonal (k < m0 <= m, BK divides BM) need no mask; with FACT their decay
@@ -415,29 +318,13 @@ def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, 
     XS: below the diagonal the decay goes to the x rows instead: with r = m0 - 1 (the row before the block),
     e^{cs_m - cs_k} = e^{cs_m - cs_r} e^{cs_r - cs_k} (both exponents <= 0), so the raw C.B tile is the A
     operand, x_k dt_k e^{cs_r - cs_k} the B operand, and one row factor e^{cs_m - cs_r} scales the sum of the
-    state term (started at e^{cs_r} C_m S^T) and the below-diagonal tiles (XS == 1).
-    XS == 2: the B operand x~_k = x_k dt_k e^{cs_{r_k} - cs_k} (r_k: the last row of k's BK block) was stored
-    by the state kernel (rows of HP elements from xt_base); the accumulator is carried from block end to block
-    end, acc <- e^{cs_{r_k} - cs_{r_{k-1}}} acc + CB[m, k block] x~_k (every factor <= 1), so both operands
-    reach the tensor core as loaded."""
+    state term (started at e^{cs_r} C_m S^T) and the below-diagonal tiles."""
     rows_m = m0 + tl.arange(0, BM)
     mmask = rows_m < clen
     cs_m = tl.load(cs_ptr + tok0 + rows_m, mask=mmask, other=0.0)
     Cm = tl.load(C_base + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :], mask=mmask[:, None] & nmask[None, :],
                  other=0.0).to(DOT_DT)
-    if XS == 2:
-        acc = tl.dot(Cm, St, input_precision=DOT_PREC)  # frame: the chunk start (cs = 0)
-        cs_prev = tl.load(cs_ptr + tok0) * 0.0
-        for k in range(0, m0, BK):
-            rows_k = k + tl.arange(0, BK)
-            cs_r = tl.load(cs_ptr + tok0 + k + BK - 1)
-            cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None], other=0.0)
-            xk = tl.load(xt_base + (t0 + rows_k[:, None]).to(tl.int64) * HP + offs_p[None, :], mask=pmask[None, :],
-                         other=0.0)
-            acc = tl.dot(cb.to(DOT_DT), xk.to(DOT_DT), acc * tl.exp(cs_r - cs_prev), input_precision=DOT_PREC)
-            cs_prev = cs_r
-        acc = acc * tl.where(mmask, tl.exp(cs_m - cs_prev), 0.0)[:, None]
-    elif XS == 1:  # m0 == 0: r = -1 with cs_r = 0, no tiles below the diagonal
+    if XS:  # m0 == 0: r = -1 with cs_r = 0, no tiles below the diagonal
         cs_r = tl.load(cs_ptr + tok0 + m0 - 1, mask=m0 > 0, other=0.0)
         acc = tl.dot(Cm, St, input_precision=DOT_PREC) * tl.exp(cs_r)
         for k in range(0, m0, BK):
@@ -469,12 +356,8 @@ def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, 
         causal = (rows_m[:, None] >= rows_m[None, :]) & mmask[None, :] & mmask[:, None]
         dt_m = tl.load(dtp_ptr + tok0 + rows_m, mask=mmask, other=0.0)
         dec = tl.exp(tl.where(causal, cs_m[:, None] - cs_m[None, :], float("-inf")))
-        if DIAGVEC:  # whole rows (vector loads), the upper triangle (never written) selected away after
-            cb = tl.load(cb_base + rows_m[:, None] * L + rows_m[None, :], mask=mmask[:, None], other=0.0)
-            cb = tl.where(causal, cb.to(tl.float32) * dec * dt_m[None, :], 0.0)
-        else:  # element-wise causal mask: scalar 2-byte loads
-            cb = tl.load(cb_base + rows_m[:, None] * L + rows_m[None, :], mask=causal, other=0.0).to(tl.float32)
-            cb = cb * dec * dt_m[None, :]
+        cb = tl.load(cb_base + rows_m[:, None] * L + rows_m[None, :], mask=causal, other=0.0).to(tl.float32)
+        cb = cb * dec * dt_m[None, :]
         xm = tl.load(x_base + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :], mask=mmask[:, None] & pmask[None, :],
                      other=0.0)
         acc = tl.dot(cb.to(DOT_DT), xm.to(DOT_DT), acc, input_precision=DOT_PREC)
@@ -525,8 +408,7 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, FACT: tl.constexpr,
-                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, DIAGVEC: tl.constexpr = False,
-                           XS: tl.constexpr = 0, xt_ptr=None):
+                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, XS: tl.constexpr = False):
     """chunk_scan_fwd_kernel with the grid (m-block x p-block, head, chunk): the row blocks of one (chunk,
     head) run next to each other (x tiles and the chunk's start state are re-read from L2, not HBM), then
     the heads of the chunk (the group's C rows and CB tiles stay in L2); row blocks run heaviest first."""
@@ -550,130 +432,10 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     acc, xm = _scan_rows(x_ptr + b * s_x_b + h * s_x_h, C_ptr + b * s_B_b + g * s_B_g,
                          CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, m0, h,
                          St, offs_p, pmask, offs_n, nmask, P, s_x_t, s_B_t,
-                         L, BM, BK, HAS_D, D_HP, FACT, DOT_DT, DOT_PREC, DIAGVEC, XS,
-                         (xt_ptr + b.to(tl.int64) * T * H * P + h * P) if XS == 2 else x_ptr, H * P)
+                         L, BM, BK, HAS_D, D_HP, FACT, DOT_DT, DOT_PREC, XS)
     rows_m = m0 + tl.arange(0, BM)
     _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H, P,
              s_z_b, s_z_t, s_z_h, HAS_Z, STORE_PRE)
-
-
-@triton.jit
-def _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok, rows_m, mmask, cols, klim, causal, is_state, is_diag, r_row,
-                  FACT: tl.constexpr):
-    """A operand of one tile for one head (float32): the state tile's C[m, n] e^{cs_m}, or the causal tile's
-    CB[m, k] e^{cs_m - cs_k} dt_k; zero outside the causal / valid region (CB's upper triangle is never
-    written, so it is selected away, not multiplied by zero). FACT: off the diagonal the decay factorises
-    through the k block's last row r (e^{cs_m - cs_r} e^{cs_r - cs_k}, both exponents <= 0; state tiles:
-    e^{cs_m} per row), BM + BK exponentials instead of BM * BK; the diagonal tile keeps the exact form."""
-    cs_m = tl.load(cs_ptr + tok + rows_m, mask=mmask, other=0.0)
-    kmask = cols < klim  # no k rows in a state tile (klim 0)
-    cs_k = tl.load(cs_ptr + tok + cols, mask=kmask, other=0.0)
-    dt_k = tl.load(dtp_ptr + tok + cols, mask=kmask, other=1.0)
-    if FACT:
-        if is_diag:
-            a = tl.where(causal, raw * tl.exp(cs_m[:, None] - cs_k[None, :]) * dt_k[None, :], 0.0)
-        else:
-            cs_r = tl.where(is_state, 0.0, tl.load(cs_ptr + tok + r_row))
-            fm = tl.exp(cs_m - cs_r)
-            gk = tl.exp(cs_r - cs_k) * dt_k
-            a = tl.where(causal, raw * fm[:, None] * gk[None, :], 0.0)
-    else:
-        a = tl.where(causal, raw * tl.exp(cs_m[:, None] - cs_k[None, :]) * dt_k[None, :], 0.0)
-    return a
-
-
-@triton.jit
-def _chunk_y_out(acc, xm, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P,
-                 s_z_b, s_z_t, s_z_h, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
-                 STORE_PRE: tl.constexpr):
-    if HAS_D:
-        if D_HP:
-            Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
-        else:
-            Dv = tl.load(D_ptr + h).to(tl.float32)
-        acc += Dv * xm.to(tl.float32)
-    _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P, s_z_b, s_z_t, s_z_h,
-             HAS_Z, STORE_PRE)
-
-
-@triton.jit
-def chunk_scan_fwd3_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
-                           chunk_t0_ptr, chunk_len_ptr,
-                           T, H, P, N, NC, BT, R, G,
-                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
-                           L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, HB: tl.constexpr, BNF: tl.constexpr,
-                           FACT: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
-                           STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                           DOT_DT: tl.constexpr):
-    """The whole chunk per program, for HB (1 or 2) heads of one group: grid (p-block, head block, chunk).
-    Chunk states in the "NP" layout (S^T rows contiguous in p, like x rows). One loop over the chunk's tiles
-    (so the loads of the next tiles are in flight across row-block boundaries): for row block mi, first NS
-    state tiles (A = C[m, n block] e^{cs_m}, B = S^T[n block, p]), then the causal tiles k = 0..mi
-    (A = CB[m, k] e^{cs_m - cs_k} dt_k, B = x[k block, p]; tile width BM, so the last one is the diagonal
-    block and its x tile is x_m); after the diagonal tile the row block's y (+ D x, gate) is stored.
-    A and B tiles of either kind come from one load each (pointer base and row stride picked per tile), and
-    A's raw tile (C or CB, per group) is loaded once for the HB heads."""
-    NS: tl.constexpr = (BNF + BM - 1) // BM  # state tiles per row block
-    pid_p = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_c = tl.program_id(2)
-    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
-    if clen <= 0:
-        return
-    h0 = pid_h * HB
-    g = h0 // R
-    offs_p = pid_p * BP + tl.arange(0, BP)
-    pmask = offs_p < P
-    ar = tl.arange(0, BM)
-    n_mb = tl.cdiv(clen, BM)
-    n_it = n_mb * NS + n_mb * (n_mb + 1) // 2
-    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
-    C_base = C_ptr + b * s_B_b + g * s_B_g + t0 * s_B_t
-    x_base = x_ptr + b * s_x_b + h0 * s_x_h + t0 * s_x_t
-    st_base = states_ptr + (pid_c.to(tl.int64) * H + h0) * P * N
-    tok = h0 * BT + b * T + t0
-    acc0 = tl.zeros((BM, BP), dtype=tl.float32)
-    acc1 = tl.zeros((BM, BP), dtype=tl.float32)
-    for j in range(0, n_it):
-        mi = j * 0
-        for q in tl.static_range(1, L // BM):
-            mi += tl.where(j >= q * NS + q * (q + 1) // 2, 1, 0)
-        r = j - (mi * NS + mi * (mi + 1) // 2)
-        is_state = r < NS
-        klim = tl.where(is_state, 0, clen)
-        rb = tl.where(is_state, r, r - NS)
-        rows_m = mi * BM + ar
-        mmask = rows_m < clen
-        cols = rb * BM + ar
-        cmask = cols < tl.where(is_state, N, clen)
-        a_base = tl.where(is_state, C_base, cb_base)
-        a_rs = tl.where(is_state, s_B_t, L)
-        raw = tl.load(a_base + rows_m[:, None] * a_rs + cols[None, :], mask=mmask[:, None] & cmask[None, :],
-                      other=0.0).to(tl.float32)
-        causal = (is_state | (rows_m[:, None] >= cols[None, :])) & cmask[None, :] & mmask[:, None]
-        b_base = tl.where(is_state, st_base, x_base)
-        b_rs = tl.where(is_state, P, s_x_t)
-        b_hs = tl.where(is_state, P * N, s_x_h)
-        bmask = cmask[:, None] & pmask[None, :]
-        is_diag = r == NS + mi
-        r_row = tl.where(is_state, 0, rb * BM + BM - 1)  # the k block's last row (below the diagonal: < clen)
-        a0 = _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok, rows_m, mmask, cols, klim, causal, is_state, is_diag, r_row,
-                           FACT)
-        b0 = tl.load(b_base + cols[:, None] * b_rs + offs_p[None, :], mask=bmask, other=0.0)
-        acc0 = tl.dot(a0.to(DOT_DT), b0.to(DOT_DT), acc0, input_precision=DOT_PREC)
-        if HB == 2:
-            a1 = _chunk_tile_a(raw, cs_ptr, dtp_ptr, tok + BT, rows_m, mmask, cols, klim, causal, is_state, is_diag,
-                               r_row, FACT)
-            b1 = tl.load(b_base + b_hs + cols[:, None] * b_rs + offs_p[None, :], mask=bmask, other=0.0)
-            acc1 = tl.dot(a1.to(DOT_DT), b1.to(DOT_DT), acc1, input_precision=DOT_PREC)
-        if is_diag:  # the diagonal tile: y rows of this row block are complete (b0/b1 are x_m)
-            _chunk_y_out(acc0, b0, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, h0, rows_m, mmask, offs_p, pmask, T, H, P,
-                         s_z_b, s_z_t, s_z_h, HAS_D, D_HP, HAS_Z, STORE_PRE)
-            acc0 = tl.zeros((BM, BP), dtype=tl.float32)
-            if HB == 2:
-                _chunk_y_out(acc1, b1, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, h0 + 1, rows_m, mmask, offs_p, pmask,
-                             T, H, P, s_z_b, s_z_t, s_z_h, HAS_D, D_HP, HAS_Z, STORE_PRE)
-                acc1 = tl.zeros((BM, BP), dtype=tl.float32)
 
 
 @triton.jit
@@ -740,169 +502,6 @@ def ssd_fused_fwd_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, init_ptr,
         tl.store(final_ptr + (pid_s * H + h) * P * N + pn_off, S, mask=pn_mask)
 
 
-@triton.jit
-def chunk_scan_fwd_hb_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
-                             chunk_t0_ptr, chunk_len_ptr,
-                             T, H, P, N, NC, BT, R, G,
-                             s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
-                             L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                             BPF: tl.constexpr, BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
-                             HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """chunk_scan_fwd_kernel for HB heads of one group per program (chunk, head block, m-block): the
-    group's C rows and CB tiles are loaded once for the HB heads; products are batched over heads."""
-    pid_c = tl.program_id(0)
-    pid_hb = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    m0 = pid_m * BM
-    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
-    if m0 >= clen:
-        return
-    h0 = pid_hb * HB
-    g = h0 // R
-    dtype = DOT_DT
-    heads = h0 + tl.arange(0, HB)
-    rows_m = m0 + tl.arange(0, BM)
-    mmask = rows_m < clen
-    offs_p = tl.arange(0, BPF)
-    pmask = offs_p < P
-    offs_n = tl.arange(0, BNF)
-    nmask = offs_n < N
-    tok = heads[:, None] * BT + b * T + t0  # (HB, 1)
-    cs_m = tl.load(cs_ptr + tok + rows_m[None, :], mask=mmask[None, :], other=0.0)  # (HB, BM)
-    Cm = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :],
-                 mask=mmask[:, None] & nmask[None, :], other=0.0).to(dtype)
-    S = tl.load(states_ptr + (pid_c.to(tl.int64) * H + heads[:, None, None]) * P * N + offs_p[None, :, None] * N
-                + offs_n[None, None, :], mask=pmask[None, :, None] & nmask[None, None, :], other=0.0).to(dtype)
-    yoff = tl.dot(Cm, tl.trans(tl.reshape(S, (HB * BPF, BNF))), input_precision=DOT_PREC)  # (BM, HB*BPF)
-    acc = tl.permute(tl.reshape(yoff, (BM, HB, BPF)), (1, 0, 2)) * tl.exp(cs_m)[:, :, None]  # (HB, BM, BPF)
-    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
-    x_base = x_ptr + b * s_x_b + heads[:, None, None] * s_x_h
-    k_end = tl.minimum(m0 + BM, clen)
-    for k in range(0, k_end, BK):
-        rows_k = k + tl.arange(0, BK)
-        kmask = rows_k < clen
-        causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :]
-        cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=causal & mmask[:, None],
-                     other=0.0).to(tl.float32)
-        cs_k = tl.load(cs_ptr + tok + rows_k[None, :], mask=kmask[None, :], other=0.0)  # (HB, BK)
-        dt_k = tl.load(dtp_ptr + tok + rows_k[None, :], mask=kmask[None, :], other=0.0)
-        decay = tl.exp(tl.where(causal[None, :, :], cs_m[:, :, None] - cs_k[:, None, :], float("-inf")))
-        w = cb[None, :, :] * decay * dt_k[:, None, :]  # (HB, BM, BK)
-        xk = tl.load(x_base + (t0 + rows_k[None, :, None]) * s_x_t + offs_p[None, None, :],
-                     mask=kmask[None, :, None] & pmask[None, None, :], other=0.0)  # (HB, BK, BPF)
-        acc = tl.dot(w.to(dtype), xk.to(dtype), acc, input_precision=DOT_PREC)
-    mp_mask = mmask[None, :, None] & pmask[None, None, :]
-    if HAS_D:
-        xm = tl.load(x_base + (t0 + rows_m[None, :, None]) * s_x_t + offs_p[None, None, :], mask=mp_mask, other=0.0)
-        if D_HP:
-            Dv = tl.load(D_ptr + heads[:, None, None] * P + offs_p[None, None, :], mask=pmask[None, None, :],
-                         other=0.0).to(tl.float32)
-        else:
-            Dv = tl.load(D_ptr + heads).to(tl.float32)[:, None, None]
-        acc += Dv * xm.to(tl.float32)
-    y_off = (b * T + t0 + rows_m[None, :, None]) * (H * P) + heads[:, None, None] * P + offs_p[None, None, :]
-    if STORE_PRE:
-        tl.store(ypre_ptr + y_off, acc.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
-    if HAS_Z:
-        zv = tl.load(z_ptr + b * s_z_b + (t0 + rows_m[None, :, None]) * s_z_t + heads[:, None, None] * s_z_h
-                     + offs_p[None, None, :], mask=mp_mask, other=0.0).to(tl.float32)
-        acc = acc * zv * tl.sigmoid(zv)
-    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
-
-
-@triton.jit
-def chunk_scan_fwd_fact_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
-                               chunk_t0_ptr, chunk_len_ptr,
-                               T, H, P, N, NC, BT, R, G,
-                               s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
-                               L: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr,
-                               BPF: tl.constexpr, BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
-                               HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                               DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """chunk_scan_fwd for HB heads of one group per program (chunk, head block, m-block) with 2D products.
-    Below the diagonal block (every s < every m) the decay factorises through the k-block's last row r,
-    e^{cs_m - cs_s} = e^{cs_m - cs_r} e^{cs_r - cs_s} (both exponents <= 0: no overflow), so one product
-    CB[m-block, k-block] @ [x_s dt_s e^{cs_r - cs_s}]_(s, (head, p)) serves the HB heads; the diagonal
-    block (k-block = m-block, BK = BM) takes the exact per-head mask in a product batched over heads."""
-    pid_c = tl.program_id(0)
-    pid_hb = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    m0 = pid_m * BM
-    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
-    if m0 >= clen:
-        return
-    h0 = pid_hb * HB
-    g = h0 // R
-    dtype = DOT_DT
-    heads = h0 + tl.arange(0, HB)
-    rows_m = m0 + tl.arange(0, BM)
-    mmask = rows_m < clen
-    offs_p = tl.arange(0, BPF)
-    pmask = offs_p < P
-    offs_n = tl.arange(0, BNF)
-    nmask = offs_n < N
-    tok1 = heads * BT + b * T + t0  # (HB,)
-    tok = tok1[:, None]
-    cs_m = tl.load(cs_ptr + tok + rows_m[None, :], mask=mmask[None, :], other=0.0)  # (HB, BM)
-    cs_mT = tl.trans(cs_m)  # (BM, HB)
-    Cm = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :],
-                 mask=mmask[:, None] & nmask[None, :], other=0.0).to(dtype)
-    S = tl.load(states_ptr + (pid_c.to(tl.int64) * H + heads[:, None, None]) * P * N + offs_p[None, :, None] * N
-                + offs_n[None, None, :], mask=pmask[None, :, None] & nmask[None, None, :], other=0.0).to(dtype)
-    acc = tl.dot(Cm, tl.trans(tl.reshape(S, (HB * BPF, BNF))), input_precision=DOT_PREC)  # (BM, HB*BPF)
-    ones = tl.full((BM, HB, BPF), 1.0, tl.float32)
-    acc = acc * tl.reshape(tl.exp(cs_mT)[:, :, None] * ones, (BM, HB * BPF))
-    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
-    x_base = x_ptr + b * s_x_b
-    for k in range(0, m0, BM):  # blocks strictly below the diagonal: all rows valid (k + BM <= m0 < clen)
-        rows_k = k + tl.arange(0, BM)
-        cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None], other=0.0)
-        cs_k = tl.load(cs_ptr + tok + rows_k[None, :])  # (HB, BK)
-        dt_k = tl.load(dtp_ptr + tok + rows_k[None, :])
-        cs_r = tl.load(cs_ptr + tok1 + k + BM - 1)  # (HB,)
-        wT = tl.trans(tl.exp(cs_r[:, None] - cs_k) * dt_k)  # (BK, HB)
-        xk = tl.load(x_base + (t0 + rows_k[:, None, None]) * s_x_t + heads[None, :, None] * s_x_h
-                     + offs_p[None, None, :], mask=pmask[None, None, :], other=0.0).to(tl.float32)
-        xw = tl.reshape(xk * wT[:, :, None], (BM, HB * BPF)).to(dtype)
-        part = tl.dot(cb.to(dtype), xw, input_precision=DOT_PREC)
-        fac = tl.reshape(tl.exp(cs_mT - cs_r[None, :])[:, :, None] * ones, (BM, HB * BPF))
-        acc += part * fac
-    # diagonal block: exact per-head decay, batched over heads
-    rows_k = rows_m
-    causal = (rows_m[:, None] >= rows_k[None, :]) & mmask[None, :] & mmask[:, None]
-    cb = tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=causal, other=0.0).to(tl.float32)
-    dt_k = tl.load(dtp_ptr + tok + rows_k[None, :], mask=mmask[None, :], other=0.0)
-    decay = tl.exp(tl.where(causal[None, :, :], cs_m[:, :, None] - cs_m[:, None, :], float("-inf")))
-    w = cb[None, :, :] * decay * dt_k[:, None, :]  # (HB, BM, BK)
-    xd = tl.load(x_base + (t0 + rows_k[None, :, None]) * s_x_t + heads[:, None, None] * s_x_h
-                 + offs_p[None, None, :], mask=mmask[None, :, None] & pmask[None, None, :], other=0.0)
-    diag = tl.dot(w.to(dtype), xd.to(dtype), input_precision=DOT_PREC)  # (HB, BM, BPF)
-    acc += tl.reshape(tl.permute(diag, (1, 0, 2)), (BM, HB * BPF))
-    acc3 = tl.permute(tl.reshape(acc, (BM, HB, BPF)), (1, 0, 2))  # (HB, BM, BPF)
-    mp_mask = mmask[None, :, None] & pmask[None, None, :]
-    if HAS_D:
-        xm = tl.load(x_base + (t0 + rows_m[None, :, None]) * s_x_t + heads[:, None, None] * s_x_h
-                     + offs_p[None, None, :], mask=mp_mask, other=0.0)
-        if D_HP:
-            Dv = tl.load(D_ptr + heads[:, None, None] * P + offs_p[None, None, :], mask=pmask[None, None, :],
-                         other=0.0).to(tl.float32)
-        else:
-            Dv = tl.load(D_ptr + heads).to(tl.float32)[:, None, None]
-        acc3 += Dv * xm.to(tl.float32)
-    y_off = (b * T + t0 + rows_m[None, :, None]) * (H * P) + heads[:, None, None] * P + offs_p[None, None, :]
-    if STORE_PRE:
-        tl.store(ypre_ptr + y_off, acc3.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
-    if HAS_Z:
-        zv = tl.load(z_ptr + b * s_z_b + (t0 + rows_m[None, :, None]) * s_z_t + heads[:, None, None] * s_z_h
-                     + offs_p[None, None, :], mask=mp_mask, other=0.0).to(tl.float32)
-        acc3 = acc3 * zv * tl.sigmoid(zv)
-    tl.store(y_ptr + y_off, acc3.to(y_ptr.dtype.element_ty), mask=mp_mask)
-
-
-# ----------------------------------------------------------------------------------------------------
-# backward
-# ----------------------------------------------------------------------------------------------------
 @triton.jit
 def gate_bwd_kernel(dout_ptr, z_ptr, ypre_ptr, dy_ptr, dz_ptr, numel, BLOCK: tl.constexpr):
     """y = ypre * silu(z): dy = dout * silu(z), dz = dout * ypre * silu'(z) (all contiguous)."""
@@ -1008,34 +607,24 @@ def _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, h, b, t0, BT, T, k0, rows_m, row
 
 
 @triton.jit
-def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddarange_ptr, chunk_t0_ptr, chunk_len_ptr,
+def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, tot_ptr, chunk_t0_ptr, chunk_len_ptr,
                    T, H, P, NC, BT, R, G,
                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h,
                    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
-                   TILE_FAST: tl.constexpr = False, SLOTS: tl.constexpr = False, QONLY: tl.constexpr = False):
+                   IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, QONLY: tl.constexpr = False):
     """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32), and
-    per head the intra-chunk part of d(dt*A) in its stable form: with M = Q_h * CB,
+    (unless QONLY: dx_bwd computes it) per head the intra-chunk part of d(dt*A) in its stable form: with
+    M = Q_h * CB,
         dda_l = sum_{m >= l} sum_{s < l} M[m, s]
-    (no difference of large row and column sums). Each tile adds its share with atomics: over its
-    column range (prefix sums of column sums), its row range (suffix sums of row sums), and its total
-    over the rows in between (as +total / -total marks in ddarange, prefix-summed in dt_bwd).
-    SLOTS: no atomics. A token of row block j gets exactly one share per row block s of the chunk (s > j: the
-    column part of tile (s, j); s == j: the diagonal tile; s < j: the row part of tile (j, s)), stored in
-    dda slot s ((L // BM, H, B*T) buffer); each tile's total goes to ddarange[(chunk, head), m block, k
-    block] and dt_bwd adds the totals of the tiles (mb, kb) with kb < j < mb to block j.
-    TILE_FAST: grid (tile, group, chunk), so a chunk's tiles run together and share its dy / x rows
-    through L2; else (chunk, group, tile).
-    QONLY: Q alone (dx_bwd computes the d(dt*A) shares); below the diagonal the decay factorises through
-    the k block's last row r, e^{cs_m - cs_r} e^{cs_r - cs_k} (both exponents <= 0)."""
-    if TILE_FAST:
-        pid_mk = tl.program_id(0)
-        g = tl.program_id(1)
-        pid_c = tl.program_id(2)
-    else:
-        pid_c = tl.program_id(0)
-        g = tl.program_id(1)
-        pid_mk = tl.program_id(2)
+    (no difference of large row and column sums). A token of row block j gets exactly one share per row
+    block s of the chunk (s > j: the column part of tile (s, j), prefix sums of its column sums; s == j: the
+    diagonal tile; s < j: the row part of tile (j, s), suffix sums of its row sums), stored in dda slot s
+    ((L // BM, H, B*T) buffer); each tile's total goes to tot[(chunk, head), m block, k block] and dt_bwd adds
+    the totals of the tiles (mb, kb) with kb < j < mb to block j. No atomics.
+    Grid (tile, group, chunk): a chunk's tiles run together and share its dy / x rows through L2."""
+    pid_mk = tl.program_id(0)
+    g = tl.program_id(1)
+    pid_c = tl.program_id(2)
     n_kb = L // BK
     m0 = (pid_mk // n_kb) * BM
     k0 = (pid_mk % n_kb) * BK
@@ -1085,25 +674,16 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, ddara
             if k0 == m0:  # diagonal tile: sum_{m >= l} sum_{s < l} M[m, s] for l in the block
                 prefix = tl.cumsum(M, axis=1) - M  # [m, l] = sum_{s < l} M[m, s]
                 F = tl.sum(tl.where(rows_m[:, None] >= rows_k[None, :], prefix, 0.0), 0)
-                if SLOTS:
-                    tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, F, mask=kmask)
-                else:
-                    tl.atomic_add(dda_ptr + tok0 + rows_k, F, mask=kmask)
+                tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, F, mask=kmask)
             else:
                 colsum = tl.sum(M, 0)
                 rowsum = tl.sum(M, 1)
                 total = tl.sum(rowsum, 0)
-                if SLOTS:
-                    tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum,
-                             mask=kmask)
-                    tl.store(dda_ptr + (k0 // BK).to(tl.int64) * HBT + tok0 + rows_m,
-                             total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
-                    tl.store(ddarange_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + m0 // BM) * NMB + k0 // BK, total)
-                else:
-                    tl.atomic_add(dda_ptr + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum, mask=kmask)
-                    tl.atomic_add(dda_ptr + tok0 + rows_m, total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
-                    tl.atomic_add(ddarange_ptr + tok0 + k0 + BK, total)
-                    tl.atomic_add(ddarange_ptr + tok0 + m0, -total)
+                tl.store(dda_ptr + (m0 // BM).to(tl.int64) * HBT + tok0 + rows_k, tl.cumsum(colsum, 0) - colsum,
+                         mask=kmask)
+                tl.store(dda_ptr + (k0 // BK).to(tl.int64) * HBT + tok0 + rows_m,
+                         total - tl.cumsum(rowsum, 0) + rowsum, mask=mmask)
+                tl.store(tot_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + m0 // BM) * NMB + k0 // BK, total)
     q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     tl.store(q_base + rows_m[:, None] * L + rows_k[None, :], acc)
 
@@ -1187,7 +767,7 @@ def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, cle
              DDA: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
     """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k. DDA: with x_l . dy_m
     (xld = x_l) the transposed tile M^T[l, m] = M[m, l] of dcb_bwd (M = Q_h * CB) gives the same
-    d(dt*A) shares as dcb_bwd's SLOTS: on the diagonal block (DIAG) the stable sum_{m >= l} sum_{s < l},
+    d(dt*A) shares as dcb_bwd: on the diagonal block (DIAG) the stable sum_{m >= l} sum_{s < l},
     else the column part (slot of block m, rows l), the row part (slot of block l, rows m) and the tile total."""
     rows_k = k + tl.arange(0, BK)
     kmask = rows_k < clen
@@ -1224,19 +804,14 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
-                  ROW_FAST: tl.constexpr = False, dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False):
+                  dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums.
-    DDA: also the intra-chunk d(dt*A) shares of dcb_bwd's SLOTS scheme (see _dx_tile), so that dcb_bwd only sums Q.
-    ROW_FAST: grid (l-block, head, chunk), so a (chunk, head)'s row blocks and then a chunk's heads run
-    together (dy tiles, chunk states and the group's C.B / B / C rows come from L2); else (chunk, head, l-block)."""
-    if ROW_FAST:
-        pid_m = tl.program_id(0)
-        h = tl.program_id(1)
-        pid_c = tl.program_id(2)
-    else:
-        pid_c = tl.program_id(0)
-        h = tl.program_id(1)
-        pid_m = tl.program_id(2)
+    DDA: also the intra-chunk d(dt*A) shares of dcb_bwd (see _dx_tile), so that dcb_bwd only sums Q (QONLY).
+    Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy
+    tiles, chunk states and the group's C.B / B / C rows come from L2)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_c = tl.program_id(2)
     l0 = pid_m * BM
     b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
     if l0 >= clen:
@@ -1306,15 +881,14 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
 
 
 @triton.jit
-def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, ddarange_ptr, q_ptr, passing_ptr,
+def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, tot_ptr, q_ptr, passing_ptr,
                   ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, NC, BT, NPN, s_dt_b, s_dt_t, dt_lo, dt_hi,
                   L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                  SLOTS: tl.constexpr = False, BMB: tl.constexpr = 64):
+                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c>
-    + the intra-chunk part from dcb_bwd (SLOTS: its per-row-block slots and tile totals, row blocks of BMB
-    rows; else its atomically summed buffer and range marks); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias."""
+    + the intra-chunk part from dcb_bwd / dx_bwd (its per-row-block slots and tile totals, row blocks of BMB
+    rows); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias."""
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
@@ -1326,21 +900,17 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     mask = (rows[:, None] < clen) & hmask[None, :]
     off = heads[None, :] * BT + b * T + t0 + rows[:, None]
     dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
-    if SLOTS:
-        NMB: tl.constexpr = L // BMB
-        HBT = H.to(tl.int64) * BT
-        dda_intra = tl.zeros((L, BH), dtype=tl.float32)
-        for s in tl.static_range(NMB):  # slot s exists where the chunk has row block s (tile (s, j) ran)
-            dda_intra += tl.load(dda_ptr + s * HBT + off, mask=mask & (rows[:, None] * 0 + s * BMB < clen), other=0.0)
-        blk = rows // BMB
-        for mb in tl.static_range(2, NMB):  # tile (mb, kb)'s total reaches the row blocks strictly between
-            for kb in tl.static_range(0, mb - 1):
-                tot = tl.load(ddarange_ptr + ((pid_c.to(tl.int64) * H + heads) * NMB + mb) * NMB + kb,
-                              mask=hmask & (heads * 0 + mb * BMB < clen), other=0.0)
-                dda_intra += tl.where((blk[:, None] > kb) & (blk[:, None] < mb), tot[None, :], 0.0)
-    else:
-        dda_intra = tl.load(dda_ptr + off, mask=mask, other=0.0)
-        dda_intra += tl.cumsum(tl.load(ddarange_ptr + off, mask=mask, other=0.0), axis=0)
+    NMB: tl.constexpr = L // BMB
+    HBT = H.to(tl.int64) * BT
+    dda_intra = tl.zeros((L, BH), dtype=tl.float32)
+    for s in tl.static_range(NMB):  # slot s exists where the chunk has row block s (tile (s, j) ran)
+        dda_intra += tl.load(dda_ptr + s * HBT + off, mask=mask & (rows[:, None] * 0 + s * BMB < clen), other=0.0)
+    blk = rows // BMB
+    for mb in tl.static_range(2, NMB):  # tile (mb, kb)'s total reaches the row blocks strictly between
+        for kb in tl.static_range(0, mb - 1):
+            tot = tl.load(tot_ptr + ((pid_c.to(tl.int64) * H + heads) * NMB + mb) * NMB + kb,
+                          mask=hmask & (heads * 0 + mb * BMB < clen), other=0.0)
+            dda_intra += tl.where((blk[:, None] > kb) & (blk[:, None] < mb), tot[None, :], 0.0)
     q = tl.load(q_ptr + off, mask=mask, other=0.0)
     ddt = tl.load(ddt_dir_ptr + off, mask=mask, other=0.0)
     dtp = tl.load(dtp_ptr + off, mask=mask, other=0.0)

@@ -6,11 +6,10 @@ Forward:  dtcb_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A, and C.B pe
                      chunks and stores every chunk's start state; the final state stays float32)
           chunk_scan_fwd2 (y = inter-chunk + intra-chunk + D skip, then the z gate; grid (row block,
                      head, chunk)). Other scan kernels / layouts: LM_SSD_SCAN, LM_SSD_STATE and
-                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md),
-                     LM_SSD_FACT / LM_SSD_DIAGVEC (chunk_scan_fwd3's factorised decay, flat2's row-vector
-                     diagonal C.B load).
+                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md).
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate, fused with the per-chunk dstate)
-          -> dcb_bwd (per group dy.x^T * decay * dt) -> dx_bwd -> dbdc_bwd -> dt_bwd.
+          -> dcb_bwd (per group Q = sum_heads dy.x^T * decay * dt) -> dx_bwd (dx, and the intra-chunk d(dt*A)
+          shares) -> dbdc_bwd -> dt_bwd (LM_SSD_BWD: see _bwd_variant).
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs
 outside autograd: nothing is saved and the pre-gate output is not stored.
 The chunk size must be a power of two >= 16. Accumulation is float32; chunk start states are kept
@@ -55,9 +54,7 @@ _gate_bwd = K.gate_bwd_kernel
 _cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N"])(K.cb_fwd_kernel)
 _dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(K.dtcb_fwd_kernel)
 _state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))],
-                   ["P", "N", "R", "BN", "NC", "XT"])(K.state_fwd_kernel)  # 32-row p blocks: more programs for long T
-_state_fwd_hb = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (32, 8), (32, 4))],
-                      ["P", "N", "R", "BN", "NC"])(K.state_fwd_hb_kernel)
+                   ["P", "N", "R", "BN", "NC"])(K.state_fwd_kernel)  # 32-row p blocks: more programs for long T
 
 
 def _prune_bm(configs, named_args, **kwargs):
@@ -74,43 +71,12 @@ _scan_fwd = (triton.autotune(configs=_scan_fwd_cfgs[:1] if _INTERPRET else _scan
                              prune_configs_by={"early_config_prune": _prune_bm})(K.chunk_scan_fwd_kernel)
              if not (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
              else triton.autotune(configs=_scan_fwd_cfgs[:1], key=["P", "N", "R", "L"])(K.chunk_scan_fwd_kernel))
-def _prune_hb(configs, named_args, **kwargs):
-    """Head blocks must stay inside one group (R % HB == 0) and row blocks inside the chunk."""
-    L = kwargs.get("L", named_args.get("L"))
-    R = named_args["R"]
-    keep = [c for c in configs if R % c.kwargs["HB"] == 0 and c.kwargs["BM"] <= max(L, 64)]
-    return keep or [c for c in configs if c.kwargs["HB"] == 1][:1]
-
-
-_scan_hb_cfgs = [triton.Config(dict(BM=bm, BK=bk, HB=hb), num_warps=w, num_stages=st)
-                 for bm, bk, hb, w, st in ((64, 64, 2, 4, 2), (64, 64, 4, 8, 2), (64, 32, 4, 4, 2), (64, 64, 2, 8, 2),
-                                           (128, 32, 2, 8, 2), (64, 32, 8, 8, 2), (64, 64, 1, 4, 2))]
-_scan_fwd_hb = triton.autotune(
-    configs=_scan_hb_cfgs[:1] if (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0") else _scan_hb_cfgs,
-    key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_hb})(K.chunk_scan_fwd_hb_kernel)
-def _prune_fact(configs, named_args, **kwargs):
-    L = kwargs.get("L", named_args.get("L"))
-    R = named_args["R"]
-    keep = [c for c in configs if R % c.kwargs["HB"] == 0 and c.kwargs["BM"] <= max(L, 16)]
-    return keep or configs[-1:]
-
-
-_scan_fact_cfgs = [triton.Config(dict(BM=bm, HB=hb), num_warps=w, num_stages=st)
-                   for bm, hb, w, st in ((64, 2, 4, 2), (64, 4, 8, 2), (64, 4, 4, 2), (128, 2, 8, 2), (64, 8, 8, 2),
-                                         (32, 4, 4, 2), (16, 2, 4, 2))]
-_scan_fwd_fact = triton.autotune(
-    configs=(_scan_fact_cfgs[-1:] if _INTERPRET  # 16-row blocks: the interpreter tests use 16-32 row chunks
-             else _scan_fact_cfgs[:1] if os.environ.get("LM_SSD_AUTOTUNE", "1") == "0" else _scan_fact_cfgs),
-    key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_fact})(K.chunk_scan_fwd_fact_kernel)
-XS_ROWS = 16 if _INTERPRET else 64  # "xs2": the row blocks of x~ (state kernel) = the scan's k blocks
 
 
 def _prune_fwd2(configs, named_args, **kwargs):
-    """Row blocks inside the chunk, k-blocks dividing the row block (BK <= BM, both powers of two); "xs2"
-    (XS=2): k blocks of XS_ROWS rows."""
+    """Row blocks inside the chunk, k-blocks dividing the row block (BK <= BM, both powers of two)."""
     L = kwargs.get("L", named_args.get("L"))
-    keep = [c for c in configs if c.kwargs["BM"] <= L and c.kwargs["BK"] <= c.kwargs["BM"]
-            and (kwargs.get("XS", 0) != 2 or c.kwargs["BK"] == XS_ROWS)]
+    keep = [c for c in configs if c.kwargs["BM"] <= L and c.kwargs["BK"] <= c.kwargs["BM"]]
     return keep or [c for c in configs if c.kwargs["BK"] <= c.kwargs["BM"]][-1:]
 
 
@@ -124,40 +90,6 @@ _scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_sta
 _scan_fwd2 = triton.autotune(
     configs=(_scan_fwd2_cfgs if _AUTOTUNE else _scan_fwd2_cfgs[-1:] if _INTERPRET else _scan_fwd2_cfgs[:1]),
     key=["P", "N", "R", "L", "FACT", "XS"], prune_configs_by={"early_config_prune": _prune_fwd2})(K.chunk_scan_fwd2_kernel)
-
-
-def _prune_fwd3(configs, named_args, **kwargs):
-    """Row blocks inside the chunk (keeps at least the last config)."""
-    L = kwargs.get("L", named_args.get("L"))
-    return [c for c in configs if c.kwargs["BM"] <= L] or configs[-1:]
-
-
-_scan_fwd3_cfgs = [triton.Config(dict(BM=bm, BP=bp, HB=hb), num_warps=w, num_stages=st)
-                   for bm, bp, hb, w, st in ((64, 64, 2, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 2), (64, 64, 2, 4, 2),
-                                             (64, 64, 2, 8, 3), (64, 64, 1, 8, 3), (64, 32, 1, 4, 3), (128, 64, 1, 8, 3),
-                                             (16, 16, 2, 4, 2))]  # the last: interpreter tests (small chunks)
-
-
-def _fwd3_tuner(hb_ok):
-    """Autotuned chunk_scan_fwd3_kernel; hb_ok False keeps single-head configs only (odd heads per group). The
-    head block is chosen here and not by pruning: a single config is never pruned (interpreter,
-    LM_SSD_AUTOTUNE=0)."""
-    cfgs = [c if hb_ok else triton.Config(dict(c.kwargs, HB=1), num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in _scan_fwd3_cfgs]
-    if not hb_ok:  # drop the duplicates made by HB=1
-        seen, uniq = set(), []
-        for c in cfgs:
-            k = (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
-            if k not in seen:
-                seen.add(k)
-                uniq.append(c)
-        cfgs = uniq
-    cfgs = cfgs[:-1] if _AUTOTUNE else cfgs[-1:] if _INTERPRET else cfgs[:1]
-    return triton.autotune(configs=cfgs, key=["P", "N", "R", "L", "FACT"],
-                           prune_configs_by={"early_config_prune": _prune_fwd3})(K.chunk_scan_fwd3_kernel)
-
-
-_scan_fwd3 = {True: _fwd3_tuner(True), False: _fwd3_tuner(False)}  # by R % 2 == 0
 
 
 def _prune_fused(configs, named_args, **kwargs):
@@ -175,9 +107,9 @@ _fused_fwd = triton.autotune(
     key=["P", "N", "R", "L", "NC", "FACT"], prune_configs_by={"early_config_prune": _prune_fused})(
         K.ssd_fused_fwd_kernel)
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "TILE_FAST", "SLOTS", "QONLY"], reset_to_zero=["dda_ptr", "ddarange_ptr"])(K.dcb_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "ROW_FAST", "DDA"])(K.dx_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA"])(K.dx_bwd_kernel)
 
 
 def _p2(v, lo=16):
@@ -272,41 +204,36 @@ class _Plan:
         self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
 
 
-_SCAN_VARIANTS = ("flat", "grid", "flat2", "hb", "fact", "chunk", "xs", "xs2")
+_SCAN_VARIANTS = ("flat", "grid", "flat2", "xs")
 
 
 def _scan_variant(plan):
     """The forward scan kernel. "flat": one head per program, grid (chunk, head, row block); "grid": the
     same math on the grid (row block, head, chunk) (chunk_scan_fwd2_kernel); "flat2": "grid" plus the
-    exponential-free factorised decay below the diagonal; "hb" (heads batched per program with 3D
-    products) and "fact" (heads share 2D products below the diagonal) were slower on an H100; "chunk": one
-    program per (p block, 1-2 heads, chunk) walking the chunk's state and causal tiles in one pipelined
-    loop (chunk_scan_fwd3_kernel; chunk states stored in the "NP" layout).
-    LM_SSD_SCAN overrides the default."""
+    exponential-free factorised decay below the diagonal, on the C.B operand; "xs": "grid" with the decay
+    below the diagonal on the x rows, so the raw C.B tile is the product's A operand. LM_SSD_SCAN overrides
+    the default. Removed after losing in two H100 runs each (kernels/ssd/PERF.md): "hb", "fact", "chunk"
+    scans."""
     v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
     if v and v not in _SCAN_VARIANTS:
         raise ValueError(f"LM_SSD_SCAN={v!r} must be one of {_SCAN_VARIANTS} (or unset)")
-    if v in ("hb", "fact") and plan.R % 2:  # head blocks (HB >= 2) must stay inside one group
-        return "flat"
-    # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.322 - 0.325,
-    # chunk 0.518 (LM_SSD_FACT=1: 0.456)
-    return v or "flat2"
+    # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.321 - 0.325,
+    # xs 0.303 (session 4)
+    return v or "xs"
 
 
-_STATE_VARIANTS = ("old", "pnfast", "bn128", "hb2", "bn32")
+_STATE_VARIANTS = ("old", "pnfast", "bn128")
 
 
 def _state_variant():
     """state_fwd layout: "old" grid (sequence, head, p x n block) with 64-wide n blocks; "pnfast" grid
-    (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head);
-    "hb2": "pnfast" with two heads of a group per program sharing the B rows (state_fwd_hb_kernel; "pnfast"
-    where a group has an odd number of heads); "bn32": "pnfast" with 32-wide n blocks (twice the programs).
-    LM_SSD_STATE overrides the default."""
+    (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head).
+    LM_SSD_STATE overrides the default. Removed after losing in two H100 runs each: "hb2" (head pairs),
+    "bn32" (32-wide n blocks)."""
     v = os.environ.get("LM_SSD_STATE", "").strip().lower()
     if v and v not in _STATE_VARIANTS:
         raise ValueError(f"LM_SSD_STATE={v!r} must be one of {_STATE_VARIANTS} (or unset)")
-    # H100, B8 T2048: old 0.156 ms, pnfast 0.130, bn128 0.130, hb2 0.159, bn32 0.204; B2 T8192: 0.125 - 0.129
-    # for the first three, hb2 0.156
+    # H100, B8 T2048: old 0.156 ms, pnfast 0.129 - 0.130, bn128 0.130; B2 T8192: 0.125 - 0.129
     return v or "pnfast"
 
 
@@ -320,35 +247,19 @@ def _nograd_variant(plan):
     return v or "split"
 
 
-_BWD_VARIANTS = ("old", "grid", "slots", "fused")
+_BWD_VARIANTS = ("slots", "fused")
 
 
 def _bwd_variant():
-    """Backward grids: "old" (chunk fastest; dcb_bwd adds its d(dt*A) shares with atomics); "grid" (dcb_bwd's
-    tiles and dx_bwd's row blocks of a chunk next to each other, then the heads; atomics kept); "slots"
-    ("grid", and dcb_bwd stores its shares in per-row-block slots and per-tile totals summed by dt_bwd: no
-    atomics, no zeroed buffers); "fused" ("slots" with the d(dt*A) shares computed in dx_bwd from the C.B and
-    decay tiles it builds anyway, and dcb_bwd summing Q alone). LM_SSD_BWD overrides the default."""
+    """Where the intra-chunk d(dt*A) shares are computed (both store them in per-row-block slots and
+    per-tile totals that dt_bwd sums; no atomics): "slots" in dcb_bwd (per group, per head, next to Q);
+    "fused" in dx_bwd, from the C.B and decay tiles it builds anyway (one more product per tile), with
+    dcb_bwd summing Q alone. LM_SSD_BWD overrides the default. H100 B8 T2048 (session 4): dcb_bwd + dx_bwd
+    0.722 + 0.716 ms (slots), 0.213 + 1.090 (fused); with atomics they were 1.075 + 0.803."""
     v = os.environ.get("LM_SSD_BWD", "").strip().lower()
     if v and v not in _BWD_VARIANTS:
         raise ValueError(f"LM_SSD_BWD={v!r} must be one of {_BWD_VARIANTS} (or unset)")
-    return v or "slots"
-
-
-def _env_flag(name):
-    """An LM_SSD_ switch: "1" on, "0" or unset off."""
-    v = os.environ.get(name, "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"{name}={v!r} must be 0 or 1 (or unset)")
-    return v == "1"
-
-
-def _chunk_fact():
-    """"chunk" scan kernel: factorised decay off the diagonal (fewer exponentials) with LM_SSD_FACT=1."""
-    v = os.environ.get("LM_SSD_FACT", "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"LM_SSD_FACT={v!r} must be 0 or 1 (or unset)")
-    return v == "1"
+    return v or "fused"
 
 
 def _dtcb_fused():
@@ -405,50 +316,29 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
             FACT=True, S_BF16=x.dtype == torch.bfloat16, **flags)
         return y, final, None
     state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)  # (p, n) or (n, p) per (chunk, head)
+    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)  # (p, n) per (chunk, head)
     variant = _scan_variant(pl)
-    if variant == "chunk" and state_dtype != x.dtype:  # its tiles come from x or the states through one pointer
-        variant = "flat2"
-    st_strides = (1, P) if variant == "chunk" else (N, 1)  # (s_sp, s_sn): "NP" or "PN" layout
+    st_strides = (N, 1)  # (s_sp, s_sn): the "PN" layout (the kernels also take "NP": (1, P))
     sv = _state_variant()
-    bn = min(128, pl.BNF) if sv == "bn128" else min(32, pl.BNF) if sv == "bn32" else pl.BN
-
-    hb2 = sv == "hb2" and pl.R % 2 == 0
-    if variant == "xs2" and (hb2 or L < XS_ROWS):  # x~ comes from state_fwd_kernel (not hb2), XS_ROWS blocks
-        variant = "xs"
-    xt = (torch.empty(pl.b, pl.T, H, P, dtype=torch.float32 if _INTERPRET else x.dtype, device=dev)  # operand dtype
-          if variant == "xs2" else None)
+    bn = min(128, pl.BNF) if sv == "bn128" else pl.BN
 
     def grid(META):
         npn = triton.cdiv(P, META["BP"]) * triton.cdiv(N, bn)
-        return (npn, H // 2 if hb2 else H, pl.nseq) if sv != "old" else (pl.nseq, H, npn)
-    state_args = (x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
-                  final if final is not None else dtp, pl.cu, pl.chunk_first,
-                  pl.T, H, P, N, pl.NC, pl.BT, pl.R,
-                  x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides)
-    state_kw = dict(L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
-                    IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
-    if hb2:
-        _state_fwd_hb[grid](*state_args, **state_kw)
-    else:
-        _state_fwd[grid](*state_args, **state_kw, PN_FAST=sv != "old", xt_ptr=xt, XT=xt is not None, XBK=XS_ROWS)
+        return (npn, H, pl.nseq) if sv != "old" else (pl.nseq, H, npn)
+    _state_fwd[grid](x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
+                     final if final is not None else dtp, pl.cu, pl.chunk_first,
+                     pl.T, H, P, N, pl.NC, pl.BT, pl.R,
+                     x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides,
+                     L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+                     IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype), PN_FAST=sv != "old")
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
                  pl.chunk_t0, pl.chunk_len, *common)
-    if variant == "chunk":
-        _scan_fwd3[pl.R % 2 == 0][lambda META: (triton.cdiv(P, META["BP"]), H // META["HB"], pl.NCB)](
-            *scan_args, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=_chunk_fact(), **flags)
-    elif variant in ("grid", "flat2", "xs", "xs2"):
+    if variant in ("grid", "flat2", "xs"):
         _scan_fwd2[lambda META: (triton.cdiv(L, META["BM"]) * triton.cdiv(P, META["BP"]), H, pl.NCB)](
             *scan_args, *st_strides, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2",
-            DIAGVEC=_env_flag("LM_SSD_DIAGVEC"), XS={"xs": 1, "xs2": 2}.get(variant, 0), xt_ptr=xt, **flags)
-    elif variant == "fact":
-        _scan_fwd_fact[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
-            *scan_args, L=L, BPF=pl.BPF, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
-    elif variant == "hb":
-        _scan_fwd_hb[lambda META: (pl.NCB, H // META["HB"], triton.cdiv(L, META["BM"]))](
-            *scan_args, L=L, BPF=pl.BPF, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
+            XS=variant == "xs", **flags)
     else:
         _scan_fwd[lambda META: (pl.NCB, H, triton.cdiv(L, META["BM"]) * triton.cdiv(P, pl.BP))](
             *scan_args, L=L, BP=pl.BP, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
@@ -488,30 +378,24 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     # per-group dy.x^T (decayed), for dB and dC
     Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
-    bv = _bwd_variant()
+    fused = _bwd_variant() == "fused"
     nm = triton.cdiv(L, pl.BM)
-    slots = bv in ("slots", "fused")
-    fused = bv == "fused"
-    if slots:  # every slot a kernel reads is written (dt_bwd skips the slots of row blocks a chunk lacks)
-        dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
-        ddarange = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
-    else:
-        dda = torch.zeros(H, pl.BT, dtype=torch.float32, device=dev)
-        ddarange = torch.zeros(H, pl.BT, dtype=torch.float32, device=dev)
-    ntile = (L // pl.BM) * (L // pl.BK)
-    _dcb_bwd[(ntile, G, pl.NCB) if bv != "old" else (pl.NCB, G, ntile)](
-        dy, x, dtp, cs, CB, Q, dda, ddarange, pl.chunk_t0, pl.chunk_len,
+    # every slot / total dt_bwd reads is written (it skips the slots of row blocks a chunk lacks): no zeroing
+    dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
+    tot = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
+    _dcb_bwd[((L // pl.BM) * (L // pl.BK), G, pl.NCB)](
+        dy, x, dtp, cs, CB, Q, dda, tot, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        TILE_FAST=bv != "old", SLOTS=slots, QONLY=fused)
+        QONLY=fused)
     # dx, direct ddt, per-row dcs
     dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
     dcs = torch.empty_like(ddt_dir)
     qrow = torch.empty_like(ddt_dir)
     dD_part = torch.zeros(pl.NCB * nm, H, P, dtype=torch.float32, device=dev) if D is not None else None
-    _dx_bwd[(nm, H, pl.NCB) if bv != "old" else (pl.NCB, H, nm)](
+    _dx_bwd[(nm, H, pl.NCB)](
         dy, x, B, C, CB, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, dcs, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
@@ -519,7 +403,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
         D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        ROW_FAST=bv != "old", dda_ptr=dda, tot_ptr=ddarange, DDA=fused)
+        dda_ptr=dda, tot_ptr=tot, DDA=fused)
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
@@ -535,11 +419,11 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     dA_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev) if dt_bias is not None else None
     _dt_bwd[(pl.NCB, triton.cdiv(H, pl.BH))](
-        dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, ddarange, qrow, passing,
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, tot, qrow, passing,
         ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
         pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), lo, hi,
         L=L, BH=pl.BH, NPN_B=_p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, SLOTS=slots, BMB=pl.BM, num_warps=4)
+        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, num_warps=4)
     dA = dA_part.sum(0).to(A.dtype)
     ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
     dD = None
