@@ -111,6 +111,7 @@ SWITCHES = [
     dict(MAIN_LATE_LOADS=False), dict(MAIN_LATE_LOADS=False, MAIN_REBASE=False),
     dict(VN_RECOMPUTE_MIN_NH=1), dict(VN_RECOMPUTE_MIN_NH=99), dict(AQK_SAVE=True), dict(AQK_SAVE=False),
     dict(AQK_SAVE=True, INTRA_MIN_NH=99), dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True, INTRA_MIN_NH=1),
+    dict(AQK_SAVE=True, MAIN_AQ=True), dict(AQK_SAVE=True, MAIN_AQ=True, MAIN_REBASE=False, MAIN_LATE_LOADS=False),
 ]
 
 
@@ -140,7 +141,7 @@ def test_triton_kernel_variants_match_reference(switch, monkeypatch):
 
 @pytest.mark.parametrize("switch", [dict(), dict(KKT_EARLY_A=False), dict(MAIN_LATE_LOADS=False),
                                     dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True),
-                                    dict(VN_RECOMPUTE_MIN_NH=99, AQK_SAVE=False)],
+                                    dict(VN_RECOMPUTE_MIN_NH=99, AQK_SAVE=False), dict(MAIN_AQ=True)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")
 def test_triton_chunk64_variants_match_reference(switch, monkeypatch):
     """The 64-row-chunk code paths of the switches (the 4x4 block merges of T, the main backward's late loads):

@@ -101,6 +101,10 @@ VN_RECOMPUTE_MIN_NH = 99
 # H100 session 4 run 1: nh=1 f+b 2.577 vs 2.703 ms (sequential backward 0.411 vs 0.571), forward with grad
 # 0.852 vs 0.836; at nh=2/3 f+b 4.506/6.481 vs 4.225/6.067 (the sequential backward grows to 0.876 / 1.287 ms).
 AQK_SAVE = None
+# The main backward also reads the saved Aqk^T (where AQK_SAVE saves it) for its dg term (dO Vn^T o Aqk) instead of
+# forming scale Q K^T after its V loop: one [BQ, K] x [K, BT] product fewer per chunk, the bf16 Aqk in place of the
+# float32 product. Prepared for the nh=1 f+b budget (BENCH.md session 4); CPU-tested, not timed on a GPU yet.
+MAIN_AQ = False
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -583,17 +587,19 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
 
 
-@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
+@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN", "LOAD_AQ"])
 @triton.jit
-def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg,
+def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg, aq,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr):
+                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr,
+                     LOAD_AQ: tl.constexpr):
     """dq, dk, dv, dbeta, dg of one chunk: one loop over V blocks with five fp32 accumulators (dO S^T,
     dO Vn^T, Vn dS^T, dVn S^T, dVn V^T), then the intra-chunk, state and WY terms. LATE: the K and Q tiles
     (used only after the V loop) are loaded after it, so that they do not hold registers across it.
-    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state."""
+    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state.
+    LOAD_AQ: the dg term dO Vn^T o Aqk uses the forward's saved Aqk^T instead of forming scale Q K^T here."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -622,6 +628,7 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
         dg += t0 * H + i_h
         hs += (c_glob * H + i_h) * K * V
         dh += (c_glob * H + i_h) * K * V
+        aq += (c_glob * H + i_h) * (BT * BQ)
         eos = (eos - r0).to(tl.int32)
         r0 = 0
         i_h = 0
@@ -691,13 +698,18 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_qs = b_q.to(tl.float32) * scale
     m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
     b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
-    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
+    if not LOAD_AQ:
+        b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
     b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
     b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
     tl.store(dq + (toks[:, None] * H + i_h) * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
              mask=m_q[:, None] & mk[None, :])
     b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
-    b_e2 = b_daq * b_qk
+    if LOAD_AQ:  # Aqk = scale Q K^T o Gam o M, zero off the mask: e2 = dO Vn^T o Aqk
+        b_aq = tl.load(aq + (c_glob * H + i_h) * (BT * BQ) + o_q[:, None] + o_t[None, :] * BQ)
+        b_e2 = b_dovn * b_aq.to(tl.float32)
+    else:
+        b_e2 = b_daq * b_qk
     b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
     b_dg = -tl.sum(b_e2, 0)
     b_dg += tl.sum(tl.where(((rq - r0)[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
@@ -876,9 +888,9 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
     _launch(_bwd_main_kernel, "main", (NT, H),
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
-             cseq, crow, cu_rows, coff, scale),
+             aq if aq is not None else gc, cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp), default=MAIN_CONFIG)
+                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp, LOAD_AQ=MAIN_AQ and aq is not None), default=MAIN_CONFIG)
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
