@@ -17,7 +17,8 @@ Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent par
                                                   and the state gradient entering each chunk
           _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
 Kept selectable as a measured alternative (module constants below, H100 timings in BENCH.md):
-_bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Removed after measuring slower in every
+_bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Prepared, not timed yet: _wu_v_kernel
+(WU_SPLIT_V) and MAIN_AQ. Removed after measuring slower in every
 H100 run (session 4, BENCH.md keeps their numbers): the one-kernel forward prep (_prep_kernel), the first
 versions of the sequential kernels (_fwd_h_o_kernel, _bwd_dh_kernel), the main backward in two V passes and
 its output side in a kernel of its own (_bwd_out_kernel).
@@ -105,6 +106,12 @@ AQK_SAVE = None
 # forming scale Q K^T after its V loop: one [BQ, K] x [K, BT] product fewer per chunk, the bf16 Aqk in place of the
 # float32 product. Prepared for the nh=1 f+b budget (BENCH.md session 4); CPU-tested, not timed on a GPU yet.
 MAIN_AQ = False
+# The forward prep's second half as _wu_v_kernel (V blocks over programs: (chunk, head, V block), each with the K
+# columns of W and Qe of the same index) instead of _wu_kernel's loop over V in one program per chunk: more,
+# smaller programs for a memory-bound kernel that takes 0.53 / 0.73 ms at nh=2/3 against fla's recompute_w_u
+# 0.31 / 0.47 (BENCH.md session 4). Launch config (BV, num_warps, num_stages). CPU-tested, not timed yet.
+WU_SPLIT_V = False
+WU_V_CONFIG = (64, 4, 1)
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -362,6 +369,83 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_
             b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
             tl.store(o + o_q[:, None] * (H * V) + o_v[None, :], b_ol.to(o.dtype.element_ty),
                      mask=m_q[:, None] & (o_v < V)[None, :])
+
+
+@triton.jit
+def _wu_v_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_rows, scale,
+                 NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr,
+                 PREC: tl.constexpr, SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr):
+    """_wu_kernel with the V loop spread over programs (WU_SPLIT_V): program (chunk, head, i_v) forms U and O_loc
+    for V block i_v, and W and Qe for K columns [i_v BKS, (i_v + 1) BKS), so that one chunk's work is spread over
+    cdiv(V, BV) smaller programs (Aqk = Q K^T o Gam o M is formed by each of them; block 0 stores it with SAVE_AQ)."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    n = tl.load(chunk_seq + i_c)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    ph = (r0 % NH).to(tl.int32)
+    t0 = r0 // NH
+    k += (r0 * H + i_h) * K
+    w += (r0 * H + i_h) * K
+    v += (r0 * H + i_h) * V
+    u += (r0 * H + i_h) * V
+    beta += r0 * H + i_h
+    gc += r0 * H + i_h
+    Tm += (r0 * H + i_h) * BT
+    q += (t0 * H + i_h) * K
+    qe += (t0 * H + i_h) * K
+    o += (t0 * H + i_h) * V
+    nt = (tl.minimum(eos - r0, BT)).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < nt
+    o_ks = i_v * BKS + tl.arange(0, BKS)
+    mks = o_ks < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    mv = o_v < V
+    gcs = tl.load(gc + o_t * H, mask=m_t, other=0.0)
+    tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_T = tl.load(Tm + o_t[:, None] * (H * BT) + o_t[None, :], mask=tri, other=0.0)
+    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    b_ks = tl.load(k + o_t[:, None] * (H * K) + o_ks[None, :], mask=m_t[:, None] & mks[None, :], other=0.0)
+    b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & mv[None, :], other=0.0)
+    kdt = b_ks.dtype
+    if SCALE_T:
+        b_Tf = b_T.to(tl.float32)
+        b_Tw = (b_Tf * (b_b * tl.exp(gcs))[None, :]).to(kdt)
+        b_T = (b_Tf * b_b[None, :]).to(kdt)
+        b_w = tl.dot(b_Tw, b_ks, input_precision=PREC).to(kdt)
+        b_u = tl.dot(b_T, b_v, input_precision=PREC).to(kdt)
+    else:
+        b_T = b_T.to(kdt)
+        b_kb = (b_ks.to(tl.float32) * (b_b * tl.exp(gcs))[:, None]).to(kdt)
+        b_w = tl.dot(b_T, b_kb, input_precision=PREC).to(kdt)
+        b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
+        b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
+    tl.store(w + o_t[:, None] * (H * K) + o_ks[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & mks[None, :])
+    tl.store(u + o_t[:, None] * (H * V) + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None] & mv[None, :])
+    if INTRA:
+        o_k = tl.arange(0, BK)
+        mk = o_k < K
+        o_q = tl.arange(0, BQ)
+        rq = o_q * NH + NH - 1 - ph  # row of each token's last sub-step, relative to the chunk's first row
+        m_q = rq < nt
+        b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
+        b_kt = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=mk[:, None] & m_t[None, :], other=0.0)
+        b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
+        m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+        b_A = tl.dot(b_q, b_kt, input_precision=PREC)
+        b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - gcs[None, :], 0.0))), 0.0)
+        b_Ak = b_A.to(kdt)
+        if SAVE_AQ:
+            tl.store(aq + (i_c.to(tl.int64) * H + tl.program_id(1)) * (BT * BQ) + o_t[None, :] * BQ + o_q[:, None],
+                     b_Ak.to(aq.dtype.element_ty), mask=(tl.zeros([BQ, BT], dtype=tl.int32) + i_v) == 0)
+        b_qs = tl.load(q + o_q[:, None] * (H * K) + o_ks[None, :], mask=m_q[:, None] & mks[None, :], other=0.0)
+        b_qe = b_qs.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
+        tl.store(qe + o_q[:, None] * (H * K) + o_ks[None, :], b_qe.to(qe.dtype.element_ty),
+                 mask=m_q[:, None] & mks[None, :])
+        b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
+        tl.store(o + o_q[:, None] * (H * V) + o_v[None, :], b_ol.to(o.dtype.element_ty),
+                 mask=m_q[:, None] & mv[None, :])
 
 
 def _h_o_v2_configs():
@@ -835,11 +919,17 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     aq = None
     if save and (not intra if AQK_SAVE is None else AQK_SAVE) and DH_FUSE_DVL:
         aq = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev)
-    _launch(_wu_kernel, "wu", (NT, H),
-            (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, cseq, crow, cu_rows, scale),
-            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
-                 SAVE_AQ=aq is not None and intra),
-            default=WU_CONFIG)
+    wu_args = (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, cseq, crow, cu_rows, scale)
+    wu_kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
+                 SAVE_AQ=aq is not None and intra)
+    if WU_SPLIT_V:
+        bv, nw, ns = WU_V_CONFIG
+        bv = min(bv, max(16, triton.next_power_of_2(V)))
+        nv = triton.cdiv(V, bv)
+        bks = max(16, triton.next_power_of_2(triton.cdiv(K, nv)))
+        _wu_v_kernel[(NT, H, nv)](*wu_args, **wu_kw, BV=bv, BKS=bks, num_warps=nw, num_stages=ns)
+    else:
+        _launch(_wu_kernel, "wu", (NT, H), wu_args, wu_kw, default=WU_CONFIG)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
     recomp = save and nh >= VN_RECOMPUTE_MIN_NH
