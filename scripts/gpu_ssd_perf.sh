@@ -8,8 +8,10 @@
 #   SSD_TESTS_FIRST=1 (default)                 tests first (they fill Triton's disk cache for the bench),
 #                                               at most SSD_TEST_TIMEOUT_S (200) seconds; 0: bench first,
 #                                               SSD_TEST_RESERVE_S (70) seconds kept for the tests
-# Measured on a fresh H100 (2026-11-22): all 9 GPU tests 149 s; the bench with autotuning and 4 variants
-# ~115 s per shape when nothing is compiled yet.
+# Measured on a fresh H100 (2026-11-22): all 9 GPU tests 149 s (session 3); session 4's run 9 fitted only the
+# first 5 (incl. 3 dtypes) in 190 s: the parity test compiles mamba_ssm (~65 s) and the variants test 3 kernel
+# sets, so give the tests ~300 s for all; the bench with autotuning: ~115 s per shape with 4 variants, ~110 s
+# for both shapes with 2 (run 9), 246 s for one shape with 11 (run 8).
 #   SSD_BUDGET_S=390                            whole script's budget
 #   SSD_TESTS="tests/...::test_a ..."           the GPU tests to run, in order (default: the list below)
 #   SSD_BENCH_ARGS="..."                        extra bench_ssd.py arguments (CPU dry run: "--tiny --no-peer
