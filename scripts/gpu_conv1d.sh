@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU run of the conv1d checks and timings (lm_kernels.conv1d vs the PyTorch path), results in $OUT:
-#   1. tests/test_conv1d_gpu.py (real shapes vs float64, packed, odd shapes, determinism, tiny Mamba2)
-#      with LM_CONV1D_AUTOTUNE=0 (one config per kernel: saves compile time; the bench checks the tuned ones)
-#   2. scripts/bench_conv1d.py (autotuned; do_bench medians; the torch.compile'd reference on the first shape)
+#   1. scripts/bench_conv1d.py (autotuned; do_bench medians; the torch.compile'd reference on the first shape;
+#      ours' accuracy against the float32 reference with the tuned configs); BENCH_SHAPES picks shapes
+#   2. tests/test_conv1d_gpu.py (real shapes vs float64, packed, odd shapes, determinism, tiny Mamba2)
+#      with LM_CONV1D_AUTOTUNE=0 (one config per kernel: saves compile time)
 # The repo need not be installed: lm_kernels is linked from kernels/. CONV1D_DRY=1: CPU smoke run
 # (interpreter, tiny bench shapes, no compile). Usage: OUT=/tmp/out bash scripts/gpu_conv1d.sh
 set -uo pipefail
@@ -21,11 +22,11 @@ if [ "${CONV1D_DRY:-0}" = 1 ]; then
   BENCH_ARGS=(--tiny --no-compile --warmup 1 --rep 1)
 fi
 
+echo "== bench ($(($(date +%s) - T0)) s)"
+timeout "${BENCH_TIMEOUT:-150}" $PY scripts/bench_conv1d.py "${BENCH_ARGS[@]}" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} --json "$OUT/bench_conv1d.json" \
+  2>&1 | tee "$OUT/bench.log"
 echo "== gpu tests ($(($(date +%s) - T0)) s)"
 LM_CONV1D_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-130}" $PY -m pytest tests/test_conv1d_gpu.py -q -rA -p no:cacheprovider \
   2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 
-echo "== bench ($(($(date +%s) - T0)) s)"
-timeout "${BENCH_TIMEOUT:-150}" $PY scripts/bench_conv1d.py "${BENCH_ARGS[@]}" --json "$OUT/bench_conv1d.json" \
-  2>&1 | tee "$OUT/bench.log"
 echo "== done ($(($(date +%s) - T0)) s)"
