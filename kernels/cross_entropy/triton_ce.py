@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG = -1.0e30  # finite "minus infinity": masked lanes never produce inf - inf
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked lanes never produce inf - inf
 
 
 @triton.jit
