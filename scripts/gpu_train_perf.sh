@@ -24,8 +24,8 @@ timeout 60 python3 scripts/bench_loss.py --json "$OUT/bench_loss.json" 2>&1 | ta
 echo "pieces done after $(( $(date +%s) - T0 )) s"
 L=$(( $(left) - 10 ))
 if [ "$L" -gt 60 ]; then
-  timeout "$L" python3 scripts/bench_train.py --cases "${CASES:-llama-explicit,llama-implicit-4+1,mamba2-explicit,mamba2-implicit-4+1}" \
-    --compile "${COMPILE:-on}" --engine "${ENGINE:-auto}" --micro "${MICRO:-16}" --steps 6 --warmup 3 --profile 2 \
+  timeout "$L" python3 scripts/bench_train.py --cases "${CASES:-llama-explicit,mamba2-explicit,mamba2-implicit-4+1,llama-implicit-4+1,deltaproduct-392m-nh2,fp_mamba-200m}" \
+    --compile "${COMPILE:-on}" --engine "${ENGINE:-auto}" --micro "${MICRO:-16}" --steps 8 --warmup 3 --profile 2 \
     --timeout 150 --out "$OUT/bench_train.json" 2>&1 | grep -v "^    " | tail -30
 fi
 echo "done after $(( $(date +%s) - T0 )) s"
