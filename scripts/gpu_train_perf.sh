@@ -2,7 +2,7 @@
 # One device run for end-to-end training speed: the GPU tests of the pieces on the training path
 # (LM-head loss kernel, conv1d kernel), their micro-benchmarks, then scripts/bench_train.py with
 # per-kernel profiles. Run from the repository root on the GPU machine (carry .gpu for DeepSpeed).
-#   CASES=...    bench_train cases (default: all four)    COMPILE=on|off|both (default on)
+#   CASES=...    bench_train cases (default: every family) COMPILE=on|off|both (default on)
 #   MICRO=16     micro-batch                              ENGINE=auto|torch|deepspeed (default auto)
 #   BUDGET_S=540 whole script
 set -u
