@@ -62,10 +62,6 @@ VARIANTS = {
     "s3": dict(VN_RECOMPUTE_MIN_NH=99, AQK_SAVE=False),  # session 3's defaults
     "save_128w8": dict(H_O_SAVE_CONFIG=({"BV": 128}, 8, 1)),  # SAVE launch: half the programs, 8 warps
     "aqk_dh32": dict(AQK_SAVE=True, DH_CONFIG=({"BV": 32}, 4, 2)),
-    "main_aq": dict(MAIN_AQ=True),  # the main backward reads the saved Aqk^T too (nh=1 with the defaults)
-    "wu_v": dict(WU_SPLIT_V=True),  # the prep's W/U half over (chunk, head, V block) programs
-    "wu_v_w2": dict(WU_SPLIT_V=True, WU_V_CONFIG=(64, 2, 1)),
-    "wu_v_32": dict(WU_SPLIT_V=True, WU_V_CONFIG=(32, 4, 1)),
     "dh1": dict(DH_CONFIG=({"BV": 64}, 4, 1)),  # sequential backward at 1 stage (less shared memory)
     "aqk_dh1": dict(AQK_SAVE=True, DH_CONFIG=({"BV": 64}, 4, 1)),
     "novn_64s2": dict(VN_RECOMPUTE_MIN_NH=1, MAIN_CONFIG=({"BV": 64}, 8, 2)),

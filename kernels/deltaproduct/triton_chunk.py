@@ -17,11 +17,11 @@ Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent par
                                                   and the state gradient entering each chunk
           _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
 Kept selectable as a measured alternative (module constants below, H100 timings in BENCH.md):
-_bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Prepared, not timed yet: _wu_v_kernel
-(WU_SPLIT_V) and MAIN_AQ. Removed after measuring slower in every
+_bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Removed after measuring slower in every
 H100 run (session 4, BENCH.md keeps their numbers): the one-kernel forward prep (_prep_kernel), the first
 versions of the sequential kernels (_fwd_h_o_kernel, _bwd_dh_kernel), the main backward in two V passes and
-its output side in a kernel of its own (_bwd_out_kernel).
+its output side in a kernel of its own (_bwd_out_kernel), the main backward reading the saved Aqk^T (MAIN_AQ)
+and the prep's W/U half spread over V-block programs (_wu_v_kernel, WU_SPLIT_V).
 
 The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
     dVn = (Q K^T o Gam o M)^T dO + Kd dS'                 dS = e^gC dS' + (e^g Q)^T dO - W^T dVn
@@ -102,16 +102,6 @@ VN_RECOMPUTE_MIN_NH = 99
 # H100 session 4 run 1: nh=1 f+b 2.577 vs 2.703 ms (sequential backward 0.411 vs 0.571), forward with grad
 # 0.852 vs 0.836; at nh=2/3 f+b 4.506/6.481 vs 4.225/6.067 (the sequential backward grows to 0.876 / 1.287 ms).
 AQK_SAVE = None
-# The main backward also reads the saved Aqk^T (where AQK_SAVE saves it) for its dg term (dO Vn^T o Aqk) instead of
-# forming scale Q K^T after its V loop: one [BQ, K] x [K, BT] product fewer per chunk, the bf16 Aqk in place of the
-# float32 product. Prepared for the nh=1 f+b budget (BENCH.md session 4); CPU-tested, not timed on a GPU yet.
-MAIN_AQ = False
-# The forward prep's second half as _wu_v_kernel (V blocks over programs: (chunk, head, V block), each with the K
-# columns of W and Qe of the same index) instead of _wu_kernel's loop over V in one program per chunk: more,
-# smaller programs for a memory-bound kernel that takes 0.53 / 0.73 ms at nh=2/3 against fla's recompute_w_u
-# 0.31 / 0.47 (BENCH.md session 4). Launch config (BV, num_warps, num_stages). CPU-tested, not timed yet.
-WU_SPLIT_V = False
-WU_V_CONFIG = (64, 4, 1)
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -371,83 +361,6 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_
                      mask=m_q[:, None] & (o_v < V)[None, :])
 
 
-@triton.jit
-def _wu_v_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_rows, scale,
-                 NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr,
-                 PREC: tl.constexpr, SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr):
-    """_wu_kernel with the V loop spread over programs (WU_SPLIT_V): program (chunk, head, i_v) forms U and O_loc
-    for V block i_v, and W and Qe for K columns [i_v BKS, (i_v + 1) BKS), so that one chunk's work is spread over
-    cdiv(V, BV) smaller programs (Aqk = Q K^T o Gam o M is formed by each of them; block 0 stores it with SAVE_AQ)."""
-    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    r0 = tl.load(chunk_row + i_c).to(tl.int64)
-    n = tl.load(chunk_seq + i_c)
-    eos = tl.load(cu_rows + n + 1).to(tl.int64)
-    ph = (r0 % NH).to(tl.int32)
-    t0 = r0 // NH
-    k += (r0 * H + i_h) * K
-    w += (r0 * H + i_h) * K
-    v += (r0 * H + i_h) * V
-    u += (r0 * H + i_h) * V
-    beta += r0 * H + i_h
-    gc += r0 * H + i_h
-    Tm += (r0 * H + i_h) * BT
-    q += (t0 * H + i_h) * K
-    qe += (t0 * H + i_h) * K
-    o += (t0 * H + i_h) * V
-    nt = (tl.minimum(eos - r0, BT)).to(tl.int32)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < nt
-    o_ks = i_v * BKS + tl.arange(0, BKS)
-    mks = o_ks < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    mv = o_v < V
-    gcs = tl.load(gc + o_t * H, mask=m_t, other=0.0)
-    tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    b_T = tl.load(Tm + o_t[:, None] * (H * BT) + o_t[None, :], mask=tri, other=0.0)
-    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-    b_ks = tl.load(k + o_t[:, None] * (H * K) + o_ks[None, :], mask=m_t[:, None] & mks[None, :], other=0.0)
-    b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & mv[None, :], other=0.0)
-    kdt = b_ks.dtype
-    if SCALE_T:
-        b_Tf = b_T.to(tl.float32)
-        b_Tw = (b_Tf * (b_b * tl.exp(gcs))[None, :]).to(kdt)
-        b_T = (b_Tf * b_b[None, :]).to(kdt)
-        b_w = tl.dot(b_Tw, b_ks, input_precision=PREC).to(kdt)
-        b_u = tl.dot(b_T, b_v, input_precision=PREC).to(kdt)
-    else:
-        b_T = b_T.to(kdt)
-        b_kb = (b_ks.to(tl.float32) * (b_b * tl.exp(gcs))[:, None]).to(kdt)
-        b_w = tl.dot(b_T, b_kb, input_precision=PREC).to(kdt)
-        b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
-        b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
-    tl.store(w + o_t[:, None] * (H * K) + o_ks[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & mks[None, :])
-    tl.store(u + o_t[:, None] * (H * V) + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_t[:, None] & mv[None, :])
-    if INTRA:
-        o_k = tl.arange(0, BK)
-        mk = o_k < K
-        o_q = tl.arange(0, BQ)
-        rq = o_q * NH + NH - 1 - ph  # row of each token's last sub-step, relative to the chunk's first row
-        m_q = rq < nt
-        b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
-        b_kt = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=mk[:, None] & m_t[None, :], other=0.0)
-        b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
-        m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-        b_A = tl.dot(b_q, b_kt, input_precision=PREC)
-        b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - gcs[None, :], 0.0))), 0.0)
-        b_Ak = b_A.to(kdt)
-        if SAVE_AQ:
-            tl.store(aq + (i_c.to(tl.int64) * H + tl.program_id(1)) * (BT * BQ) + o_t[None, :] * BQ + o_q[:, None],
-                     b_Ak.to(aq.dtype.element_ty), mask=(tl.zeros([BQ, BT], dtype=tl.int32) + i_v) == 0)
-        b_qs = tl.load(q + o_q[:, None] * (H * K) + o_ks[None, :], mask=m_q[:, None] & mks[None, :], other=0.0)
-        b_qe = b_qs.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
-        tl.store(qe + o_q[:, None] * (H * K) + o_ks[None, :], b_qe.to(qe.dtype.element_ty),
-                 mask=m_q[:, None] & mks[None, :])
-        b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
-        tl.store(o + o_q[:, None] * (H * V) + o_v[None, :], b_ol.to(o.dtype.element_ty),
-                 mask=m_q[:, None] & mv[None, :])
-
-
 def _h_o_v2_configs():
     # among BV 32/2 warps, 32/4, 64/4, 64/8 (all 2 stages)
     if _INTERPRET:
@@ -671,19 +584,17 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
 
 
-@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN", "LOAD_AQ"])
+@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
 @triton.jit
-def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg, aq,
+def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr,
-                     LOAD_AQ: tl.constexpr):
+                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr):
     """dq, dk, dv, dbeta, dg of one chunk: one loop over V blocks with five fp32 accumulators (dO S^T,
     dO Vn^T, Vn dS^T, dVn S^T, dVn V^T), then the intra-chunk, state and WY terms. LATE: the K and Q tiles
     (used only after the V loop) are loaded after it, so that they do not hold registers across it.
-    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state.
-    LOAD_AQ: the dg term dO Vn^T o Aqk uses the forward's saved Aqk^T instead of forming scale Q K^T here."""
+    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -712,7 +623,6 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
         dg += t0 * H + i_h
         hs += (c_glob * H + i_h) * K * V
         dh += (c_glob * H + i_h) * K * V
-        aq += (c_glob * H + i_h) * (BT * BQ)
         eos = (eos - r0).to(tl.int32)
         r0 = 0
         i_h = 0
@@ -782,18 +692,13 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_qs = b_q.to(tl.float32) * scale
     m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
     b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
-    if not LOAD_AQ:
-        b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
+    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
     b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
     b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
     tl.store(dq + (toks[:, None] * H + i_h) * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
              mask=m_q[:, None] & mk[None, :])
     b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
-    if LOAD_AQ:  # Aqk = scale Q K^T o Gam o M, zero off the mask: e2 = dO Vn^T o Aqk
-        b_aq = tl.load(aq + (c_glob * H + i_h) * (BT * BQ) + o_q[:, None] + o_t[None, :] * BQ)
-        b_e2 = b_dovn * b_aq.to(tl.float32)
-    else:
-        b_e2 = b_daq * b_qk
+    b_e2 = b_daq * b_qk
     b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
     b_dg = -tl.sum(b_e2, 0)
     b_dg += tl.sum(tl.where(((rq - r0)[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
@@ -919,17 +824,11 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     aq = None
     if save and (not intra if AQK_SAVE is None else AQK_SAVE) and DH_FUSE_DVL:
         aq = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev)
-    wu_args = (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, cseq, crow, cu_rows, scale)
-    wu_kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
-                 SAVE_AQ=aq is not None and intra)
-    if WU_SPLIT_V:
-        bv, nw, ns = WU_V_CONFIG
-        bv = min(bv, max(16, triton.next_power_of_2(V)))
-        nv = triton.cdiv(V, bv)
-        bks = max(16, triton.next_power_of_2(triton.cdiv(K, nv)))
-        _wu_v_kernel[(NT, H, nv)](*wu_args, **wu_kw, BV=bv, BKS=bks, num_warps=nw, num_stages=ns)
-    else:
-        _launch(_wu_kernel, "wu", (NT, H), wu_args, wu_kw, default=WU_CONFIG)
+    _launch(_wu_kernel, "wu", (NT, H),
+            (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, cseq, crow, cu_rows, scale),
+            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
+                 SAVE_AQ=aq is not None and intra),
+            default=WU_CONFIG)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
     recomp = save and nh >= VN_RECOMPUTE_MIN_NH
@@ -978,9 +877,9 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
     _launch(_bwd_main_kernel, "main", (NT, H),
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
-             aq if aq is not None else gc, cseq, crow, cu_rows, coff, scale),
+             cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp, LOAD_AQ=MAIN_AQ and aq is not None), default=MAIN_CONFIG)
+                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp), default=MAIN_CONFIG)
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
