@@ -1,13 +1,12 @@
-"""Triton depthwise causal conv1d: launches (forward 1 kernel, backward 1 kernel + a sum of the per-program
-dweight/dbias partials) and the autograd.Function.
+"""Triton depthwise causal conv1d: launches (forward 1 kernel; backward 2 kernels, g = dy * act'(z) with
+the dweight/dbias partials, then dx, plus a sum of the partials) and the autograd.Function.
 
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs
 outside autograd and saves nothing (the fixed-point iterations call it many times). With grad, only the
 inputs are saved: the backward recomputes the pre-activation. Accumulation is float32 (float64 for
 float64 inputs); y, dx and the new conv state come out in x's dtype, dweight / dbias / dconv_state in
 the dtype of their input. Tile sizes are autotuned on the GPU (key: channels, width, flags, dtypes)
-among configs that compile without spills on sm_90 for W = 4 (cuobjdump: forward 72-150 registers,
-backward 104-182 plain, 128-254 with packed documents and a conv state);
+among configs that compile without spills on sm_90 for W = 4 (cuobjdump, forward: 72-150 registers);
 under TRITON_INTERPRET=1 one small config (8 x 16 tiles, 16-row backward chunks) so that CPU tests at
 tiny shapes cross tile and chunk borders.
 """
@@ -41,11 +40,16 @@ def _configs(triples, interpret):
 _fwd = triton.autotune(
     configs=_configs([(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)], (8, 16, 1)),
     key=_KEY)(K.conv_fwd_kernel)
-_bwd = triton.autotune(
-    configs=_configs([(8, 128, 4), (4, 128, 4), (4, 256, 8), (8, 128, 8), (16, 128, 4)], (8, 16, 1)),
-    key=_KEY + ["STATE_GRAD"])(K.conv_bwd_kernel)
+_bwd_g = triton.autotune(  # 8 elements per thread: 118-128 registers on sm_90 (16: 176-208; 32: spills)
+    configs=_configs([(8, 128, 4), (16, 128, 8), (8, 256, 8), (16, 64, 4), (16, 128, 4)], (8, 16, 1)),
+    key=_KEY)(K.conv_bwd_g_kernel)
+_bwd_dx = triton.autotune(  # 47-170 registers on sm_90
+    configs=_configs([(16, 128, 4), (32, 128, 4), (8, 128, 4), (16, 256, 4), (32, 128, 8)], (8, 16, 1)),
+    key=["C", "W", "VARLEN", "STATE_GRAD"])(K.conv_bwd_dx_kernel)
 
 _ACC = {torch.float64: tl.float64}
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+             torch.float64: tl.float64}
 
 
 def _pow2(n: int) -> int:
@@ -111,20 +115,30 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     dstate = torch.empty(b, c, w - 1, device=x.device, dtype=conv_state.dtype) if state_grad else None
     chunk = _bwd_chunk(t, b, c, x.device)
     n_chunks = triton.cdiv(t, chunk)
+    acc = _ACC.get(x.dtype, tl.float32)
     part = torch.empty(b * n_chunks, c, w + (bias is not None), device=x.device,
                        dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    # g in float32: rounded to bf16 it doubled dx's error against float64 (CPU test), past the bf16 reference's
+    g = torch.empty(b, t, c, device=x.device, dtype=part.dtype) if silu else dy
     n_seq, log_n = _log_n(cu_seqlens)
     dummy = x
-    grid = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
-    _bwd[grid](
-        x, conv_state if conv_state is not None else dummy, weight, bias if bias is not None else dummy,
-        cu_seqlens if cu_seqlens is not None else dummy, dy, dx, dstate if dstate is not None else dummy, part,
-        t, c, n_seq, log_n, chunk,
+    cu = cu_seqlens if cu_seqlens is not None else dummy
+    grid_g = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
+    _bwd_g[grid_g](
+        x, conv_state if conv_state is not None else dummy, weight, bias if bias is not None else dummy, cu, dy, g,
+        part, t, c, n_seq, log_n, chunk,
         x.stride(0), x.stride(1), *_state_strides(conv_state), *weight.stride(),
-        dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), part.stride(0), part.stride(1), part.stride(2),
+        dy.stride(0), dy.stride(1), g.stride(0), g.stride(1), part.stride(0), part.stride(1), part.stride(2),
+        W=w, WP=_pow2(w), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
+        VARLEN=cu_seqlens is not None, SILU=silu, ACC=acc)
+    grid_dx = lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(c, meta["BC"]), b)  # noqa: E731
+    _bwd_dx[grid_dx](
+        g, weight, cu, dx, dstate if dstate is not None else dummy,
+        t, c, n_seq, log_n,
+        g.stride(0), g.stride(1), *weight.stride(), dx.stride(0), dx.stride(1),
         *(dstate.stride() if dstate is not None else (0, 0, 0)),
-        W=w, WP=_pow2(w), BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
-        VARLEN=cu_seqlens is not None, SILU=silu, STATE_GRAD=state_grad, ACC=_ACC.get(x.dtype, tl.float32))
+        W=w, BS=_pow2(max(w - 1, 1)), VARLEN=cu_seqlens is not None, STATE_GRAD=state_grad, ACC=acc,
+        XDT=_TL_DTYPE[x.dtype])
     red = part.sum(0)  # (c, w [+ 1]): weight columns 0..w-1, then the bias
     dweight = red[:, :w].to(weight.dtype)
     dbias = red[:, w].to(bias.dtype) if bias is not None else None

@@ -13,15 +13,14 @@ Forward (conv_fwd_kernel): y = act(bias + sum_j w_j in[p - j]) in float32 (float
 stored in x's dtype; the program holding the last row also writes the new conv state (the last W-1
 inputs). Weight, bias and conv state are rounded to x's dtype first, as the PyTorch reference does.
 
-Backward (conv_bwd_kernel): g[r] = dy[r] * act'(z[r]) with the pre-activation z recomputed from x;
-dx[p] = sum_s w_s g[p + s] over the taps s unmasked at output row p + s. A tile gathers instead of
-scattering, so that no program writes another's rows and no atomics are needed: it recomputes z at
-the W shifted row sets p + s at once, as a (WP, BT, BC) tensor (WP = W rounded up to a power of two;
-one (WP, BT, BC) input load per tap, L1 hits), then reduces over s. (Building z from the 2W-1 distinct
-shifted 2-D tiles instead needs a (WP, BC) weight matrix per shift: more registers on sm_90.) A program walks CHUNK rows in tiles of BT and keeps its dweight / dbias partial sums
-in registers, stored once per program into a float32 buffer (one (C, W+1) slice per program) that the
-caller sums: deterministic. Programs of the first chunk also form the conv state's gradient (inputs
-at rows -(W-1)..-1, the same gather).
+Backward, two forward-like passes of 2-D tiles (an H100 run of a one-pass gather, which recomputed z
+at the W shifted row sets as (WP, BT, BC) tensors, took 1.1 ms at b 8, t 2048, c 2304, 16x the forward):
+  conv_bwd_g_kernel: g = dy * act'(z) with z recomputed from x (stored in float32; without an
+    activation g = dy and nothing is stored), and dweight / dbias partial sums: a program walks CHUNK
+    rows in tiles of BT and stores one (C, W+1) float32 slice that the caller sums (deterministic);
+  conv_bwd_dx_kernel: dx[p] = sum_s w_s g[p + s] over taps s unmasked at output row p + s, a gather
+    (every program owns its rows, no atomics); programs of the first row tile also form the conv state's
+    gradient (inputs at rows -(W-1)..-1).
 """
 from __future__ import annotations
 
@@ -102,93 +101,102 @@ def conv_fwd_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
 
 
 @triton.jit
-def _grad_tile(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, row0, offs_c, mask_c, T, N_SEQ, LOG_N,
-               stride_xt, stride_sc, stride_sk, stride_wc, stride_wk, stride_dt,
-               W: tl.constexpr, WP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HAS_STATE: tl.constexpr,
-               HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-               XDT: tl.constexpr):
-    """For input positions p = row0 .. row0+BR-1: (dLoss/d input[p], dLoss/dz[p]), both (BR, BC)."""
-    sidx = tl.arange(0, WP)  # row set s: output rows p + s
-    ridx = tl.arange(0, BR)
-    rows2 = row0 + sidx[:, None] + ridx[None, :]  # (WP, BR) output rows
-    c3 = offs_c[None, None, :]
-    mc3 = mask_c[None, None, :]
-    live2 = (rows2 >= 0) & (rows2 < T) & (sidx < W)[:, None]
-    g = tl.load(dy_ptr + rows2[:, :, None].to(tl.int64) * stride_dt + c3, mask=live2[:, :, None] & mc3,
-                other=0.0).to(ACC)  # (WP, BR, BC)
-    if VARLEN:
-        pos2 = rows2 - _doc_start(cu_ptr, rows2, N_SEQ, LOG_N)
-    if SILU:
-        z = tl.zeros((WP, BR, BC), dtype=ACC)
-        for j in tl.static_range(W):  # tap j of row set s reads input row p + s - j
-            xin = _load_in(x_ptr, s_ptr, (rows2 - j)[:, :, None], row0 - j, c3, mc3, T,
-                           stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)  # (WP, BR, BC)
-            if VARLEN:
-                xin = tl.where((pos2 >= j)[:, :, None], xin, 0.0)
-            wj = tl.load(w_ptr + offs_c * stride_wc + (W - 1 - j) * stride_wk, mask=mask_c, other=0.0)
-            z += wj.to(XDT).to(ACC)[None, None, :] * xin
-        if HAS_BIAS:
-            z += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(XDT).to(ACC)[None, None, :]
-        sig = 1.0 / (1.0 + tl.exp(-z))
-        g = g * sig * (1.0 + z * (1.0 - sig))
-    g0 = tl.sum(tl.where((sidx == 0)[:, None, None], g, 0.0), axis=0)
-    ws = tl.load(w_ptr + offs_c[None, :] * stride_wc + (W - 1 - sidx)[:, None] * stride_wk,
-                 mask=(sidx < W)[:, None] & mask_c[None, :], other=0.0).to(XDT).to(ACC)  # tap s
-    gw = g * ws[:, None, :]
-    if VARLEN:
-        gw = tl.where((pos2 >= sidx[:, None])[:, :, None], gw, 0.0)
-    return tl.sum(gw, axis=0), g0
-
-
-@triton.jit
-def conv_bwd_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, ds_ptr, part_ptr,
-                    T, C, N_SEQ, LOG_N, CHUNK,
-                    stride_xb, stride_xt, stride_sb, stride_sc, stride_sk, stride_wc, stride_wk,
-                    stride_db, stride_dt, stride_dxb, stride_dxt, stride_gb, stride_gc, stride_gk,
-                    stride_ob, stride_oc, stride_ok,
-                    W: tl.constexpr, WP: tl.constexpr, BS: tl.constexpr, HAS_STATE: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, STATE_GRAD: tl.constexpr,
-                    ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, g_ptr, part_ptr,
+                      T, C, N_SEQ, LOG_N, CHUNK,
+                      stride_xb, stride_xt, stride_sb, stride_sc, stride_sk, stride_wc, stride_wk,
+                      stride_db, stride_dt, stride_gb, stride_gt, stride_pb, stride_pc, stride_pk,
+                      W: tl.constexpr, WP: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr):
+    """Backward pass 1: g = dy * act'(z) (z recomputed; stored in float32 when SILU, else g = dy is not
+    stored) and the per-program dweight / dbias partial sums over CHUNK rows."""
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
     s_ptr += pid_b * stride_sb
-    dy_ptr += pid_b * stride_db
     offs_c = pid_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
     kidx = tl.arange(0, WP)  # weight column k = tap W-1-k
-    ridx = tl.arange(0, BT)
     dw = tl.zeros((WP, BC), dtype=ACC)
     db = tl.zeros((BC,), dtype=ACC)
     t_start = pid_t * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
     for t0 in range(t_start, t_end, BT):
-        rows = t0 + ridx
-        dx, g = _grad_tile(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, t0, offs_c, mask_c, T, N_SEQ, LOG_N,
-                           stride_xt, stride_sc, stride_sk, stride_wc, stride_wk, stride_dt,
-                           W, WP, BT, BC, HAS_STATE, HAS_BIAS, VARLEN, SILU, ACC, XDT)
-        tl.store(dx_ptr + pid_b * stride_dxb + rows[:, None].to(tl.int64) * stride_dxt + offs_c[None, :],
-                 dx.to(XDT), mask=(rows < T)[:, None] & mask_c[None, :])
-        # dweight[:, k] += sum_p g[p] * input[p - (W-1-k)] over unmasked taps
-        rows3 = (rows[None, :] - (W - 1) + kidx[:, None])[:, :, None]  # (WP, BT, 1)
-        xin = _load_in(x_ptr, s_ptr, rows3, t0 - (W - 1), offs_c[None, None, :],
-                       (kidx < W)[:, None, None] & mask_c[None, None, :], T, stride_xt, stride_sc, stride_sk,
-                       W, HAS_STATE, ACC)
+        rows = t0 + tl.arange(0, BT)
+        live = (rows < T)[:, None] & mask_c[None, :]
+        g = tl.load(dy_ptr + pid_b * stride_db + rows[:, None].to(tl.int64) * stride_dt + offs_c[None, :],
+                    mask=live, other=0.0).to(ACC)
         if VARLEN:
             pos = rows - _doc_start(cu_ptr, rows, N_SEQ, LOG_N)
-            xin = tl.where((pos[None, :] >= (W - 1 - kidx)[:, None])[:, :, None], xin, 0.0)
-        dw += tl.sum(g[None, :, :] * xin, axis=1)
+        if SILU:
+            z = tl.zeros((BT, BC), dtype=ACC)
+            for j in tl.static_range(W):
+                v = _load_in(x_ptr, s_ptr, (rows - j)[:, None], t0 - j, offs_c[None, :], mask_c[None, :], T,
+                             stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)
+                if VARLEN:
+                    v = tl.where((pos >= j)[:, None], v, 0.0)
+                wj = tl.load(w_ptr + offs_c * stride_wc + (W - 1 - j) * stride_wk, mask=mask_c, other=0.0)
+                z += wj.to(XDT).to(ACC)[None, :] * v
+            if HAS_BIAS:
+                z += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(XDT).to(ACC)[None, :]
+            sig = 1.0 / (1.0 + tl.exp(-z))
+            g = g * sig * (1.0 + z * (1.0 - sig))
+            tl.store(g_ptr + pid_b * stride_gb + rows[:, None].to(tl.int64) * stride_gt + offs_c[None, :],
+                     g.to(g_ptr.dtype.element_ty), mask=live)
+        for j in tl.static_range(W):  # dweight[:, W-1-j] += sum_p g[p] * input[p - j]
+            v = _load_in(x_ptr, s_ptr, (rows - j)[:, None], t0 - j, offs_c[None, :], mask_c[None, :], T,
+                         stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)
+            if VARLEN:
+                v = tl.where((pos >= j)[:, None], v, 0.0)
+            dw += tl.where((kidx == W - 1 - j)[:, None], tl.sum(g * v, axis=0)[None, :], 0.0)
         if HAS_BIAS:
             db += tl.sum(g, axis=0)
-    part = part_ptr + (pid_b * tl.num_programs(0) + pid_t) * stride_gb + offs_c * stride_gc
-    tl.store(part[None, :] + kidx[:, None] * stride_gk, dw, mask=(kidx < W)[:, None] & mask_c[None, :])
+    part = part_ptr + (pid_b * tl.num_programs(0) + pid_t) * stride_pb + offs_c * stride_pc
+    tl.store(part[None, :] + kidx[:, None] * stride_pk, dw, mask=(kidx < W)[:, None] & mask_c[None, :])
     if HAS_BIAS:
-        tl.store(part + W * stride_gk, db, mask=mask_c)
+        tl.store(part + W * stride_pk, db, mask=mask_c)
+
+
+@triton.jit
+def _gather_g(g_ptr, cu_ptr, w_ptr, row0, offs_c, mask_c, T, N_SEQ, LOG_N, stride_gt, stride_wc, stride_wk,
+              W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr,
+              XDT: tl.constexpr):
+    """dLoss/d input[p] = sum_s w_s g[p + s] over taps s unmasked at output row p + s, p = row0 .. row0+BR-1."""
+    acc = tl.zeros((BR, BC), dtype=ACC)
+    for s in tl.static_range(W):
+        r = row0 + s + tl.arange(0, BR)
+        ok = (r >= 0) & (r < T)
+        if VARLEN:
+            ok = ok & (r - _doc_start(cu_ptr, r, N_SEQ, LOG_N) >= s)
+        gs = tl.load(g_ptr + r[:, None].to(tl.int64) * stride_gt + offs_c[None, :], mask=ok[:, None] & mask_c[None, :],
+                     other=0.0).to(ACC)
+        ws = tl.load(w_ptr + offs_c * stride_wc + (W - 1 - s) * stride_wk, mask=mask_c, other=0.0)
+        acc += ws.to(XDT).to(ACC)[None, :] * gs
+    return acc
+
+
+@triton.jit
+def conv_bwd_dx_kernel(g_ptr, w_ptr, cu_ptr, dx_ptr, ds_ptr,
+                       T, C, N_SEQ, LOG_N,
+                       stride_gb, stride_gt, stride_wc, stride_wk, stride_dxb, stride_dxt,
+                       stride_ob, stride_oc, stride_ok,
+                       W: tl.constexpr, BS: tl.constexpr, VARLEN: tl.constexpr, STATE_GRAD: tl.constexpr,
+                       ACC: tl.constexpr, XDT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Backward pass 2: dx[p] = sum_s w_s g[p + s] (a gather: every program owns its rows); programs of the
+    first row tile also write the conv state's gradient (inputs at rows -(W-1) .. -1)."""
+    pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    g_ptr += pid_b * stride_gb
+    offs_c = pid_c * BC + tl.arange(0, BC)
+    mask_c = offs_c < C
+    rows = pid_t * BT + tl.arange(0, BT)
+    dx = _gather_g(g_ptr, cu_ptr, w_ptr, pid_t * BT, offs_c, mask_c, T, N_SEQ, LOG_N, stride_gt, stride_wc,
+                   stride_wk, W, BT, BC, VARLEN, ACC, XDT)
+    tl.store(dx_ptr + pid_b * stride_dxb + rows[:, None].to(tl.int64) * stride_dxt + offs_c[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=(rows < T)[:, None] & mask_c[None, :])
     if STATE_GRAD:
-        if pid_t == 0:  # the conv state's gradient: inputs at positions -(W-1) .. -1
+        if pid_t == 0:
             k = tl.arange(0, BS)
-            ds, _ = _grad_tile(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, 1 - W, offs_c, mask_c, T, N_SEQ,
-                               LOG_N, stride_xt, stride_sc, stride_sk, stride_wc, stride_wk, stride_dt,
-                               W, WP, BS, BC, HAS_STATE, HAS_BIAS, VARLEN, SILU, ACC, XDT)
+            ds = _gather_g(g_ptr, cu_ptr, w_ptr, 1 - W, offs_c, mask_c, T, N_SEQ, LOG_N, stride_gt, stride_wc,
+                           stride_wk, W, BS, BC, VARLEN, ACC, XDT)
             tl.store(ds_ptr + pid_b * stride_ob + k[:, None] * stride_ok + offs_c[None, :] * stride_oc,
                      ds.to(ds_ptr.dtype.element_ty), mask=(k < W - 1)[:, None] & mask_c[None, :])
