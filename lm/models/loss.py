@@ -90,7 +90,8 @@ class _LinearCrossEntropyGradInForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dh, dw = ctx.saved_tensors
-        gh = dh * grad.to(dh.dtype) if dh is not None else None
+        # the scale in float32: rounded to bf16 first, a 1/3 (three accumulation steps) would be off by 0.2%
+        gh = (dh.float() * grad.float()).to(dh.dtype) if dh is not None else None
         gw = (dw * grad.float()).to(ctx.w_dtype) if dw is not None else None
         return gh, gw, None, None, None
 
