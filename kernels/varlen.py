@@ -1,4 +1,5 @@
-"""Validation of packed-sequence offsets, shared by every op (SSD, DeltaProduct, LRU scans)."""
+"""Packed-sequence offsets, shared by every op (SSD, DeltaProduct, LRU scans, conv1d) and the models:
+validation, and each token's position inside its document."""
 from __future__ import annotations
 
 import torch
@@ -21,3 +22,13 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int | None, 
             raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), "
                              f"got {cs.tolist()}")
     return cu_seqlens.numel() - 1
+
+
+def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """Index of every token inside its document, (total,) int64; plain arange without cu_seqlens."""
+    pos = torch.arange(total, device=device)
+    if cu_seqlens is None:
+        return pos
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    doc = torch.searchsorted(cu[1:], pos, right=True)
+    return pos - cu[doc]

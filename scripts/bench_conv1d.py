@@ -124,7 +124,7 @@ def main(argv=None):
         import triton
         res["triton"] = triton.__version__
     except ImportError:
-        pass
+        res["triton"] = None  # not installed: only the PyTorch paths run
     header = (f"{'shape':28s} {'path':15s} {'fwd nograd':>11s} {'fwd':>9s} {'fwd+bwd':>9s}  "
               f"{'ours/path: fwd':>14s} {'f+b':>6s}")
     print(header)

@@ -10,15 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
-    """Index of every token inside its document, (total,) int64; plain arange without cu_seqlens."""
-    pos = torch.arange(total, device=device)
-    if cu_seqlens is None:
-        return pos
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    doc = torch.searchsorted(cu[1:], pos, right=True)
-    return pos - cu[doc]
+from ..varlen import position_in_document
 
 
 def causal_conv1d_reference(

@@ -60,6 +60,26 @@ def _load_in(x_ptr, s_ptr, rows, row_min, cols, mask, T, stride_xt, stride_sc, s
 
 
 @triton.jit
+def _preact(x_ptr, s_ptr, w_ptr, b_ptr, rows, row0, pos, offs_c, mask_c, T, stride_xt, stride_sc, stride_sk,
+            stride_wc, stride_wk, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+            VARLEN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """z = sum_j w[:, W-1-j] input[rows - j] (+ bias) for a (BT, BC) tile: taps that cross a document
+    start (pos < j) masked; weight and bias rounded to x's dtype, accumulated in ACC."""
+    XDT: tl.constexpr = x_ptr.dtype.element_ty
+    z = tl.zeros((BT, BC), dtype=ACC)
+    for j in tl.static_range(W):
+        v = _load_in(x_ptr, s_ptr, (rows - j)[:, None], row0 - j, offs_c[None, :], mask_c[None, :], T,
+                     stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)
+        if VARLEN:
+            v = tl.where((pos >= j)[:, None], v, 0.0)
+        wj = tl.load(w_ptr + offs_c * stride_wc + (W - 1 - j) * stride_wk, mask=mask_c, other=0.0)
+        z += wj.to(XDT).to(ACC)[None, :] * v
+    if HAS_BIAS:
+        z += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(XDT).to(ACC)[None, :]
+    return z
+
+
+@triton.jit
 def conv_fwd_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
                     T, C, N_SEQ, LOG_N,
                     stride_xb, stride_xt, stride_sb, stride_sc, stride_sk, stride_wc, stride_wk,
@@ -75,18 +95,11 @@ def conv_fwd_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
     rows = row0 + tl.arange(0, BT)
     offs_c = pid_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
-    z = tl.zeros((BT, BC), dtype=ACC)
+    pos = rows
     if VARLEN:
         pos = rows - _doc_start(cu_ptr, rows, N_SEQ, LOG_N)
-    for j in tl.static_range(W):
-        v = _load_in(x_ptr, s_ptr, (rows - j)[:, None], row0 - j, offs_c[None, :], mask_c[None, :], T,
-                     stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)
-        if VARLEN:
-            v = tl.where((pos >= j)[:, None], v, 0.0)
-        wj = tl.load(w_ptr + offs_c * stride_wc + (W - 1 - j) * stride_wk, mask=mask_c, other=0.0)
-        z += wj.to(XDT).to(ACC)[None, :] * v
-    if HAS_BIAS:
-        z += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(XDT).to(ACC)[None, :]
+    z = _preact(x_ptr, s_ptr, w_ptr, b_ptr, rows, row0, pos, offs_c, mask_c, T, stride_xt, stride_sc, stride_sk,
+                stride_wc, stride_wk, W, HAS_STATE, HAS_BIAS, VARLEN, ACC, BT, BC)
     if SILU:
         z = z / (1.0 + tl.exp(-z))
     tl.store(y_ptr + pid_b * stride_yb + rows[:, None].to(tl.int64) * stride_yt + offs_c[None, :], z.to(XDT),
@@ -111,7 +124,6 @@ def conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, g_ptr, part_pt
     """Backward pass 1: g = dy * act'(z) (z recomputed; stored in float32 when SILU, else g = dy is not
     stored) and the per-program dweight / dbias partial sums over CHUNK rows."""
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
     s_ptr += pid_b * stride_sb
     offs_c = pid_c * BC + tl.arange(0, BC)
@@ -126,19 +138,12 @@ def conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, g_ptr, part_pt
         live = (rows < T)[:, None] & mask_c[None, :]
         g = tl.load(dy_ptr + pid_b * stride_db + rows[:, None].to(tl.int64) * stride_dt + offs_c[None, :],
                     mask=live, other=0.0).to(ACC)
+        pos = rows
         if VARLEN:
             pos = rows - _doc_start(cu_ptr, rows, N_SEQ, LOG_N)
         if SILU:
-            z = tl.zeros((BT, BC), dtype=ACC)
-            for j in tl.static_range(W):
-                v = _load_in(x_ptr, s_ptr, (rows - j)[:, None], t0 - j, offs_c[None, :], mask_c[None, :], T,
-                             stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)
-                if VARLEN:
-                    v = tl.where((pos >= j)[:, None], v, 0.0)
-                wj = tl.load(w_ptr + offs_c * stride_wc + (W - 1 - j) * stride_wk, mask=mask_c, other=0.0)
-                z += wj.to(XDT).to(ACC)[None, :] * v
-            if HAS_BIAS:
-                z += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(XDT).to(ACC)[None, :]
+            z = _preact(x_ptr, s_ptr, w_ptr, b_ptr, rows, t0, pos, offs_c, mask_c, T, stride_xt, stride_sc,
+                        stride_sk, stride_wc, stride_wk, W, HAS_STATE, HAS_BIAS, VARLEN, ACC, BT, BC)
             sig = 1.0 / (1.0 + tl.exp(-z))
             g = g * sig * (1.0 + z * (1.0 - sig))
             tl.store(g_ptr + pid_b * stride_gb + rows[:, None].to(tl.int64) * stride_gt + offs_c[None, :],

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm_kernels.conv1d import causal_conv1d as _conv1d
+from lm_kernels.varlen import position_in_document  # noqa: F401  (the models import it from here)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -117,16 +118,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
-    """Index of every token inside its document, (total,) int64; plain arange without cu_seqlens."""
-    pos = torch.arange(total, device=device)
-    if cu_seqlens is None:
-        return pos
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    doc = torch.searchsorted(cu[1:], pos, right=True)
-    return pos - cu[doc]
 
 
 def causal_conv1d(

@@ -18,6 +18,8 @@ Llama-350M step at 16 x 2048 tokens. It holds dh (like h) and an fp32 dW from th
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -111,6 +113,7 @@ def _forward_only_loss(h, weight, targets, chunk_tokens: int, ignore_index: int)
 _IMPLS = ("recompute", "grad_in_forward")
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_ok() -> bool:
     try:
         import triton  # noqa: F401, PLC0415
