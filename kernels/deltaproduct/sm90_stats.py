@@ -1,0 +1,104 @@
+"""Registers / spills / shared memory of the DeltaProduct kernels compiled for sm_90 on a machine without a GPU.
+
+    python -m lm_kernels.deltaproduct.sm90_stats [--nh 1 2 3] [--kernels main main_ks ...]
+
+Run it in a process without TRITON_INTERPRET (triton ships ptxas and cuobjdump). The numbers come from the CPU's
+triton (3.9 here), whose code generation can differ from the GPU image's (3.6): use them to compare variants,
+and the bench's compile_stats (triton's metadata on the H100) for the record. Bench shape: K 128, V 256, chunk 64.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from . import triton_chunk as tc
+
+_FP32_PTRS = {"gc", "db", "dg", "ht", "h0", "dh0", "dht", "dkp"}
+_INT_PTRS = {"chunk_seq", "chunk_row", "cu_rows", "chunk_off"}
+
+
+def _signature(fn, constexprs):
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name == "scale":
+            sig[name] = "fp32"
+        elif name in _INT_PTRS:
+            sig[name] = "*i32"
+        elif name in _FP32_PTRS:
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "*bf16"
+    return sig
+
+
+def stats(kernel, constexprs, num_warps, num_stages):
+    """(registers, spill stores bytes, spill loads bytes, shared bytes) of kernel compiled for sm_90."""
+    fn = kernel
+    while not isinstance(fn, triton.runtime.jit.JITFunction):
+        fn = fn.fn
+    sig = _signature(fn, constexprs)
+    # pointers 16-byte aligned, as torch allocates them (the launcher specializes on that)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                       "num_stages": num_stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
+    regs, stack = int(m.group(1)), int(m.group(2))
+    # spill bytes: ptxas -v on the kernel's PTX (the same ptxas triton ran)
+    ptxas = os.path.join(os.path.dirname(tool), "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        pf = os.path.join(d, "k.ptx")
+        with open(pf, "w") as f:
+            f.write(k.asm["ptx"])
+        v = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", pf, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True).stderr
+    sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)
+    return dict(regs=regs, spill_st=int(sp.group(1)), spill_ld=int(sp.group(2)), stack=stack,
+                shared=k.metadata.shared)
+
+
+def _main_cx(nh, BV, **extra):
+    BT, K, V = 64, 128, 256
+    cx = dict(NH=nh, H=16, K=K, V=V, BT=BT, BK=128, BV=BV, BQ=tc._bq(BT, nh), USE_G=True, PREC="tf32",
+              REBASE=True, LATE=True, RECOMP_VN=False)
+    cx.update(extra)
+    return cx
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--nh", type=int, nargs="+", default=[1])
+    p.add_argument("--configs", nargs="+", default=["32/8/3"], help="BV/warps/stages of the main backward")
+    p.add_argument("--kernels", nargs="+", default=["main"])
+    a = p.parse_args(argv)
+    for nh in a.nh:
+        for kname in a.kernels:
+            for c in a.configs:
+                bv, w, s = (int(x) for x in c.split("/"))
+                if kname == "main":
+                    r = stats(tc._bwd_main_kernel, _main_cx(nh, bv), w, s)
+                elif kname == "main_ks":
+                    cx = _main_cx(nh, bv, KS=64)
+                    for x in ("BK", "REBASE", "LATE", "RECOMP_VN"):
+                        cx.pop(x)
+                    r = stats(tc._bwd_main_ks_kernel, cx, w, s)
+                else:
+                    raise SystemExit(f"unknown kernel {kname}")
+                print(f"nh={nh} {kname} BV{bv} w{w} s{s}: {r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
