@@ -8,9 +8,9 @@
 # (interpreter, tiny bench shapes, no compile). Usage: OUT=/tmp/out bash scripts/gpu_conv1d.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/conv1d_out}
-mkdir -p "$OUT" /tmp/pp
-ln -sfn "$PWD/kernels" /tmp/pp/lm_kernels
-export PYTHONPATH=/tmp/pp:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+PP=${PP_DIR:-/tmp/pp}; mkdir -p "$OUT" "$PP"
+ln -sfn "$PWD/kernels" "$PP/lm_kernels"
+export PYTHONPATH=$PP:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 T0=$(date +%s)
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 || true
@@ -23,7 +23,8 @@ if [ "${CONV1D_DRY:-0}" = 1 ]; then
 fi
 
 echo "== bench ($(($(date +%s) - T0)) s)"
-timeout "${BENCH_TIMEOUT:-150}" $PY scripts/bench_conv1d.py "${BENCH_ARGS[@]}" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} --json "$OUT/bench_conv1d.json" \
+# BENCH_EXTRA: more bench_conv1d.py arguments, e.g. "--no-compile --profile --variants rows64=LM_CONV1D_BWD_ROWS=64"
+timeout "${BENCH_TIMEOUT:-150}" $PY scripts/bench_conv1d.py "${BENCH_ARGS[@]}" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} ${BENCH_EXTRA:-} --json "$OUT/bench_conv1d.json" \
   2>&1 | tee "$OUT/bench.log"
 echo "== gpu tests ($(($(date +%s) - T0)) s)"
 LM_CONV1D_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-130}" $PY -m pytest tests/test_conv1d_gpu.py -q -rA -p no:cacheprovider \

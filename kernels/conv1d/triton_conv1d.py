@@ -40,9 +40,9 @@ def _configs(triples, interpret):
 _fwd = triton.autotune(
     configs=_configs([(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)], (8, 16, 1)),
     key=_KEY)(K.conv_fwd_kernel)
-_bwd_g = triton.autotune(  # 8 elements per thread: 118-128 registers on sm_90 (16: 176-208; 32: spills)
-    configs=_configs([(8, 128, 4), (16, 128, 8), (8, 256, 8), (16, 64, 4), (16, 128, 4)], (8, 16, 1)),
-    key=_KEY)(K.conv_bwd_g_kernel)
+_bwd_g = triton.autotune(  # per-row partials: 147-182 registers on sm_90, no spills ((16, 128, 4) spills)
+    configs=_configs([(8, 128, 4), (16, 128, 8), (8, 256, 8), (16, 64, 4)], (8, 16, 1)),
+    key=_KEY + ["CHUNK"])(K.conv_bwd_g_kernel)
 _bwd_dx = triton.autotune(  # 47-170 registers on sm_90
     configs=_configs([(16, 128, 4), (32, 128, 4), (8, 128, 4), (16, 256, 4), (32, 128, 8)], (8, 16, 1)),
     key=["C", "W", "VARLEN", "STATE_GRAD"])(K.conv_bwd_dx_kernel)
@@ -69,11 +69,24 @@ def _num_sms(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _bwd_rows_override():
+    """LM_CONV1D_BWD_ROWS: rows per program of backward pass 1 (a power of two >= 16), else the heuristic."""
+    v = os.environ.get("LM_CONV1D_BWD_ROWS", "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 16 or int(v) & (int(v) - 1):
+        raise ValueError(f"LM_CONV1D_BWD_ROWS={v!r} must be a power of two >= 16 (or unset)")
+    return int(v)
+
+
 def _bwd_chunk(t: int, b: int, c: int, device) -> int:
     """Rows per backward program: enough programs to fill the GPU ~8x over with 128-channel tiles,
     few enough that the dweight partials (one (C, W+1) row per program) stay small."""
     if _INTERPRET:
         return 16
+    rows = _bwd_rows_override()
+    if rows is not None:
+        return rows
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
     per_chunk = b * triton.cdiv(c, 128)
@@ -160,6 +173,7 @@ class CausalConv1dFn(torch.autograd.Function):
         y, new_state = conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
         ctx.save_for_backward(x, weight, bias, conv_state, cu_seqlens)
         ctx.silu = silu
+        ctx.set_materialize_grads(False)  # an unused new state gets no zero-filled gradient (and no add)
         return y, new_state
 
     @staticmethod
