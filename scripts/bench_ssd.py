@@ -29,7 +29,8 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-DEFAULT_VARIANTS = ["flat2=flat2/-/-", "bwd_slots=-/-/-/LM_SSD_BWD=slots"]
+DEFAULT_VARIANTS = ["xs4=xs4/-/-", "dxacc0=-/-/-/LM_SSD_DXACC=0"]
+BWD_VARS = ("LM_SSD_BWD", "LM_SSD_DXACC")  # variants setting these are timed forward + backward too
 
 
 def parse_variants(specs):
@@ -127,6 +128,11 @@ def autotuned_configs():
         for sub, o in objs:
             if isinstance(o, Autotuner) and getattr(o, "cache", None):
                 out[f"{name}{'' if sub == '' else f'[{sub}]'}"] = {str(k): str(v) for k, v in o.cache.items()}
+                tim = getattr(o, "configs_timings", None)  # the last tuning's ms per config (median first)
+                if tim:
+                    out[f"{name}{'' if sub == '' else f'[{sub}]'} timings"] = {
+                        str(c): [round(float(x), 4) for x in (t if isinstance(t, (list, tuple)) else [t])]
+                        for c, t in tim.items()}
     return out
 
 
@@ -245,7 +251,7 @@ def main(argv=None):
         if args.json:  # after every shape, so a run cut short keeps what it measured
             write_json(args.json, result)
         # kernel variants (environment switches read at each call): no-grad and grad-enabled forward (+ backward
-        # for LM_SSD_BWD variants), after the default path and the peer, each printed and saved when done (a run
+        # for LM_SSD_BWD / LM_SSD_DXACC variants), after the default path and the peer, each printed and saved when done (a run
         # cut short keeps what it measured)
         for vname, venv in variants:
             saved = {k: os.environ.get(k) for k in venv}
@@ -260,7 +266,7 @@ def main(argv=None):
                 if venv.get("LM_SSD_NOGRAD", "split") != "fused":
                     ours()
                     row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
-                if "LM_SSD_BWD" in venv:  # a backward variant: forward + backward and its kernels too
+                if any(k in venv for k in BWD_VARS):  # a backward variant: forward + backward and its kernels too
                     fb = fwd_bwd(ours, gy)
                     fb()
                     row[f"ours_fwd_bwd_ms_{vname}"] = bench(fb, args.warmup, args.rep, grad_to_none=list(gin.values()))

@@ -26,7 +26,8 @@ if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
 fi
 export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-}
-mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/lm_kernels && export PYTHONPATH=/tmp/pp:$PYTHONPATH
+PP=$(mktemp -d) && ln -s "$PWD/kernels" "$PP/lm_kernels" && export PYTHONPATH=$PP:$PYTHONPATH  # lm_kernels (a fresh dir: a
+# shared /tmp/pp may hold someone's old copy)
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"

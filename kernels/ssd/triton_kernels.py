@@ -439,6 +439,139 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
 
 
 @triton.jit
+def _xs4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h,
+               T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+               L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+               STORE_PRE: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Row block j of chunk_scan_fwd4: acc holds e^{cs_r} C_m S^T + the below-diagonal sum in the frame of row r
+    (cs_r = cs of the row before the block, 0 for block 0); apply the row factor e^{cs_m - cs_r} (<= 1), add
+    the exact masked diagonal tile and D x, store y. Returns the block's x tile, cs and dt (for its x~)."""
+    rows = j * BM + tl.arange(0, BM)
+    mmask = rows < clen
+    cs_m = tl.load(cs_ptr + tok0 + rows, mask=mmask, other=0.0)
+    dt_m = tl.load(dtp_ptr + tok0 + rows, mask=mmask, other=0.0)
+    xm = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :], mask=mmask[:, None] & pmask[None, :],
+                 other=0.0)
+    acc = acc * tl.where(mmask, tl.exp(cs_m - cs_r), 0.0)[:, None]
+    causal = (rows[:, None] >= rows[None, :]) & mmask[None, :] & mmask[:, None]
+    dec = tl.exp(tl.where(causal, cs_m[:, None] - cs_m[None, :], float("-inf")))
+    cb = tl.load(cb_base + rows[:, None] * L + rows[None, :], mask=causal, other=0.0).to(tl.float32)
+    cb = cb * dec * dt_m[None, :]
+    acc = tl.dot(cb.to(DOT_DT), xm.to(DOT_DT), acc, input_precision=DOT_PREC)
+    if HAS_D:
+        if D_HP:
+            Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            Dv = tl.load(D_ptr + h).to(tl.float32)
+        acc += Dv * xm.to(tl.float32)
+    _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows, mmask, offs_p, pmask, T, H, P, s_z_b, s_z_t, s_z_h,
+             HAS_Z, STORE_PRE)
+    return xm, cs_m, dt_m
+
+
+@triton.jit
+def _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, j, BM: tl.constexpr, DOT_DT: tl.constexpr):
+    """x~ of the full row block j relative to its own last row ref: x_k dt_k e^{cs_ref - cs_k} (factors <= 1);
+    returns (x~ in the dot dtype, cs_ref)."""
+    e = tl.load(cs_ptr + tok0 + j * BM + BM - 1)
+    return (xm.to(tl.float32) * (tl.exp(e - cs_m) * dt_m)[:, None]).to(DOT_DT), e
+
+
+@triton.jit
+def _xs4_cs_term(C_base, St, t0, clen, j, offs_n, nmask, s_B_t, BM: tl.constexpr, DOT_DT: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    """C_m S^T for row block j (float32, unscaled)."""
+    rows = j * BM + tl.arange(0, BM)
+    Cm = tl.load(C_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
+                 mask=(rows[:, None] < clen) & nmask[None, :], other=0.0).to(DOT_DT)
+    return tl.dot(Cm, St, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _xs4_cb(cb_base, clen, m, k, L: tl.constexpr, BM: tl.constexpr, DOT_DT: tl.constexpr):
+    """The raw C.B tile (row block m, k block k < m): every k row valid, m rows masked by the chunk length."""
+    rows_m = m * BM + tl.arange(0, BM)
+    rows_k = k * BM + tl.arange(0, BM)
+    return tl.load(cb_base + rows_m[:, None] * L + rows_k[None, :], mask=(rows_m < clen)[:, None],
+                   other=0.0).to(DOT_DT)
+
+
+@triton.jit
+def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
+                           chunk_t0_ptr, chunk_len_ptr,
+                           T, H, P, N, NC, BT, R, G,
+                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h, s_sp, s_sn,
+                           L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
+                           BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+                           STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """"xs4": the whole chunk (four row blocks, L == 4 * BM) per (p-block, head, chunk), grid (p-block, head,
+    chunk). Below the diagonal the decay goes to the x rows as in "xs", but each k block's
+        x~_k = x_k dt_k e^{cs_ref(k) - cs_k},   ref(k) = the k block's last row (factors <= 1),
+    is built once (from the x tile its own diagonal step loaded) and kept (in shared memory) for the row
+    blocks below it; row block m (r = ref(m-1) = m0 - 1) sums Horner-style with scalar factors <= 1:
+        A = CB[m, 0] x~_0;  A = A e^{cs_ref(k) - cs_ref(k-1)} + CB[m, k] x~_k  (k = 1 .. m-1);
+        A += e^{cs_r} C_m S^T,
+    i.e. A = e^{cs_r} C_m S^T + sum_{k<m} e^{cs_r - cs_ref(k)} CB[m, k] x~_k, what "xs" builds per row block;
+    then the row factor e^{cs_m - cs_r}, the exact masked diagonal tile and D x. 3 x~ builds per chunk and
+    head instead of "xs"'s 6, x and S^T tiles loaded once per program. A chunk cut short returns after its
+    last row block."""
+    pid_p = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    b, t0, clen = _chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if clen <= 0:
+        return
+    g = h // R
+    tok0 = h * BT + b * T + t0
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    pmask = offs_p < P
+    x_base = x_ptr + b * s_x_b + h * s_x_h
+    C_base = C_ptr + b * s_B_b + g * s_B_g
+    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
+    St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * s_sp + offs_n[:, None] * s_sn,
+                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(DOT_DT)  # (BNF, BP) = S^T
+    # row block 0: state term (cs_r = 0) and the diagonal tile
+    acc = _xs4_cs_term(C_base, St, t0, clen, 0, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC)
+    xm, cs_m, dt_m = _xs4_block(acc, 0.0, 0, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
+                                tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+                                L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+    if clen <= BM:
+        return
+    # row block 1: r = ref(0)
+    xt0, e0 = _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 0, BM, DOT_DT)
+    acc = _xs4_cs_term(C_base, St, t0, clen, 1, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e0)
+    acc = tl.dot(_xs4_cb(cb_base, clen, 1, 0, L, BM, DOT_DT), xt0, acc, input_precision=DOT_PREC)
+    xm, cs_m, dt_m = _xs4_block(acc, e0, 1, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
+                                tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+                                L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+    if clen <= 2 * BM:
+        return
+    # row block 2: r = ref(1)
+    xt1, e1 = _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 1, BM, DOT_DT)
+    f1 = tl.exp(e1 - e0)
+    acc = tl.dot(_xs4_cb(cb_base, clen, 2, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
+    acc = tl.dot(_xs4_cb(cb_base, clen, 2, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
+    acc += _xs4_cs_term(C_base, St, t0, clen, 2, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e1)
+    xm, cs_m, dt_m = _xs4_block(acc, e1, 2, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
+                                tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+                                L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+    if clen <= 3 * BM:
+        return
+    # row block 3: r = ref(2)
+    xt2, e2 = _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 2, BM, DOT_DT)
+    acc = tl.dot(_xs4_cb(cb_base, clen, 3, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
+    acc = tl.dot(_xs4_cb(cb_base, clen, 3, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
+    acc = tl.dot(_xs4_cb(cb_base, clen, 3, 2, L, BM, DOT_DT), xt2, acc * tl.exp(e2 - e1), input_precision=DOT_PREC)
+    acc += _xs4_cs_term(C_base, St, t0, clen, 3, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e2)
+    _xs4_block(acc, e2, 3, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
+               tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+               L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+
+
+@triton.jit
 def ssd_fused_fwd_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, init_ptr, final_ptr, D_ptr, z_ptr, y_ptr,
                          cu_ptr, chunk_first_ptr,
                          T, H, P, N, NC, BT, R, G,
@@ -804,9 +937,12 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
-                  dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False):
+                  dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False, DXACC: tl.constexpr = False):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums.
     DDA: also the intra-chunk d(dt*A) shares of dcb_bwd (see _dx_tile), so that dcb_bwd only sums Q (QONLY).
+    DXACC: the causal loop's accumulator starts at the state term dxs = e^{a - cs_l} B_l G^T (its row sums
+    x_l . dxs for the d(dt*A) state term taken before the loop, x_l loaded once), so dxs is not kept live
+    through the loop next to the accumulator (fewer registers); else the loop starts at zero and adds dxs after.
     Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy
     tiles, chunk states and the group's C.B / B / C rows come from L2)."""
     pid_m = tl.program_id(0)
@@ -837,12 +973,17 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
     dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
-    dxi = tl.zeros((BM, BPF), dtype=tl.float32)
+    lp = lmask[:, None] & pmask[None, :]
+    if DXACC or DDA:
+        xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(dtype)
+    if DXACC:
+        qsum = tl.sum(xld.to(tl.float32) * dxs, 1)
+        dxi = dxs
+    else:
+        dxi = tl.zeros((BM, BPF), dtype=tl.float32)
     if DDA:
         NMB: tl.constexpr = L // BM
         HBT = H.to(tl.int64) * BT
-        xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
-                      mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
         dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask, cs_l,
                        dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True, dtype, DOT_PREC)
         for k in range(l0 + BK, clen, BK):
@@ -854,8 +995,10 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
             dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
                            cs_l, dt_l, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, False, False, dtype,
                            DOT_PREC)
-    lp = lmask[:, None] & pmask[None, :]
-    xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
+    if DXACC:
+        xl = xld.to(tl.float32)
+    else:
+        xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
     dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
     # y_off = e^{cs_l} S C_l in float32 from the stored state (for dcs; the intra part comes from dcb_bwd)
     Cl = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :],
@@ -863,7 +1006,10 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * s_sp + offs_n[:, None] * s_sn,
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = S^T
     yoff = tl.dot(Cl, St, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(cs_l), 0.0)[:, None]
-    t = dxs + dxi
+    if DXACC:
+        t = dxi
+    else:
+        t = dxs + dxi
     dx = dt_l[:, None] * t
     if HAS_D:
         if D_HP:
@@ -877,7 +1023,10 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
     tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
     tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yoff, 1), mask=lmask)
-    tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
+    if DXACC:
+        tl.store(q_ptr + tok0 + rows_l, qsum * dt_l, mask=lmask)
+    else:
+        tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
 
 
 @triton.jit

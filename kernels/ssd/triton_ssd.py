@@ -92,6 +92,16 @@ _scan_fwd2 = triton.autotune(
     key=["P", "N", "R", "L", "FACT", "XS"], prune_configs_by={"early_config_prune": _prune_fwd2})(K.chunk_scan_fwd2_kernel)
 
 
+# sm_90 registers as launched at P64 N128 (triton 3.9): BP 32 / 4 warps 192, BP 32 / 8 warps 188, BP 64 / 8 warps 224,
+# BP 64 / 4 warps 255 + 24 B stack (no loops: num_stages does not matter)
+_scan_fwd4_cfgs = [triton.Config(dict(BP=bp), num_warps=w, num_stages=1)
+                   for bp, w in ((32, 4), (64, 8), (32, 8), (64, 4),
+                                 (16, 4))]  # the last: interpreter tests (small chunks)
+_scan_fwd4 = triton.autotune(
+    configs=(_scan_fwd4_cfgs[:-1] if _AUTOTUNE else _scan_fwd4_cfgs[-1:] if _INTERPRET else _scan_fwd4_cfgs[:1]),
+    key=["P", "N", "R", "L"])(K.chunk_scan_fwd4_kernel)
+
+
 def _prune_fused(configs, named_args, **kwargs):
     L = kwargs.get("L", named_args.get("L"))
     keep = [c for c in configs if c.kwargs["BM"] <= L]
@@ -109,7 +119,7 @@ _fused_fwd = triton.autotune(
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA"])(K.dx_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA", "DXACC"])(K.dx_bwd_kernel)
 
 
 def _p2(v, lo=16):
@@ -204,14 +214,16 @@ class _Plan:
         self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
 
 
-_SCAN_VARIANTS = ("flat", "grid", "flat2", "xs")
+_SCAN_VARIANTS = ("flat", "grid", "flat2", "xs", "xs4")
 
 
 def _scan_variant(plan):
     """The forward scan kernel. "flat": one head per program, grid (chunk, head, row block); "grid": the
     same math on the grid (row block, head, chunk) (chunk_scan_fwd2_kernel); "flat2": "grid" plus the
     exponential-free factorised decay below the diagonal, on the C.B operand; "xs": "grid" with the decay
-    below the diagonal on the x rows, so the raw C.B tile is the product's A operand. LM_SSD_SCAN overrides
+    below the diagonal on the x rows, so the raw C.B tile is the product's A operand; "xs4": "xs" with one
+    program per (p block, head, chunk) for chunks of four row blocks (chunk == 4 * the tile rows, i.e. 256
+    on a GPU), each decayed x tile built once (chunk_scan_fwd4_kernel; other chunk sizes run "xs"). LM_SSD_SCAN overrides
     the default. Removed after losing in two H100 runs each (kernels/ssd/PERF.md): "hb", "fact", "chunk"
     scans."""
     v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
@@ -260,6 +272,15 @@ def _bwd_variant():
     if v and v not in _BWD_VARIANTS:
         raise ValueError(f"LM_SSD_BWD={v!r} must be one of {_BWD_VARIANTS} (or unset)")
     return v or "fused"
+
+
+def _dxacc():
+    """dx_bwd's causal loop starts at the state term (DXACC) unless LM_SSD_DXACC=0 (the loop starts at zero and
+    the state term, kept live through it, is added after)."""
+    v = os.environ.get("LM_SSD_DXACC", "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LM_SSD_DXACC={v!r} must be 0 or 1 (or unset)")
+    return v != "0"
 
 
 def _dtcb_fused():
@@ -335,7 +356,12 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     ypre = torch.empty_like(y) if store_pre else None
     scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
                  pl.chunk_t0, pl.chunk_len, *common)
-    if variant in ("grid", "flat2", "xs"):
+    if variant == "xs4" and L != 4 * pl.BM:
+        variant = "xs"  # chunk_scan_fwd4 is written for exactly four row blocks
+    if variant == "xs4":
+        _scan_fwd4[lambda META: (triton.cdiv(P, META["BP"]), H, pl.NCB)](
+            *scan_args, *st_strides, L=L, BM=pl.BM, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
+    elif variant in ("grid", "flat2", "xs"):
         _scan_fwd2[lambda META: (triton.cdiv(L, META["BM"]) * triton.cdiv(P, META["BP"]), H, pl.NCB)](
             *scan_args, *st_strides, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2",
             XS=variant == "xs", **flags)
@@ -403,7 +429,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
         D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        dda_ptr=dda, tot_ptr=tot, DDA=fused)
+        dda_ptr=dda, tot_ptr=tot, DDA=fused, DXACC=_dxacc())
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
