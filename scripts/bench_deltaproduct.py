@@ -65,6 +65,18 @@ VARIANTS = {
     "dh1": dict(DH_CONFIG=({"BV": 64}, 4, 1)),  # sequential backward at 1 stage (less shared memory)
     "aqk_dh1": dict(AQK_SAVE=True, DH_CONFIG=({"BV": 64}, 4, 1)),
     "novn_64s2": dict(VN_RECOMPUTE_MIN_NH=1, MAIN_CONFIG=({"BV": 64}, 8, 2)),
+    # session 5 (BENCH.md): the main backward in two V passes, one per K half (MAIN_KSPLIT), at one program per SM
+    # (8 warps, 255 registers) or two (4 warps, or 8 warps capped at 128 registers); launch configs with a
+    # register cap (4th element: maxnreg) for more programs per SM in the prep and the sequential kernels
+    "ks": dict(MAIN_KSPLIT=(1, 2, 3)),
+    "ks_w4": dict(MAIN_KSPLIT=(1, 2, 3), FIXED={"main_ks": ({"BV": 32}, 4, 2)}),
+    "ks_16w4": dict(MAIN_KSPLIT=(1, 2, 3), FIXED={"main_ks": ({"BV": 16}, 4, 2)}),
+    "ks_r128": dict(MAIN_KSPLIT=(1, 2, 3), FIXED={"main_ks": ({"BV": 16}, 8, 2, 128)}),
+    "main_32s4": dict(MAIN_CONFIG=({"BV": 32}, 8, 4)),  # the fused main backward, one more pipeline stage
+    "dh_128w8": dict(DH_CONFIG=({"BV": 128}, 8, 1)),  # half the sequential-backward programs, 8 warps each
+    "wu_r168": dict(WU_CONFIG=({"BV": 64}, 4, 3, 168)),  # 3 programs per SM instead of 2 (188 registers)
+    "wu_32": dict(WU_CONFIG=({"BV": 32}, 4, 3)),  # 166 registers: 3 per SM
+    "save_r168": dict(H_O_SAVE_CONFIG=({"BV": 64}, 4, 1, 168)),  # SAVE forward: 3 per SM instead of 2
 }
 
 

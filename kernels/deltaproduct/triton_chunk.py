@@ -113,11 +113,14 @@ FIXED: dict = {}
 
 def _launch(kern, name, grid, args, kw, default=None):
     """kern[grid](*args, **kw), autotuned, or with the fixed config FIXED[name] (else `default`, when given;
-    compiled GPU runs only). grid is a tuple or a function of the meta-parameters."""
+    compiled GPU runs only): (meta, num_warps, num_stages) or (meta, num_warps, num_stages, maxnreg). grid is a
+    tuple or a function of the meta-parameters."""
     fixed = FIXED.get(name, default)
     if fixed is not None and not _INTERPRET:
-        meta, nw, ns = fixed
+        meta, nw, ns = fixed[:3]
         kw = {**kw, **meta}
+        if len(fixed) > 3 and fixed[3]:  # a register cap (ptx .maxnreg): more programs per SM
+            kw["maxnreg"] = fixed[3]
         kern.fn[grid(kw) if callable(grid) else grid](*args, **kw, num_warps=nw, num_stages=ns)
     else:
         kern[grid](*args, **kw)
@@ -841,17 +844,23 @@ def _bwd_main_ks_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, 
     b_egq = tl.exp(b_gq)
     b_ed = tl.exp(g_last - b_g)
     b_eb = b_b * tl.exp(b_g)
+    # the whole Q K^T (both K halves) now, so that only the k-dtype dAqk is held across pass 2
+    o_k2 = KS + tl.arange(0, KS)
+    mk2 = o_k2 < K
+    b_q = tl.load(q + o_q[:, None] * (H * K) + o_k2[None, :], mask=m_q[:, None] & mk2[None, :], other=0.0)
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k2[None, :], mask=m_t[:, None] & mk2[None, :], other=0.0)
+    b_qk = tl.dot((b_q.to(tl.float32) * scale).to(kdt), tl.trans(b_k), input_precision=PREC)
     # K-half-1 terms of dq (stored), dk (held), dg, dbeta and dT
     b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & mk[None, :], other=0.0)
     b_qs = b_q.to(tl.float32) * scale
-    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
-    b_dq = b_dqi * b_egq[:, None] + tl.dot(b_daqk, b_k, input_precision=PREC)
-    tl.store(dq + o_q[:, None] * (H * K) + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_q[:, None] & mk[None, :])
+    b_qk += tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
     b_e2 = b_daq * b_qk
     b_dgq = tl.sum(b_e2, 1) + b_egq * tl.sum(b_qs * b_dqi, 1)
     b_dg = -tl.sum(b_e2, 0)
+    b_dq = b_dqi * b_egq[:, None] + tl.dot(b_daqk, b_k, input_precision=PREC)
+    tl.store(dq + o_q[:, None] * (H * K) + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_q[:, None] & mk[None, :])
     b_dk1 = tl.dot(tl.trans(b_daqk), b_qs.to(kdt), input_precision=PREC) + b_dkd * b_ed[:, None]
     b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
     b_dg -= b_f
@@ -865,8 +874,6 @@ def _bwd_main_ks_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, 
     b_db += b_t * tl.exp(b_g)
     b_dg += b_t * b_eb
     # ---- pass 2: K columns [KS, 2 KS)
-    o_k2 = KS + tl.arange(0, KS)
-    mk2 = o_k2 < K
     b_dqi = tl.zeros([BQ, KS], dtype=tl.float32)
     b_dkd = tl.zeros([BT, KS], dtype=tl.float32)
     b_dw = tl.zeros([BT, KS], dtype=tl.float32)
@@ -887,14 +894,12 @@ def _bwd_main_ks_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, 
         b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
     b_q = tl.load(q + o_q[:, None] * (H * K) + o_k2[None, :], mask=m_q[:, None] & mk2[None, :], other=0.0)
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k2[None, :], mask=m_t[:, None] & mk2[None, :], other=0.0)
+    b_Tk = tl.load(Tm + o_t[:, None] * (H * BT) + o_t[None, :], mask=tri, other=0.0).to(kdt)  # not held in pass 2
     b_qs = b_q.to(tl.float32) * scale
-    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
     b_dq = b_dqi * b_egq[:, None] + tl.dot(b_daqk, b_k, input_precision=PREC)
     tl.store(dq + o_q[:, None] * (H * K) + o_k2[None, :], (b_dq * scale).to(dq.dtype.element_ty),
              mask=m_q[:, None] & mk2[None, :])
-    b_e2 = b_daq * b_qk
-    b_dgq += tl.sum(b_e2, 1) + b_egq * tl.sum(b_qs * b_dqi, 1)
-    b_dg -= tl.sum(b_e2, 0)
+    b_dgq += b_egq * tl.sum(b_qs * b_dqi, 1)
     b_dk2 = tl.dot(tl.trans(b_daqk), b_qs.to(kdt), input_precision=PREC) + b_dkd * b_ed[:, None]
     b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
     b_dg -= b_f
