@@ -30,7 +30,7 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
 DEFAULT_VARIANTS = ["xs4=xs4/-/-", "dxacc0=-/-/-/LM_SSD_DXACC=0"]
-BWD_VARS = ("LM_SSD_BWD", "LM_SSD_DXACC")  # variants setting these are timed forward + backward too
+BWD_VARS = ("LM_SSD_BWD", "LM_SSD_DXACC", "LM_SSD_DXFACT")  # variants setting these are timed forward + backward too
 
 
 def parse_variants(specs):
@@ -133,6 +133,33 @@ def autotuned_configs():
                     out[f"{name}{'' if sub == '' else f'[{sub}]'} timings"] = {
                         str(c): [round(float(x), 4) for x in (t if isinstance(t, (list, tuple)) else [t])]
                         for c, t in tim.items()}
+    return out
+
+
+def kernel_resources():
+    """[{kernel, num_warps, regs, spills, shared, constants}] of every compiled SSD kernel in this process (from the
+    JIT caches; registers / spill bytes as ptxas reported them). Best effort: [] where the Triton version differs."""
+    out = []
+    try:
+        from triton.runtime.jit import JITFunction
+
+        import lm_kernels.ssd.triton_kernels as K
+        for name, fn in vars(K).items():
+            if not isinstance(fn, JITFunction):
+                continue
+            for entry in (getattr(fn, "device_caches", None) or {}).values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                for ck in list(cache.values()):
+                    if getattr(ck, "n_regs", None) is None:
+                        continue
+                    consts = getattr(getattr(ck, "src", None), "constants", None) or {}
+                    out.append(dict(kernel=name, num_warps=ck.metadata.num_warps, regs=ck.n_regs, spills=ck.n_spills,
+                                    shared=ck.metadata.shared,
+                                    constants={(fn.arg_names[k[0]] if isinstance(k, tuple) and len(k) == 1
+                                                else str(k)): str(v) for k, v in consts.items()
+                                               if str(v) in ("True", "False") or str(v).isdigit()}))
+    except Exception as e:  # noqa: BLE001 (a report, never a reason to lose the run)
+        out.append(dict(error=repr(e)[:300]))
     return out
 
 
@@ -295,6 +322,10 @@ def main(argv=None):
         del inp, gin
         if device == "cuda":
             torch.cuda.empty_cache()
+    result["kernel_resources"] = kernel_resources()
+    for r in result["kernel_resources"]:
+        if "error" in r or r["kernel"] in ("chunk_scan_fwd2_kernel", "chunk_scan_fwd4_kernel", "dx_bwd_kernel"):
+            print("resources:", r)
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")

@@ -117,15 +117,15 @@ def test_triton_odd_sizes_varlen(heads, groups):
     compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("scan,bwd,dxacc", [("xs", "fused", "0"), ("flat2", "slots", "1"), ("xs", "slots", "1"),
-                                            ("xs4", "fused", "1")])
-def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, dxacc, monkeypatch):
+@pytest.mark.parametrize("scan,bwd,dxacc,dxfact", [("xs", "fused", "0", "0"), ("flat2", "slots", "1", "1"),
+                                                   ("xs", "slots", "1", "0"), ("xs4", "fused", "1", "1")])
+def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, dxacc, dxfact, monkeypatch):
     """16-row tiles in 64-row chunks (4 row blocks): the "xs" scan (decay on the x rows below the diagonal),
     "xs4" (the same per whole chunk, each decayed x tile built once) and "flat2" (on the C.B tile), and both
     backward variants ("slots": dcb_bwd's d(dt*A) shares in per-row-block slots plus per-tile totals over the
     blocks between, summed by dt_bwd; "fused": the same shares from dx_bwd, dcb_bwd summing Q alone with the
     factorised decay off the diagonal), dx_bwd's loop started at the state term (LM_SSD_DXACC=1) or at zero,
-    fixed-length with a partial chunk and packed documents (chunks cut short, so some row blocks and slots do
+    with or without the factorised decay off the diagonal in dx_bwd (LM_SSD_DXFACT), fixed-length with a partial chunk and packed documents (chunks cut short, so some row blocks and slots do
     not exist)."""
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "TILE_ROWS", 16)
@@ -133,6 +133,7 @@ def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, dxacc,
     monkeypatch.setenv("LM_SSD_SCAN", scan)
     monkeypatch.setenv("LM_SSD_BWD", bwd)
     monkeypatch.setenv("LM_SSD_DXACC", dxacc)
+    monkeypatch.setenv("LM_SSD_DXFACT", dxfact)
     compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
     lens = [9, 0, 70, 1, 36]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())

@@ -119,7 +119,7 @@ _fused_fwd = triton.autotune(
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA", "DXACC"])(K.dx_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA", "DXACC", "FACT"])(K.dx_bwd_kernel)
 
 
 def _p2(v, lo=16):
@@ -283,6 +283,14 @@ def _dxacc():
     return v != "0"
 
 
+def _dxfact():
+    """dx_bwd with the factorised decay off the diagonal (LM_SSD_DXFACT=1; default off)."""
+    v = os.environ.get("LM_SSD_DXFACT", "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LM_SSD_DXFACT={v!r} must be 0 or 1 (or unset)")
+    return v == "1"
+
+
 def _dtcb_fused():
     """dt/cs and C.B in one launch (dtcb_fwd_kernel) unless LM_SSD_DTCB=0 (two launches: dt_fwd, cb_fwd)."""
     v = os.environ.get("LM_SSD_DTCB", "").strip()
@@ -429,7 +437,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
         D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        dda_ptr=dda, tot_ptr=tot, DDA=fused, DXACC=_dxacc())
+        dda_ptr=dda, tot_ptr=tot, DDA=fused, DXACC=_dxacc(), FACT=_dxfact())
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
