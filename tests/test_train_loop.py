@@ -248,3 +248,23 @@ def test_compiled_blocks_give_the_same_losses(tmp_path, corpus):
     comp = _losses(_run(tmp_path / "compiled", corpus, model={"compile": True}))[0]
     assert counters["stats"]["unique_graphs"] >= 2  # the blocks were compiled, not run eagerly
     assert comp == pytest.approx(base, rel=1e-4)
+
+
+def test_fp_mamba_trains_and_logs_its_layer_solvers(tmp_path, corpus):
+    """FP-Mamba iterates inside its layers: its stats come as fp/layer_* (no model-level solver); the
+    trainer's progress line and `lm plot` read those (a KeyError on 'fp/iterations' stopped its first log)."""
+    run = tmp_path / "fp"
+    cfg = _cfg(run, corpus, curriculum=None,
+               model={"preset": "lm_fp_mamba-tiny", "overrides": {"hidden_size": 32, "num_hidden_layers": 2,
+                                                                  "d_state": 8, "headdim": 16, "chunk_size": 16,
+                                                                  "fp_max_iter": 3}},
+               schedule={"kind": "constant_sqrt", "warmup": 1, "decay_start": 0.5},
+               train={"steps": 2}, log={"progress": True})
+    train(cfg)
+    _, recs = _losses(run)
+    steps = [r for r in recs if "event" not in r]
+    assert len(steps) == 2 and all(1 <= r["fp/layer_iterations"] <= 3 for r in steps)
+    assert "fp/iterations" not in steps[0]
+    from lm.train.plot import main as plot_main
+
+    assert plot_main([str(run)]) == 0 and (run / "curves.png").stat().st_size > 10_000

@@ -40,11 +40,13 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     ax2.plot(tok, [100 * r.get("mfu", float("nan")) for r in steps], color="C1", label="MFU %")
     ax2.set_ylabel("MFU %")
     ax = axes[1, 1]
-    if any("fp/iterations" in r for r in steps):
-        ax.plot(tok, [r.get("fp/iterations", float("nan")) for r in steps], label="solver iterations")
+    it_key = next((k for k in ("fp/iterations", "fp/layer_iterations") if any(k in r for r in steps)), None)
+    if it_key is not None:  # an implicit model's solver, or the per-layer solvers of FP-Mamba
+        res_key = "fp/residual_mean" if it_key == "fp/iterations" else "fp/layer_residual_mean"
+        ax.plot(tok, [r.get(it_key, float("nan")) for r in steps], label="solver iterations")
         ax.set(xlabel="tokens", ylabel="iterations", title="fixed point")
         ax2 = ax.twinx()
-        ax2.semilogy(tok, [r.get("fp/residual_mean", float("nan")) for r in steps], color="C1", label="residual")
+        ax2.semilogy(tok, [r.get(res_key, float("nan")) for r in steps], color="C1", label="residual")
         ax2.set_ylabel("relative residual")
     else:
         ax.plot(tok, [r.get("grad_norm", float("nan")) for r in steps])

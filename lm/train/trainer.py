@@ -451,8 +451,9 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                     rec[f"fp/{k}"] = sum(vals) / len(vals)
             logger.log(rec)
             postfix = {"loss": f"{step_loss:.3f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
-            if fp_stats:
-                postfix["it"] = f"{rec['fp/iterations']:.1f}"
+            it = rec.get("fp/iterations", rec.get("fp/layer_iterations"))  # implicit model / FP-Mamba's layers
+            if it is not None:
+                postfix["it"] = f"{it:.1f}"
             progress.update(step - progress.bar.n if progress.bar is not None else 0, **postfix)
             window_tokens, window_time = 0, 0.0
 
