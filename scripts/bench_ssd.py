@@ -202,6 +202,8 @@ def main(argv=None):
                     help="kernel variants to time, each NAME=SCAN/STATE/NOGRAD[/LM_SSD_VAR=VALUE,...] (LM_SSD_SCAN, "
                          "LM_SSD_STATE, LM_SSD_NOGRAD; '-' leaves one unset); default: "
                          f"{' '.join(DEFAULT_VARIANTS)}")
+    ap.add_argument("--variants-on", nargs="*", default=None,
+                    help="time the variants only at these shapes (default: every shape)")
     args = ap.parse_args(argv)
     variants = parse_variants(args.variants if args.variants is not None else DEFAULT_VARIANTS)
 
@@ -280,7 +282,7 @@ def main(argv=None):
         # kernel variants (environment switches read at each call): no-grad and grad-enabled forward (+ backward
         # for LM_SSD_BWD / LM_SSD_DXACC variants), after the default path and the peer, each printed and saved when done (a run
         # cut short keeps what it measured)
-        for vname, venv in variants:
+        for vname, venv in (variants if args.variants_on is None or name in args.variants_on else []):
             saved = {k: os.environ.get(k) for k in venv}
             os.environ.update(venv)
             try:
