@@ -65,18 +65,18 @@ VARIANTS = {
     "dh1": dict(DH_CONFIG=({"BV": 64}, 4, 1)),  # sequential backward at 1 stage (less shared memory)
     "aqk_dh1": dict(AQK_SAVE=True, DH_CONFIG=({"BV": 64}, 4, 1)),
     "novn_64s2": dict(VN_RECOMPUTE_MIN_NH=1, MAIN_CONFIG=({"BV": 64}, 8, 2)),
-    # session 5 (BENCH.md): the main backward in two V passes, one per K half (MAIN_KSPLIT), at one program per SM
-    # (8 warps, 255 registers) or two (4 warps, or 8 warps capped at 128 registers); launch configs with a
-    # register cap (4th element: maxnreg) for more programs per SM in the prep and the sequential kernels
-    "ks": dict(MAIN_KSPLIT=(1, 2, 3)),
-    "ks_w4": dict(MAIN_KSPLIT=(1, 2, 3), FIXED={"main_ks": ({"BV": 32}, 4, 2)}),
-    "ks_16w4": dict(MAIN_KSPLIT=(1, 2, 3), FIXED={"main_ks": ({"BV": 16}, 4, 2)}),
-    "ks_r128": dict(MAIN_KSPLIT=(1, 2, 3), FIXED={"main_ks": ({"BV": 16}, 8, 2, 128)}),
-    "main_32s4": dict(MAIN_CONFIG=({"BV": 32}, 8, 4)),  # the fused main backward, one more pipeline stage
-    "dh_128w8": dict(DH_CONFIG=({"BV": 128}, 8, 1)),  # half the sequential-backward programs, 8 warps each
-    "wu_r168": dict(WU_CONFIG=({"BV": 64}, 4, 3, 168)),  # 3 programs per SM instead of 2 (188 registers)
-    "wu_32": dict(WU_CONFIG=({"BV": 32}, 4, 3)),  # 166 registers: 3 per SM
-    "save_r168": dict(H_O_SAVE_CONFIG=({"BV": 64}, 4, 1, 168)),  # SAVE forward: 3 per SM instead of 2
+    # session 5 (BENCH.md): the main backward at more pipeline stages, register-capped launch configs (4th element:
+    # ptx maxnreg) for more programs per SM
+    "s4": dict(MAIN_CONFIG=({"BV": 32}, 8, 3), WU_CONFIG=({"BV": 64}, 4, 3)),  # session 4's defaults
+    "main_32s5": dict(MAIN_CONFIG=({"BV": 32}, 8, 5)),
+    "main_32s6": dict(MAIN_CONFIG=({"BV": 32}, 8, 6)),
+    "main_64s3": dict(MAIN_CONFIG=({"BV": 64}, 8, 3)),
+    "main_16s6": dict(MAIN_CONFIG=({"BV": 16}, 8, 6)),
+    "dh_w8": dict(DH_CONFIG=({"BV": 64}, 8, 2)),  # sequential backward at 8 warps (190 registers, one per SM)
+    "dh_s3": dict(DH_CONFIG=({"BV": 64}, 4, 3)),  # one more stage (214 KB of shared memory at nh=1)
+    "dh_w8s3": dict(DH_CONFIG=({"BV": 64}, 8, 3)),
+    "wu_r128": dict(WU_CONFIG=({"BV": 64}, 4, 3, 128)),  # 4 programs per SM (spills 52 at nh=2)
+    "wu_r168s4": dict(WU_CONFIG=({"BV": 64}, 4, 4, 168)),
 }
 
 

@@ -101,18 +101,3 @@ def test_gpu_fp32_small_heads_16_token_chunks(nh, chunk):
     ins = make(3, 160, 12, 32, 32, nh, 3, torch.float32)
     check(ins, 3, nh, torch.float32, tol_o=1e-4, tol_g=1e-4, chunk_size=chunk)
 
-
-@pytest.mark.parametrize("nh,dtype,fixed", [
-    (1, torch.bfloat16, None), (3, torch.bfloat16, None), (2, torch.bfloat16, ({"BV": 32}, 4, 2)),
-    (2, torch.bfloat16, ({"BV": 16}, 4, 2)), (1, torch.bfloat16, ({"BV": 16}, 8, 2, 128)), (2, torch.float32, None)],
-    ids=["nh1", "nh3", "nh2_32w4", "nh2_16w4", "nh1_16w8r128", "nh2_fp32"])
-def test_gpu_main_ksplit(nh, dtype, fixed, monkeypatch):
-    """MAIN_KSPLIT (the main backward in two V passes, one per K half) at its launch configs, vs float64."""
-    import lm_kernels.deltaproduct.triton_chunk as tc
-    monkeypatch.setattr(tc, "MAIN_KSPLIT", (1, 2, 3, 4))
-    if fixed is not None:
-        monkeypatch.setattr(tc, "FIXED", {"main_ks": fixed})
-    K = 128 if dtype == torch.bfloat16 else 64
-    ins = make(2, 300, 4, K, 128, nh, 2, torch.float32)
-    tol = (1e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
-    check(ins, 2, nh, dtype, tol_o=tol[0], tol_g=tol[1])

@@ -158,22 +158,34 @@ def test_triton_chunk64_variants_match_reference(switch, monkeypatch):
         assert rel(a, b) < 1e-5, f"{name}: relative error {rel(a, b):.3e}"
 
 
-@pytest.mark.parametrize("case", [(3, 16, 23, [0, 7, 23], 40), (1, 64, 70, None, 32), (2, 32, 37, [0, 37], 24)],
-                         ids=["nh3C16var", "nh1C64", "nh2C32K24"])
-def test_triton_main_ksplit_matches_reference(case, monkeypatch):
-    """MAIN_KSPLIT (the main backward in two passes over V, one per half of the K columns): every gradient, with
-    K not a power of two (the second half partly masked), chunk starts at every sub-step (nh=3, 16-row chunks,
-    varlen), a partial 64-row chunk at nh=1, an initial state and the gate."""
-    import lm_kernels.deltaproduct.triton_chunk as tc
-    nh, C, T, cu, K = case
-    monkeypatch.setattr(tc, "MAIN_KSPLIT", (1, 2, 3))
-    cu_t = torch.tensor(cu) if cu is not None else None
-    N = 1 if cu is None else len(cu) - 1
-    ins = make(1, T, 1, K, 16, nh, True, True, N)
-    wo = torch.randn(1, T, 1, 16, dtype=torch.float64)
-    ws = torch.randn(N, 1, K, 16, dtype=torch.float64)
-    kw = dict(num_householder=nh, chunk_size=C, cu_seqlens=cu_t)
-    ref = run("reference", ins, wo, ws, torch.float64, **kw)
-    tri = run("triton", ins, wo, ws, torch.float32, **kw)
-    for name, a, b in zip(NAMES, tri, ref):
-        assert rel(a, b) < 1e-5, f"{name}: relative error {rel(a, b):.3e}"
+
+_COMPILE_WU_SM90 = """
+import sys
+from lm_kernels.deltaproduct import sm90_stats, triton_chunk as tc
+meta, nw, ns, maxnreg = tc.WU_CONFIG
+cx = dict(NH=2, H=16, K=128, V=256, BT=64, BK=128, BQ=32, INTRA=True, PREC="tf32", SCALE_T=True, SAVE_AQ=False, **meta)
+try:
+    r = sm90_stats.stats(tc._wu_kernel, cx, nw, ns, maxnreg=maxnreg)
+except RuntimeError as e:
+    if "ptxas" in str(e).lower():
+        print("SKIP", e)
+        sys.exit(0)
+    raise
+print("OK", r["regs"], maxnreg)
+"""
+
+
+def test_wu_kernel_register_cap_compiles_for_sm90():
+    """The default _wu_kernel launch caps registers (ptx maxnreg, FIXED/WU_CONFIG's 4th element; ignored by the
+    interpreter): compile it for Hopper in a process without TRITON_INTERPRET and check the cap holds."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _COMPILE_WU_SM90], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    if p.stdout.startswith("SKIP"):
+        pytest.skip(p.stdout)
+    _, regs, cap = p.stdout.split()
+    assert int(regs) <= int(cap)

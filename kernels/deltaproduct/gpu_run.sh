@@ -16,9 +16,7 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" 
 t0=$(date +%s)
 ( timeout 240 python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k small_heads -q -s -p no:cacheprovider \
     > "$OUT/test_small.log" 2>&1; echo "exit $?" >> "$OUT/test_small.log" ) &
-( timeout 240 python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k "main_ksplit" -q -s -p no:cacheprovider \
-    > "$OUT/test_ks.log" 2>&1; echo "exit $?" >> "$OUT/test_ks.log" ) &
-( timeout 240 python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k "not small_heads and not main_ksplit" -q -s -p no:cacheprovider \
+( timeout 240 python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k "not small_heads" -q -s -p no:cacheprovider \
     > "$OUT/test_main.log" 2>&1; echo "exit $?" >> "$OUT/test_main.log" ) &
 ( timeout 240 python3 -m pytest -m gpu tests/test_models_deltaproduct_gpu.py -q -s -p no:cacheprovider \
     > "$OUT/test_models.log" 2>&1; echo "exit $?" >> "$OUT/test_models.log" ) &
@@ -36,8 +34,8 @@ done
 wait
 cat "$OUT"/warm_*.tmp > "$OUT/warm.log"; rm -f "$OUT"/warm_*.tmp
 echo "tests + warm: $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
-cat "$OUT/test_small.log" "$OUT/test_main.log" "$OUT/test_ks.log" "$OUT/test_models.log" > "$OUT/tests.log"
-rm -f "$OUT/test_small.log" "$OUT/test_main.log" "$OUT/test_ks.log" "$OUT/test_models.log"
+cat "$OUT/test_small.log" "$OUT/test_main.log" "$OUT/test_models.log" > "$OUT/tests.log"
+rm -f "$OUT/test_small.log" "$OUT/test_main.log" "$OUT/test_models.log"
 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_deltaproduct.py --nh $NHS --variants $VARS --profile --profile-variants ${PVARS:-new} ${BENCH_ARGS:-} \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench exit $?, total $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"

@@ -1,6 +1,6 @@
 """Registers / spills / shared memory of the DeltaProduct kernels compiled for sm_90 on a machine without a GPU.
 
-    python -m lm_kernels.deltaproduct.sm90_stats [--nh 1 2 3] [--kernels main main_ks ...]
+    python -m lm_kernels.deltaproduct.sm90_stats [--nh 1 2 3] [--configs BV/warps/stages ..]
 
 Run it in a process without TRITON_INTERPRET (triton ships ptxas and cuobjdump). The numbers come from the CPU's
 triton (3.9 here), whose code generation can differ from the GPU image's (3.6): use them to compare variants,
@@ -39,8 +39,9 @@ def _signature(fn, constexprs):
     return sig
 
 
-def stats(kernel, constexprs, num_warps, num_stages):
-    """(registers, spill stores bytes, spill loads bytes, shared bytes) of kernel compiled for sm_90."""
+def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None):
+    """Registers, spill store / load bytes, stack bytes (triton's n_spills on the GPU is stack / 4) and shared
+    memory of `kernel` compiled for sm_90 with these constexprs and launch options."""
     fn = kernel
     while not isinstance(fn, triton.runtime.jit.JITFunction):
         fn = fn.fn
@@ -49,7 +50,8 @@ def stats(kernel, constexprs, num_warps, num_stages):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                       "num_stages": num_stages})
+                                                                       "num_stages": num_stages,
+                                                                       "maxnreg": maxnreg})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -57,16 +59,20 @@ def stats(kernel, constexprs, num_warps, num_stages):
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
     regs, stack = int(m.group(1)), int(m.group(2))
-    # spill bytes: ptxas -v on the kernel's PTX (the same ptxas triton ran)
-    ptxas = os.path.join(os.path.dirname(tool), "ptxas")
+    # spill bytes: ptxas -v on the kernel's PTX (triton 3.9 writes PTX that only its ptxas-blackwell reads)
+    sp = None
     with tempfile.TemporaryDirectory() as d:
         pf = os.path.join(d, "k.ptx")
         with open(pf, "w") as f:
             f.write(k.asm["ptx"])
-        v = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", pf, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True).stderr
-    sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)
-    return dict(regs=regs, spill_st=int(sp.group(1)), spill_ld=int(sp.group(2)), stack=stack,
+        for exe in ("ptxas", "ptxas-blackwell"):
+            v = subprocess.run([os.path.join(os.path.dirname(tool), exe), "-v", "--gpu-name", "sm_90a", pf, "-o",
+                                os.path.join(d, "k.o")], capture_output=True, text=True).stderr
+            sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)
+            if sp:
+                break
+    return dict(regs=regs, spill_st=int(sp.group(1)) if sp else None, spill_ld=int(sp.group(2)) if sp else None,
+                stack=stack,
                 shared=k.metadata.shared)
 
 
@@ -90,11 +96,6 @@ def main(argv=None):
                 bv, w, s = (int(x) for x in c.split("/"))
                 if kname == "main":
                     r = stats(tc._bwd_main_kernel, _main_cx(nh, bv), w, s)
-                elif kname == "main_ks":
-                    cx = _main_cx(nh, bv, KS=64)
-                    for x in ("BK", "REBASE", "LATE", "RECOMP_VN"):
-                        cx.pop(x)
-                    r = stats(tc._bwd_main_ks_kernel, cx, w, s)
                 else:
                     raise SystemExit(f"unknown kernel {kname}")
                 print(f"nh={nh} {kname} BV{bv} w{w} s{s}: {r}", flush=True)

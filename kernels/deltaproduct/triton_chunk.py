@@ -60,9 +60,11 @@ PREP_SCALE_T = None
 # SM) was slower at every nh (BENCH.md, sessions 3 and 4), and was removed.
 # Launch configs (meta, num_warps, num_stages) of the two split kernels (compiled GPU runs; FIXED overrides).
 # _kkt_inv_kernel at 2 warps: nh=1 forward 0.912 ms (4 warps 1.091, 1 warp 0.925; run 1); _wu_kernel at 3
-# stages (nh=1 1.075 vs 1.091 at 2 stages, run 1).
+# stages (nh=1 1.075 vs 1.091 at 2 stages, run 1) and capped at 168 registers (ptx maxnreg), so that three
+# programs fit on an SM instead of two at nh >= 2 (188 registers uncapped; no spills at 168 for nh=2, 2 for nh=3;
+# nh=1 needs 128 anyway): forward with grad nh=2/3 1.548/2.230 vs 1.614/2.308 ms (H100 session 5 run 1).
 KKT_INV_CONFIG = ({}, 2, 1)
-WU_CONFIG = ({"BV": 64}, 4, 3)
+WU_CONFIG = ({"BV": 64}, 4, 3, 168)
 # _kkt_inv_kernel computes all ten A blocks before the inversions, so the four K blocks die early (nh=1
 # forward 0.837 vs 0.886 ms, kkt kernel ~0.17 vs 0.21; run 2).
 KKT_EARLY_A = True
@@ -102,12 +104,8 @@ VN_RECOMPUTE_MIN_NH = 99
 # H100 session 4 run 1: nh=1 f+b 2.577 vs 2.703 ms (sequential backward 0.411 vs 0.571), forward with grad
 # 0.852 vs 0.836; at nh=2/3 f+b 4.506/6.481 vs 4.225/6.067 (the sequential backward grows to 0.876 / 1.287 ms).
 AQK_SAVE = None
-# The n_h values at which the main backward runs as _bwd_main_ks_kernel: two passes over V, one per half of the K
-# columns (three [BT, K/2] accumulators instead of three [BT, K]; the Vn, dVn, dO tiles read twice, S and dS once).
-# Needs K/2 >= 16 (tensor-core tiles) and Vn stored (not VN_RECOMPUTE); elsewhere _bwd_main_kernel runs.
-MAIN_KSPLIT: tuple = ()
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
-# e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main, main_ks.
+# e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
 
 
@@ -584,11 +582,13 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off
 
 
 def _main_configs():
-    # among BV/warps/stages 64/8/1, 64/8/2, 32/8/2, 32/8/3: stages >= 2 pipeline the V loop's loads (one
-    # program per SM at 8 warps: nothing else hides them) and also lower the spills on sm_90
+    # among BV/warps/stages 64/8/1, 64/8/2, 32/8/2, 32/8/3, 32/8/4: stages >= 2 pipeline the V loop's loads (one
+    # program per SM at 8 warps: nothing else hides them; the V loop itself does not spill on sm_90, the 40-76
+    # spilled registers are after it). 4 stages: f+b nh=1/2/3 2.539/4.186/6.012 vs 2.571/4.222/6.072 ms at 3
+    # (H100 session 5 run 1; 123 / 109 KB of shared memory, still one program per SM)
     if _INTERPRET:
         return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
+    return [triton.Config({"BV": 32}, num_warps=8, num_stages=4)]
 
 
 @triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
@@ -748,198 +748,6 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
                  mask=m_t & ((rows + ph) % NH == 0))
 
 
-def _main_ks_configs():
-    if _INTERPRET:
-        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": 32}, num_warps=8, num_stages=3)]
-
-
-@triton.autotune(configs=_main_ks_configs(), key=["H", "K", "V", "BT", "NH", "KS"])
-@triton.jit
-def _bwd_main_ks_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg,
-                        chunk_seq, chunk_row, cu_rows, chunk_off, scale,
-                        NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                        BV: tl.constexpr, BQ: tl.constexpr, KS: tl.constexpr, USE_G: tl.constexpr,
-                        PREC: tl.constexpr):
-    """_bwd_main_kernel's math in two passes over V, one per half of the K columns (KS each, K <= 2 KS): the
-    first pass carries dO S^T, Vn dS^T, dVn S^T of the first K half and the K-independent dO Vn^T and dVn V^T
-    (and writes dv), the second only the three K-half accumulators of the second half; each half's dq is
-    stored after its pass, its dk part held until the T^-1 terms. Three [BT, KS] accumulators instead of three
-    [BT, K] ones: fewer registers for a second read of the Vn, dVn and dO tiles (S and dS are read once)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    n = tl.load(chunk_seq + i_c)
-    r0 = tl.load(chunk_row + i_c).to(tl.int64)
-    bos = tl.load(cu_rows + n).to(tl.int64)
-    eos = tl.load(cu_rows + n + 1).to(tl.int64)
-    c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
-    # every pointer moved once to this chunk (int64): the tile offsets below are small int32
-    ph = (r0 % NH).to(tl.int32)  # sub-step of the chunk's first row
-    t0 = r0 // NH
-    k += (r0 * H + i_h) * K
-    dk += (r0 * H + i_h) * K
-    v += (r0 * H + i_h) * V
-    vn += (r0 * H + i_h) * V
-    dvn += (r0 * H + i_h) * V
-    dv += (r0 * H + i_h) * V
-    beta += r0 * H + i_h
-    db += r0 * H + i_h
-    gc += r0 * H + i_h
-    Tm += (r0 * H + i_h) * BT
-    q += (t0 * H + i_h) * K
-    dq += (t0 * H + i_h) * K
-    do += (t0 * H + i_h) * V
-    dg += t0 * H + i_h
-    hs += (c_glob * H + i_h) * K * V
-    dh += (c_glob * H + i_h) * K * V
-    nt = (tl.minimum(eos - r0, BT)).to(tl.int32)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < nt
-    o_q = tl.arange(0, BQ)
-    rq = o_q * NH + NH - 1 - ph  # row of each token's last sub-step, relative to the chunk's first row
-    m_q = rq < nt
-    kdt = k.dtype.element_ty
-    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-    b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
-    g_last = tl.load(gc + (nt - 1) * H)
-    b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
-    tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    b_Tk = tl.load(Tm + o_t[:, None] * (H * BT) + o_t[None, :], mask=tri, other=0.0).to(kdt)
-    off_tv = o_t[:, None] * (H * V)
-    off_qv = o_q[:, None] * (H * V)
-    # ---- pass 1: K columns [0, KS), and the K-independent accumulators
-    o_k = tl.arange(0, KS)
-    mk = o_k < K
-    b_dqi = tl.zeros([BQ, KS], dtype=tl.float32)
-    b_dkd = tl.zeros([BT, KS], dtype=tl.float32)
-    b_dw = tl.zeros([BT, KS], dtype=tl.float32)
-    b_dgc = tl.zeros([KS], dtype=tl.float32)
-    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
-    b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mv = o_v < V
-        mtv = m_t[:, None] & mv[None, :]
-        p_h = o_k[:, None] * V + o_v[None, :]
-        b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
-        b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
-        b_vn = tl.load(vn + off_tv + o_v[None, :], mask=mtv, other=0.0)
-        b_dvn = tl.load(dvn + off_tv + o_v[None, :], mask=mtv, other=0.0)
-        b_v = tl.load(v + off_tv + o_v[None, :], mask=mtv, other=0.0)
-        b_do = tl.load(do + off_qv + o_v[None, :], mask=m_q[:, None] & mv[None, :], other=0.0)
-        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
-        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
-        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
-        b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
-        b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
-        b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
-        tl.store(dv + off_tv + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
-        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-    # intra-chunk output factor dAqk (complete after pass 1)
-    m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
-    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
-    b_daqk = b_daq.to(kdt)
-    b_egq = tl.exp(b_gq)
-    b_ed = tl.exp(g_last - b_g)
-    b_eb = b_b * tl.exp(b_g)
-    # the whole Q K^T (both K halves) now, so that only the k-dtype dAqk is held across pass 2
-    o_k2 = KS + tl.arange(0, KS)
-    mk2 = o_k2 < K
-    b_q = tl.load(q + o_q[:, None] * (H * K) + o_k2[None, :], mask=m_q[:, None] & mk2[None, :], other=0.0)
-    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k2[None, :], mask=m_t[:, None] & mk2[None, :], other=0.0)
-    b_qk = tl.dot((b_q.to(tl.float32) * scale).to(kdt), tl.trans(b_k), input_precision=PREC)
-    # K-half-1 terms of dq (stored), dk (held), dg, dbeta and dT
-    b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
-    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & mk[None, :], other=0.0)
-    b_qs = b_q.to(tl.float32) * scale
-    b_qk += tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
-    b_e2 = b_daq * b_qk
-    b_dgq = tl.sum(b_e2, 1) + b_egq * tl.sum(b_qs * b_dqi, 1)
-    b_dg = -tl.sum(b_e2, 0)
-    b_dq = b_dqi * b_egq[:, None] + tl.dot(b_daqk, b_k, input_precision=PREC)
-    tl.store(dq + o_q[:, None] * (H * K) + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_q[:, None] & mk[None, :])
-    b_dk1 = tl.dot(tl.trans(b_daqk), b_qs.to(kdt), input_precision=PREC) + b_dkd * b_ed[:, None]
-    b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
-    b_dg -= b_f
-    b_fs = tl.sum(b_f, 0)
-    b_dgs = tl.sum(b_dgc, 0)
-    b_kb = (b_k.to(tl.float32) * b_eb[:, None]).to(kdt)
-    b_dT = tl.dot(b_dw.to(kdt), tl.trans(b_kb), input_precision=PREC) + b_dvnvb * b_b[None, :]
-    b_dkb = tl.dot(tl.trans(b_Tk), b_dw.to(kdt), input_precision=PREC)
-    b_dk1 += b_dkb * b_eb[:, None]
-    b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
-    b_db += b_t * tl.exp(b_g)
-    b_dg += b_t * b_eb
-    # ---- pass 2: K columns [KS, 2 KS)
-    b_dqi = tl.zeros([BQ, KS], dtype=tl.float32)
-    b_dkd = tl.zeros([BT, KS], dtype=tl.float32)
-    b_dw = tl.zeros([BT, KS], dtype=tl.float32)
-    b_dgc = tl.zeros([KS], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mv = o_v < V
-        mtv = m_t[:, None] & mv[None, :]
-        p_h = o_k2[:, None] * V + o_v[None, :]
-        b_S = tl.load(hs + p_h, mask=mk2[:, None] & mv[None, :], other=0.0)
-        b_dS = tl.load(dh + p_h, mask=mk2[:, None] & mv[None, :], other=0.0)
-        b_vn = tl.load(vn + off_tv + o_v[None, :], mask=mtv, other=0.0)
-        b_dvn = tl.load(dvn + off_tv + o_v[None, :], mask=mtv, other=0.0)
-        b_do = tl.load(do + off_qv + o_v[None, :], mask=m_q[:, None] & mv[None, :], other=0.0)
-        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
-        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
-        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
-        b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
-    b_q = tl.load(q + o_q[:, None] * (H * K) + o_k2[None, :], mask=m_q[:, None] & mk2[None, :], other=0.0)
-    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k2[None, :], mask=m_t[:, None] & mk2[None, :], other=0.0)
-    b_Tk = tl.load(Tm + o_t[:, None] * (H * BT) + o_t[None, :], mask=tri, other=0.0).to(kdt)  # not held in pass 2
-    b_qs = b_q.to(tl.float32) * scale
-    b_dq = b_dqi * b_egq[:, None] + tl.dot(b_daqk, b_k, input_precision=PREC)
-    tl.store(dq + o_q[:, None] * (H * K) + o_k2[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_q[:, None] & mk2[None, :])
-    b_dgq += b_egq * tl.sum(b_qs * b_dqi, 1)
-    b_dk2 = tl.dot(tl.trans(b_daqk), b_qs.to(kdt), input_precision=PREC) + b_dkd * b_ed[:, None]
-    b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
-    b_dg -= b_f
-    b_fs += tl.sum(b_f, 0)
-    b_dgs += tl.sum(b_dgc, 0)
-    b_kb = (b_k.to(tl.float32) * b_eb[:, None]).to(kdt)
-    b_dT += tl.dot(b_dw.to(kdt), tl.trans(b_kb), input_precision=PREC)
-    b_dkb = tl.dot(tl.trans(b_Tk), b_dw.to(kdt), input_precision=PREC)
-    b_dk2 += b_dkb * b_eb[:, None]
-    b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
-    b_db += b_t * tl.exp(b_g)
-    b_dg += b_t * b_eb
-    # ---- whole-K terms: the queries' gate, the last row's gate, T = (I + A)^-1
-    b_dg += tl.sum(tl.where((rq[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
-    b_dg += tl.where(o_t == nt - 1, b_fs + tl.exp(g_last) * b_dgs, 0.0)
-    b_dA = tl.dot(b_dT.to(kdt), tl.trans(b_Tk), input_precision=PREC)
-    b_dA = -tl.dot(tl.trans(b_Tk), b_dA.to(kdt), input_precision=PREC)
-    m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_gam = tl.exp(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
-    b_k1 = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & mk[None, :], other=0.0)
-    b_kk = tl.dot(b_k1, tl.trans(b_k1), input_precision=PREC) + tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
-    b_p = tl.where(m_s, b_kk * b_gam, 0.0)
-    b_dA = tl.where(m_s, b_dA, 0.0)
-    b_db += tl.sum(b_dA * b_p, 1)
-    b_dpg = (b_dA * b_b[:, None] * b_gam).to(kdt)
-    b_dk1 += tl.dot(b_dpg, b_k1, input_precision=PREC) + tl.dot(tl.trans(b_dpg), b_k1, input_precision=PREC)
-    b_dk2 += tl.dot(b_dpg, b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg), b_k, input_precision=PREC)
-    b_e = b_dA * b_p * b_b[:, None]
-    b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
-    tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk1.to(dk.dtype.element_ty),
-             mask=m_t[:, None] & mk[None, :])
-    tl.store(dk + o_t[:, None] * (H * K) + o_k2[None, :], b_dk2.to(dk.dtype.element_ty),
-             mask=m_t[:, None] & mk2[None, :])
-    tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
-    if USE_G:
-        b_dg = tl.where(m_t, b_dg, 0.0)
-        b_dgl = tl.sum(b_dg, 0) - tl.cumsum(b_dg, 0) + b_dg  # reverse cumsum
-        tl.store(dg + ((o_t + ph) // NH) * H, b_dgl.to(dg.dtype.element_ty), mask=m_t & ((o_t + ph) % NH == 0))
-
-
 # ----------------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------------
@@ -1074,13 +882,6 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dv = torch.empty_like(v)
     db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
-    if nh in MAIN_KSPLIT and not recomp and BK >= 32:
-        _launch(_bwd_main_ks_kernel, "main_ks", (NT, H),
-                (q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
-                 cseq, crow, cu_rows, coff, scale),
-                dict(NH=nh, H=H, K=K, V=V, BT=BT, BQ=BQ, KS=BK // 2, USE_G=g is not None, PREC=prec))
-        return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
-            (dh0.to(h0.dtype) if h0 is not None else None)
     _launch(_bwd_main_kernel, "main", (NT, H),
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
