@@ -47,38 +47,3 @@ def test_rms_norm_bf16_close_and_saves_only_inputs():
     assert sum(saved) <= 2 * act + 256 * 4 + 4 * 64 * 2 * 4
     out.float().sum().backward()
     assert x.grad.dtype == torch.bfloat16 and z.grad is not None and w.grad is not None
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_linear_add_equals_linear_plus_extra(bias):
-    """The injected projection (addmm epilogue) gives linear(x) + extra and the same gradients (float64),
-    and falls back to the plain sum for a broadcast extra."""
-    from lm.models.layers import linear_add
-
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(12, 20, bias=bias).double()
-    x = torch.randn(3, 5, 12, dtype=torch.float64, requires_grad=True)
-    extra = torch.randn(3, 5, 20, dtype=torch.float64, requires_grad=True)
-    params = [x, extra, *lin.parameters()]
-    ours = linear_add(x, lin, extra)
-    ref = lin(x) + extra
-    assert torch.allclose(ours, ref, rtol=1e-12, atol=1e-12)
-    gy = torch.randn_like(ref)
-    for a, b in zip(torch.autograd.grad(ours, params, gy), torch.autograd.grad(ref, params, gy)):
-        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
-    row = extra[:1, :1]  # broadcast: the plain sum
-    assert torch.allclose(linear_add(x, lin, row), lin(x) + row)
-    assert linear_add(x, lin, None).shape == (3, 5, 20)
-
-
-def test_linear_add_under_autocast_bf16():
-    from lm.models.layers import linear_add
-
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(32, 48, bias=False)
-    x, extra = torch.randn(4, 32), torch.randn(4, 48)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = linear_add(x, lin, lin(x) * 0 + extra)
-        ref = lin(x) + extra.to(torch.bfloat16)
-    assert out.dtype == torch.bfloat16
-    assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

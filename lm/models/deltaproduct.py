@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from lm_kernels.deltaproduct import chunk_deltaproduct, deltaproduct_step
 
 from .config import LMConfig
-from .layers import RMSNorm, causal_conv1d, dt_init, linear_add
+from .layers import RMSNorm, causal_conv1d, dt_init
 from .modeling import LMForCausalLM, LMModel, Mixer, init
 
 
@@ -163,7 +163,9 @@ class DeltaProductMixer(Mixer):
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
         H, dk, dv, nh = self.H, self.dk, self.dv, self.nh
-        proj = linear_add(x, self.in_proj, injection)
+        proj = self.in_proj(x)
+        if injection is not None:
+            proj = proj + injection
         qkv, beta, a, gate = proj.split([self.conv_dim, *self.split[3:]], dim=-1)
         state = cache.get(self.layer_idx) if cache is not None else {}
         conv_state = None

@@ -47,7 +47,7 @@ from lm_kernels.ssd import ssd_scan, ssd_step
 from ..fixed_point import FixedPointStats, phantom, solve
 from .channel_mixers import ACTIVATIONS, KRONECKER_NORMS, MIXER_TYPES, make_channel_mixer
 from .config import LMConfig
-from .layers import GatedRMSNorm, causal_conv1d, dt_init, linear_add, position_in_document
+from .layers import GatedRMSNorm, causal_conv1d, dt_init, position_in_document
 from .modeling import LMForCausalLM, LMModel, Mixer, init
 
 MIXER_INPUTS = ("concat", "sum", "x")
@@ -252,7 +252,9 @@ class FPMambaMixer(Mixer):
 
     # --- pieces -------------------------------------------------------------------------------------
     def _inputs(self, x, injection, conv_state, cu_seqlens):
-        zxbcdt = linear_add(x, self.in_proj, injection)
+        zxbcdt = self.in_proj(x)
+        if injection is not None:
+            zxbcdt = zxbcdt + injection
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         new_conv = None
         if self.conv1d is not None:

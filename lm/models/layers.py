@@ -1,5 +1,4 @@
-"""Shared building blocks: RMSNorm (plain and gated), SwiGLU MLP, causal depthwise conv, rotary embedding,
-the injected input projection of the implicit models.
+"""Shared building blocks: RMSNorm (plain and gated), SwiGLU MLP, causal depthwise conv, rotary embedding.
 
 Everything here is plain PyTorch and works on packed sequences (`cu_seqlens`) and with a generation
 cache (conv state). The math lives in functions; the modules only hold parameters.
@@ -7,7 +6,6 @@ cache (conv state). The math lives in functions; the modules only hold parameter
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn as nn
@@ -120,27 +118,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-_FUSED_INJECTION = os.environ.get("LM_FUSED_INJECTION", "1") != "0"
-
-
-def linear_add(x: torch.Tensor, linear: nn.Linear, extra: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(x) + extra, the implicit models' injected input projection, with the addition in the matmul's
-    epilogue (torch.addmm reads `extra` as its C matrix: one pass over the output instead of a matmul and
-    then an elementwise add that reads both again; the fixed-point iterations run it once per layer and
-    iteration). Falls back to the plain sum when `extra` is not of the output's shape or, outside autocast,
-    of x's dtype, and when LM_FUSED_INJECTION=0 (set before import)."""
-    if extra is None:
-        return linear(x)
-    w = linear.weight
-    out_shape = (*x.shape[:-1], w.shape[0])
-    plain = (not _FUSED_INJECTION or tuple(extra.shape) != out_shape
-             or (extra.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type)))
-    if plain:
-        return linear(x) + extra
-    c = extra if linear.bias is None else extra + linear.bias
-    return torch.addmm(c.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w.t()).view(out_shape)
 
 
 def causal_conv1d(

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import LMConfig
-from .layers import apply_rotary, linear_add, position_in_document, rotary_cos_sin
+from .layers import apply_rotary, position_in_document, rotary_cos_sin
 from .modeling import LMForCausalLM, LMModel, Mixer
 
 
@@ -72,7 +72,9 @@ class Attention(Mixer):
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None):
         b, t, _ = x.shape
-        qkv = linear_add(x, self.qkv_proj, injection)
+        qkv = self.qkv_proj(x)
+        if injection is not None:
+            qkv = qkv + injection
         hd = self.head_dim
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         q = q.view(b, t, self.n_heads, hd).transpose(1, 2)

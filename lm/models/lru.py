@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from lm_kernels.lru import block_scan, block_scan_step, companion, lru_lambda_blocks
 
 from .config import LMConfig
-from .layers import linear_add
 from .modeling import LMForCausalLM, LMModel, Mixer, init
 
 VARIANTS = ("lru", "hlru", "bdlru")
@@ -218,7 +217,9 @@ class LRUMixer(Mixer):
         b, t, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
-        proj = linear_add(x, self.in_proj, injection)
+        proj = self.in_proj(x)
+        if injection is not None:
+            proj = proj + injection
         A, xin = self.transitions(proj)
         state = cache.get(self.layer_idx) if cache is not None else {}
         if cache is not None and t == 1:

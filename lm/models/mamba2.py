@@ -13,7 +13,7 @@ import torch.nn as nn
 from lm_kernels.ssd import ssd_scan, ssd_step
 
 from .config import LMConfig
-from .layers import GatedRMSNorm, causal_conv1d, dt_init, linear_add
+from .layers import GatedRMSNorm, causal_conv1d, dt_init
 from .modeling import LMForCausalLM, LMModel, Mixer, init
 
 
@@ -94,7 +94,9 @@ class Mamba2Mixer(Mixer):
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
-        zxbcdt = linear_add(x, self.in_proj, injection)
+        zxbcdt = self.in_proj(x)
+        if injection is not None:
+            zxbcdt = zxbcdt + injection
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         state = cache.get(self.layer_idx) if cache is not None else {}
         xbc, conv_state = causal_conv1d(
