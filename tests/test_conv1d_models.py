@@ -1,5 +1,5 @@
-"""Models through lm.models.layers.causal_conv1d: tiny Mamba2 (explicit and implicit) and DeltaProduct
-give the same loss and parameter gradients with LM_CONV1D_BACKEND=triton (the Triton conv under the
+"""Models through lm.models.layers.causal_conv1d: tiny Mamba2 and DeltaProduct (explicit and implicit: the
+injection's conv part read by the kernel as x_add) give the same loss and parameter gradients with LM_CONV1D_BACKEND=triton (the Triton conv under the
 interpreter on CPU) as with the PyTorch reference, packed documents included."""
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def mamba2(implicit=None):
     return LMMamba2ForCausalLM(cfg)
 
 
-def deltaproduct():
+def deltaproduct(implicit=None):
     torch.manual_seed(0)
     cfg = LMDeltaProductConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_heads=2,
                                chunk_size=16, num_householder=2, use_forget_gate=True, use_output_gate=True,
-                               allow_neg_eigval=True)
+                               allow_neg_eigval=True, implicit=implicit)
     return LMDeltaProductForCausalLM(cfg)
 
 
@@ -36,6 +36,8 @@ MODELS = {
     "mamba2": mamba2,
     "mamba2_implicit": lambda: mamba2(dict(max_iter=3, tol=None, phantom_steps=1, damping=1.0)),
     "deltaproduct": deltaproduct,
+    # implicit: the injection's conv part goes to the kernel as x_add
+    "deltaproduct_implicit": lambda: deltaproduct(dict(max_iter=2, tol=None, phantom_steps=1, damping=1.0)),
 }
 
 

@@ -246,3 +246,53 @@ def test_float64_matches_naive_to_rounding():
     ours = run(causal_conv1d, proj, w3, bi, st, 20, backend="triton")
     naive = run(causal_conv1d_naive, proj, w3, bi, st, 20)
     check(ours, naive, 1e-13)
+
+
+@pytest.mark.parametrize("cu,state", [(None, True), ([0, 5, 6, 19, 21], False)])
+def test_x_add_equals_conv_of_the_sum(cu, state):
+    """x_add (the implicit models' injection): the conv of x + x_add, forward, new state and every gradient
+    (x and x_add get the same, independent gradient tensors), against the reference on the explicit sum."""
+    b = 1 if cu is not None else 2
+    t, c, w = 21, 20, 4
+    proj, w3, bi, st = make_inputs(b, t, c, w, state=state, dtype=torch.float64)
+    g = torch.Generator().manual_seed(7)
+    inj = torch.randn(b, t, c + 6, generator=g, dtype=torch.float64)
+    cu_t = torch.tensor(cu, dtype=torch.int32) if cu is not None else None
+    outs = {}
+    for name in ("triton", "sum"):
+        p, a, w_, bias_ = (v.detach().clone().requires_grad_() for v in (proj, inj, w3, bi))
+        s_ = st.detach().clone().requires_grad_() if st is not None else None
+        x, xa = p[..., 3:3 + c], a[..., 2:2 + c]  # strided views, as split() gives them
+        if name == "triton":
+            y, ns = causal_conv1d(x, w_[:, 0, :], bias_, cu_seqlens=cu_t, conv_state=s_, x_add=xa, backend="triton")
+        else:
+            y, ns = causal_conv1d_reference(x + xa, w_[:, 0, :], bias_, cu_seqlens=cu_t, conv_state=s_)
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+        gs = torch.randn(ns.shape, generator=torch.Generator().manual_seed(2), dtype=ns.dtype)
+        ((y * gy).sum() + (ns * gs).sum()).backward()
+        outs[name] = [y, ns, p.grad, a.grad, w_.grad, bias_.grad] + ([s_.grad] if s_ is not None else [])
+    for i, (o, r) in enumerate(zip(outs["triton"], outs["sum"])):
+        assert rel(o, r) < 1e-12, (i, rel(o, r))
+    dp, da = outs["triton"][2], outs["triton"][3]
+    assert dp.data_ptr() != da.data_ptr()
+    assert torch.equal(dp[..., 3:3 + c], da[..., 2:2 + c])
+
+
+def test_x_add_bf16_rounds_the_sum():
+    """bf16: the kernels round x + x_add to bf16 (as PyTorch's sum); the interpreter truncates float32 ->
+    bf16 where the GPU rounds to nearest, so here the sum may differ by one bf16 step (exact on the GPU:
+    tests/test_conv1d_gpu.py)."""
+    b, t, c, w = 2, 19, 24, 4
+    proj, w3, bi, _ = make_inputs(b, t, c, w, dtype=torch.bfloat16)
+    xa = torch.randn(b, t, c, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x = proj[..., 3:3 + c]
+    with torch.no_grad():
+        y, ns = causal_conv1d(x, w3[:, 0, :], bi, x_add=xa, backend="triton")
+        y2, ns2 = causal_conv1d(x + xa, w3[:, 0, :], bi, backend="triton")
+    step = ns2.float().abs() * 2 ** -7  # one bf16 step (8 significant bits)
+    assert ((ns.float() - ns2.float()).abs() <= step + 1e-30).all()
+    assert rel(ns, ns2) < 1e-2 and rel(y, y2) < 1e-2
+    with pytest.raises(ValueError, match="x_add must have x's shape"):
+        causal_conv1d(x, w3[:, 0, :], bi, x_add=xa[:, :5], backend="triton")
+    with pytest.raises(ValueError, match="x_add must have x's shape"):
+        causal_conv1d(x, w3[:, 0, :], bi, x_add=xa[:, :5], backend="reference")

@@ -128,8 +128,10 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor | None = None,
     conv_state: torch.Tensor | None = None,
     activation: str | None = "silu",
+    x_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution over time.
+    """Depthwise causal convolution over time (of x + x_add when x_add is given: the Triton path reads both
+    and never stores the sum).
 
     x (b, t, c); weight (c, w); conv_state (b, c, w-1): the last w-1 inputs before x (zeros if None).
     With `cu_seqlens` (b == 1) no tap reaches across a document start. Returns (y (b, t, c), the new
@@ -138,7 +140,8 @@ def causal_conv1d(
     Runs `lm_kernels.conv1d`: the Triton kernel on CUDA tensors (x read through its strides, no
     transposes), the PyTorch reference (F.conv1d) on CPU; LM_CONV1D_BACKEND=reference|triton overrides.
     """
-    return _conv1d(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation)
+    return _conv1d(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation,
+                   x_add=x_add)
 
 
 def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,14 +94,16 @@ class Mamba2Mixer(Mixer):
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
-        zxbcdt = self.in_proj(x)
-        if injection is not None:
-            zxbcdt = zxbcdt + injection
-        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        sizes = [self.d_inner, self.conv_dim, self.nheads]
+        z, xbc, dt = self.in_proj(x).split(sizes, dim=-1)
+        xbc_inj = None
+        if injection is not None:  # the conv reads its part (the sum is never stored); z, dt adds fuse downstream
+            z_inj, xbc_inj, dt_inj = injection.split(sizes, dim=-1)
+            z, dt = z + z_inj, dt + dt_inj
         state = cache.get(self.layer_idx) if cache is not None else {}
         xbc, conv_state = causal_conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
-            conv_state=state.get("conv"), activation="silu",
+            conv_state=state.get("conv"), activation="silu", x_add=xbc_inj,
         )
         gn = self.ngroups * self.d_state
         xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
