@@ -3,6 +3,7 @@
 # process, since an illegal address kills the CUDA context; the model tests in a third), triton-cache warm-up processes beside them, then
 # scripts/bench_deltaproduct.py with the variants given in $VARS (ours vs fla 0.6.0, per-kernel profile).
 # Run from the repo root with .gpu carried:  VARS="new s3 ..." bash kernels/deltaproduct/gpu_run.sh
+# (TEST_TIMEOUT: seconds per test process, default 240; SMALL=0 skips the 16-token-chunk process)
 set -u
 OUT=${OUT:-/tmp/dp_out}; mkdir -p "$OUT"
 VARS=${VARS:-new}
@@ -14,11 +15,11 @@ export PYTHONUNBUFFERED=1 FLA_CACHE_RESULTS=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/env.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/env.txt" 2>&1
 t0=$(date +%s)
-( timeout 240 python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k small_heads -q -s -p no:cacheprovider \
+[ "${SMALL:-1}" = 1 ] && ( timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k small_heads -q -s -p no:cacheprovider \
     > "$OUT/test_small.log" 2>&1; echo "exit $?" >> "$OUT/test_small.log" ) &
-( timeout 240 python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k "not small_heads" -q -s -p no:cacheprovider \
+( timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k "not small_heads" -q -s -p no:cacheprovider \
     > "$OUT/test_main.log" 2>&1; echo "exit $?" >> "$OUT/test_main.log" ) &
-( timeout 240 python3 -m pytest -m gpu tests/test_models_deltaproduct_gpu.py -q -s -p no:cacheprovider \
+( timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu tests/test_models_deltaproduct_gpu.py -q -s -p no:cacheprovider \
     > "$OUT/test_models.log" 2>&1; echo "exit $?" >> "$OUT/test_models.log" ) &
 # compile in parallel: per nh, the variants split in two halves
 set -- $VARS; half=$(( ($# + 1) / 2 )); G1="${*:1:$half}"; G2="${*:$((half + 1))}"
@@ -34,7 +35,7 @@ done
 wait
 cat "$OUT"/warm_*.tmp > "$OUT/warm.log"; rm -f "$OUT"/warm_*.tmp
 echo "tests + warm: $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
-cat "$OUT/test_small.log" "$OUT/test_main.log" "$OUT/test_models.log" > "$OUT/tests.log"
+cat "$OUT"/test_small.log "$OUT/test_main.log" "$OUT/test_models.log" > "$OUT/tests.log" 2>/dev/null
 rm -f "$OUT/test_small.log" "$OUT/test_main.log" "$OUT/test_models.log"
 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_deltaproduct.py --nh $NHS --variants $VARS --profile --profile-variants ${PVARS:-new} ${BENCH_ARGS:-} \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
