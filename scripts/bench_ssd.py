@@ -29,8 +29,8 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-DEFAULT_VARIANTS = ["xs4=xs4/-/-", "dxacc0=-/-/-/LM_SSD_DXACC=0"]
-BWD_VARS = ("LM_SSD_BWD", "LM_SSD_DXACC", "LM_SSD_DXFACT")  # variants setting these are timed forward + backward too
+DEFAULT_VARIANTS = ["xs=xs/-/-", "bwd_slots=-/-/-/LM_SSD_BWD=slots"]
+BWD_VARS = ("LM_SSD_BWD",)  # variants setting these are timed forward + backward too
 
 
 def parse_variants(specs):
@@ -280,7 +280,7 @@ def main(argv=None):
         if args.json:  # after every shape, so a run cut short keeps what it measured
             write_json(args.json, result)
         # kernel variants (environment switches read at each call): no-grad and grad-enabled forward (+ backward
-        # for LM_SSD_BWD / LM_SSD_DXACC variants), after the default path and the peer, each printed and saved when done (a run
+        # for backward variants, BWD_VARS), after the default path and the peer, each printed and saved when done (a run
         # cut short keeps what it measured)
         for vname, venv in (variants if args.variants_on is None or name in args.variants_on else []):
             saved = {k: os.environ.get(k) for k in venv}

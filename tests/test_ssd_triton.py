@@ -117,23 +117,19 @@ def test_triton_odd_sizes_varlen(heads, groups):
     compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("scan,bwd,dxacc,dxfact", [("xs", "fused", "0", "0"), ("flat2", "slots", "1", "1"),
-                                                   ("xs", "slots", "1", "0"), ("xs4", "fused", "1", "1")])
-def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, dxacc, dxfact, monkeypatch):
+@pytest.mark.parametrize("scan,bwd", [("xs", "fused"), ("flat2", "slots"), ("xs", "slots"), ("xs4", "fused")])
+def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, monkeypatch):
     """16-row tiles in 64-row chunks (4 row blocks): the "xs" scan (decay on the x rows below the diagonal),
     "xs4" (the same per whole chunk, each decayed x tile built once) and "flat2" (on the C.B tile), and both
     backward variants ("slots": dcb_bwd's d(dt*A) shares in per-row-block slots plus per-tile totals over the
     blocks between, summed by dt_bwd; "fused": the same shares from dx_bwd, dcb_bwd summing Q alone with the
-    factorised decay off the diagonal), dx_bwd's loop started at the state term (LM_SSD_DXACC=1) or at zero,
-    with or without the factorised decay off the diagonal in dx_bwd (LM_SSD_DXFACT), fixed-length with a partial chunk and packed documents (chunks cut short, so some row blocks and slots do
-    not exist)."""
+    factorised decay off the diagonal), fixed-length with a partial chunk and packed documents (chunks cut
+    short, so some row blocks and slots do not exist)."""
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "TILE_ROWS", 16)
     monkeypatch.setattr(ts, "_PLANS", {})
     monkeypatch.setenv("LM_SSD_SCAN", scan)
     monkeypatch.setenv("LM_SSD_BWD", bwd)
-    monkeypatch.setenv("LM_SSD_DXACC", dxacc)
-    monkeypatch.setenv("LM_SSD_DXFACT", dxfact)
     compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
     lens = [9, 0, 70, 1, 36]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
@@ -154,7 +150,8 @@ class _Launches:
 def test_triton_xs4_scan_every_partial_chunk_and_fallback(monkeypatch):
     """The "xs4" scan (chunk_scan_fwd4: four row blocks per program) on packed documents whose chunks end in
     each of the four row blocks (returns after block 0, 1, 2, 3), full chunks and an empty document, with
-    D per head, the gate and initial / final states; a chunk of other than four row blocks runs "xs"."""
+    D per head, the gate and initial / final states; a chunk of other than four row blocks runs "xs"; it is the
+    default scan (bf16, forward and backward)."""
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "TILE_ROWS", 16)
     monkeypatch.setattr(ts, "_PLANS", {})
@@ -172,6 +169,9 @@ def test_triton_xs4_scan_every_partial_chunk_and_fallback(monkeypatch):
     yr, fr, _ = run("reference", d, F64, grad=False, chunk_size=32, cu_seqlens=cu)
     assert counter.n == 1
     assert rel(y, yr) < 2e-5 and rel(f, fr) < 2e-5, (rel(y, yr), rel(f, fr))
+    monkeypatch.delenv("LM_SSD_SCAN")  # the default scan; bf16 with the gate (pre-gate output stored for dz)
+    compare(make(1, 80, 2, 16, 1, 16), torch.bfloat16, 3e-2, chunk_size=64)
+    assert counter.n == 2
 
 
 def test_triton_varlen_matches_reference_and_separate_runs():

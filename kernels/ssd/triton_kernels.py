@@ -897,25 +897,18 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
 def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
              offs_p, pmask, s_dy_t, HBT, pid_c, h, H,
              L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NMB: tl.constexpr, DIAG: tl.constexpr,
-             DDA: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, FACT: tl.constexpr = False):
+             DDA: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
     """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k. DDA: with x_l . dy_m
     (xld = x_l) the transposed tile M^T[l, m] = M[m, l] of dcb_bwd (M = Q_h * CB) gives the same
     d(dt*A) shares as dcb_bwd: on the diagonal block (DIAG) the stable sum_{m >= l} sum_{s < l},
-    else the column part (slot of block m, rows l), the row part (slot of block l, rows m) and the tile total.
-    FACT (tiles off the diagonal, where every l row is valid and m > l): the decay factorises through the l
-    block's last row r, e^{cs_m - cs_l} = e^{cs_m - cs_r} e^{cs_r - cs_l} (both exponents <= 0): BM + BK
-    exponentials per tile instead of BM * BK."""
+    else the column part (slot of block m, rows l), the row part (slot of block l, rows m) and the tile total."""
     rows_k = k + tl.arange(0, BK)
     kmask = rows_k < clen
     causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
     cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=causal & lmask[:, None],
                   other=0.0).to(tl.float32)  # [l, m] = C_m . B_l
     cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
-    if FACT and not DIAG:
-        cs_r = tl.load(cs_ptr + tok0 + l0 + BM - 1)
-        decay = tl.exp(cs_r - cs_l)[:, None] * tl.where(kmask, tl.exp(cs_k - cs_r), 0.0)[None, :]
-    else:
-        decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
+    decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
     dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],
                   other=0.0).to(DOT_DT)
     cbd = cbT * decay
@@ -944,14 +937,9 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
-                  dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False, DXACC: tl.constexpr = False,
-                  FACT: tl.constexpr = False):
+                  dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums.
     DDA: also the intra-chunk d(dt*A) shares of dcb_bwd (see _dx_tile), so that dcb_bwd only sums Q (QONLY).
-    DXACC: the causal loop's accumulator starts at the state term dxs = e^{a - cs_l} B_l G^T (its row sums
-    x_l . dxs for the d(dt*A) state term taken before the loop, x_l loaded once), so dxs is not kept live
-    through the loop next to the accumulator (fewer registers); else the loop starts at zero and adds dxs after.
-    FACT: the factorised decay on the tiles off the diagonal (see _dx_tile).
     Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy
     tiles, chunk states and the group's C.B / B / C rows come from L2)."""
     pid_m = tl.program_id(0)
@@ -982,36 +970,25 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
     dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
-    lp = lmask[:, None] & pmask[None, :]
-    if DXACC or DDA:
-        xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(dtype)
-    if DXACC:
-        qsum = tl.sum(xld.to(tl.float32) * dxs, 1)
-        dxi = dxs
-    else:
-        dxi = tl.zeros((BM, BPF), dtype=tl.float32)
+    dxi = tl.zeros((BM, BPF), dtype=tl.float32)
     if DDA:
         NMB: tl.constexpr = L // BM
         HBT = H.to(tl.int64) * BT
+        xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
+                      mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
         dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask, cs_l,
-                       dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True, dtype,
-                       DOT_PREC, FACT)
+                       dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True, dtype, DOT_PREC)
         for k in range(l0 + BK, clen, BK):
             dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
-                           cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, True,
-                           dtype, DOT_PREC, FACT)
+                           cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, True, dtype,
+                           DOT_PREC)
     else:
-        dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                       cs_l, dt_l, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, True, False, dtype,
-                       DOT_PREC, FACT)
-        for k in range(l0 + BK, clen, BK):
+        for k in range(l0, clen, BK):
             dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
-                           cs_l, dt_l, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, False, False,
-                           dtype, DOT_PREC, FACT)
-    if DXACC:
-        xl = xld.to(tl.float32)
-    else:
-        xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
+                           cs_l, dt_l, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, False, False, dtype,
+                           DOT_PREC)
+    lp = lmask[:, None] & pmask[None, :]
+    xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
     dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
     # y_off = e^{cs_l} S C_l in float32 from the stored state (for dcs; the intra part comes from dcb_bwd)
     Cl = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :],
@@ -1019,10 +996,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * s_sp + offs_n[:, None] * s_sn,
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = S^T
     yoff = tl.dot(Cl, St, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(cs_l), 0.0)[:, None]
-    if DXACC:
-        t = dxi
-    else:
-        t = dxs + dxi
+    t = dxs + dxi
     dx = dt_l[:, None] * t
     if HAS_D:
         if D_HP:
@@ -1036,10 +1010,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
     tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
     tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yoff, 1), mask=lmask)
-    if DXACC:
-        tl.store(q_ptr + tok0 + rows_l, qsum * dt_l, mask=lmask)
-    else:
-        tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
+    tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
 
 
 @triton.jit

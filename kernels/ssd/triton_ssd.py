@@ -4,8 +4,9 @@ Forward:  dtcb_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A, and C.B pe
                     launch; LM_SSD_DTCB=0: the two kernels dt_fwd, cb_fwd)
           state_fwd (chunk states and the chunk-to-chunk pass fused: one program walks a sequence's
                      chunks and stores every chunk's start state; the final state stays float32)
-          chunk_scan_fwd2 (y = inter-chunk + intra-chunk + D skip, then the z gate; grid (row block,
-                     head, chunk)). Other scan kernels / layouts: LM_SSD_SCAN, LM_SSD_STATE and
+          chunk_scan_fwd4 (y = inter-chunk + intra-chunk + D skip, then the z gate; grid (p block, head,
+                     chunk), the chunk's four row blocks in one program; chunk_scan_fwd2 with one row block per
+                     program for other chunk sizes). Other scan kernels / layouts: LM_SSD_SCAN, LM_SSD_STATE and
                      LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md).
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate, fused with the per-chunk dstate)
           -> dcb_bwd (per group Q = sum_heads dy.x^T * decay * dt) -> dx_bwd (dx, and the intra-chunk d(dt*A)
@@ -92,10 +93,11 @@ _scan_fwd2 = triton.autotune(
     key=["P", "N", "R", "L", "FACT", "XS"], prune_configs_by={"early_config_prune": _prune_fwd2})(K.chunk_scan_fwd2_kernel)
 
 
-# sm_90 registers as launched at P64 N128 (triton 3.9): BP 32 / 4 warps 192, BP 32 / 8 warps 188, BP 64 / 8 warps 224,
-# BP 64 / 4 warps 255 + 24 B stack (no loops: num_stages does not matter)
+# H100 B8 T2048 H64 P64 N128 chunk 256 (session 5, triton 3.6; kernel ms / registers, no spills): BP 64 / 4 warps
+# 0.288 / 253, BP 32 / 4 warps 0.439 / 188, BP 64 / 8 warps 0.451 / 205, BP 32 / 8 warps 0.749 / 169. No loops:
+# num_stages does not matter.
 _scan_fwd4_cfgs = [triton.Config(dict(BP=bp), num_warps=w, num_stages=1)
-                   for bp, w in ((32, 4), (64, 8), (32, 8), (64, 4),
+                   for bp, w in ((64, 4), (32, 4), (64, 8),
                                  (16, 4))]  # the last: interpreter tests (small chunks)
 _scan_fwd4 = triton.autotune(
     configs=(_scan_fwd4_cfgs[:-1] if _AUTOTUNE else _scan_fwd4_cfgs[-1:] if _INTERPRET else _scan_fwd4_cfgs[:1]),
@@ -119,7 +121,7 @@ _fused_fwd = triton.autotune(
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA", "DXACC", "FACT"])(K.dx_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA"])(K.dx_bwd_kernel)
 
 
 def _p2(v, lo=16):
@@ -223,15 +225,15 @@ def _scan_variant(plan):
     exponential-free factorised decay below the diagonal, on the C.B operand; "xs": "grid" with the decay
     below the diagonal on the x rows, so the raw C.B tile is the product's A operand; "xs4": "xs" with one
     program per (p block, head, chunk) for chunks of four row blocks (chunk == 4 * the tile rows, i.e. 256
-    on a GPU), each decayed x tile built once (chunk_scan_fwd4_kernel; other chunk sizes run "xs"). LM_SSD_SCAN overrides
-    the default. Removed after losing in two H100 runs each (kernels/ssd/PERF.md): "hb", "fact", "chunk"
+    on a GPU), each decayed x tile built once (chunk_scan_fwd4_kernel; other chunk sizes run "xs"), the default.
+    LM_SSD_SCAN overrides the default. Removed after losing in two H100 runs each (kernels/ssd/PERF.md): "hb", "fact", "chunk"
     scans."""
     v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
     if v and v not in _SCAN_VARIANTS:
         raise ValueError(f"LM_SSD_SCAN={v!r} must be one of {_SCAN_VARIANTS} (or unset)")
     # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.321 - 0.325,
-    # xs 0.303 (session 4)
-    return v or "xs"
+    # xs 0.303 (session 4); B8 T2048: xs 0.304, xs4 0.285 (session 5)
+    return v or "xs4"
 
 
 _STATE_VARIANTS = ("old", "pnfast", "bn128")
@@ -272,23 +274,6 @@ def _bwd_variant():
     if v and v not in _BWD_VARIANTS:
         raise ValueError(f"LM_SSD_BWD={v!r} must be one of {_BWD_VARIANTS} (or unset)")
     return v or "fused"
-
-
-def _dxacc():
-    """dx_bwd's causal loop starts at the state term (DXACC) unless LM_SSD_DXACC=0 (the loop starts at zero and
-    the state term, kept live through it, is added after)."""
-    v = os.environ.get("LM_SSD_DXACC", "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"LM_SSD_DXACC={v!r} must be 0 or 1 (or unset)")
-    return v != "0"
-
-
-def _dxfact():
-    """dx_bwd with the factorised decay off the diagonal (LM_SSD_DXFACT=1; default off)."""
-    v = os.environ.get("LM_SSD_DXFACT", "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"LM_SSD_DXFACT={v!r} must be 0 or 1 (or unset)")
-    return v == "1"
 
 
 def _dtcb_fused():
@@ -437,7 +422,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         B.stride(0), B.stride(1), B.stride(2), *st_strides,
         L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
         D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        dda_ptr=dda, tot_ptr=tot, DDA=fused, DXACC=_dxacc(), FACT=_dxfact())
+        dda_ptr=dda, tot_ptr=tot, DDA=fused)
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
