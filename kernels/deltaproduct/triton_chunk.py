@@ -21,7 +21,8 @@ _bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Removed after
 H100 run (session 4, BENCH.md keeps their numbers): the one-kernel forward prep (_prep_kernel), the first
 versions of the sequential kernels (_fwd_h_o_kernel, _bwd_dh_kernel), the main backward in two V passes and
 its output side in a kernel of its own (_bwd_out_kernel), the main backward reading the saved Aqk^T (MAIN_AQ)
-and the prep's W/U half spread over V-block programs (_wu_v_kernel, WU_SPLIT_V).
+and the prep's W/U half spread over V-block programs (_wu_v_kernel, WU_SPLIT_V); session 5: the main backward in
+two V passes, one per half of the K columns (_bwd_main_ks_kernel, MAIN_KSPLIT: 1.98 vs 1.33 ms at nh=1).
 
 The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
     dVn = (Q K^T o Gam o M)^T dO + Kd dS'                 dS = e^gC dS' + (e^g Q)^T dO - W^T dVn
