@@ -227,12 +227,14 @@ def main(argv=None):
         gin = with_grad(inp)
         gy = torch.randn(shape[0], shape[1], shape[2], shape[3], device=device, dtype=dtype)
         row = dict(shape=dict(zip(["batch", "seqlen", "nheads", "headdim", "dstate", "ngroups", "chunk"], shape)))
+        result["shapes"][name] = row  # filled in as it goes; saved at checkpoints (a run cut short keeps them)
         ours = ours_fn(gin, chunk)
         ours_ng = ours_fn(inp, chunk)
         t0 = time.time()
         ours()  # compile / autotune outside the timings
         fwd_bwd(ours, gy)()
         row["ours_first_call_s"] = round(time.time() - t0, 2)
+        print(f"{name}: ours compiled / tuned in {row['ours_first_call_s']} s", flush=True)
         with torch.no_grad():
             row["ours_nograd_fwd_ms"] = bench(ours_ng, args.warmup, args.rep)
             y_default = ours_ng()
@@ -243,6 +245,10 @@ def main(argv=None):
             row["ours_nograd_host_ms"] = host_ms(ours_ng)
         row["ours_fwd_host_ms"] = host_ms(ours)
         row["ours_fwd_bwd_ms"] = bench(fwd_bwd(ours, gy), args.warmup, args.rep, grad_to_none=list(gin.values()))
+        print(f"{name}: ours fwd {row['ours_fwd_ms']:.3f} ms, no-grad {row['ours_nograd_fwd_ms']:.3f}, fwd+bwd "
+              f"{row['ours_fwd_bwd_ms']:.3f}", flush=True)
+        if args.json:
+            write_json(args.json, result)
         if peer:
             pin = with_grad(inp)
             theirs = peer_fn(pin, chunk)
@@ -257,6 +263,8 @@ def main(argv=None):
             with torch.no_grad():
                 row["mamba_nograd_fwd_ms"] = bench(peer_fn(inp, chunk), args.warmup, args.rep)
                 row["mamba_nograd_host_ms"] = host_ms(peer_fn(inp, chunk))
+            if args.json:
+                write_json(args.json, result)
             row["ratio_nograd_vs_mamba_nograd"] = row["ours_nograd_fwd_ms"] / row["mamba_nograd_fwd_ms"]
             row["ratio_fwd"] = row["ours_fwd_ms"] / row["mamba_fwd_ms"]
             row["ratio_fwd_bwd"] = row["ours_fwd_bwd_ms"] / row["mamba_fwd_bwd_ms"]
@@ -275,7 +283,6 @@ def main(argv=None):
                 fns += [("mamba fwd", theirs), ("mamba fwd+bwd", fwd_bwd(theirs, gy))]
             row["kernels_ms"] = {k: [(n, round(t, 4)) for n, t in v[:14]] for k, v in profile_kernels(fns).items()}
         row["autotuned"] = autotuned_configs()
-        result["shapes"][name] = row
         print_row(name, row)
         if args.json:  # after every shape, so a run cut short keeps what it measured
             write_json(args.json, result)

@@ -11,7 +11,10 @@
 # Measured on a fresh H100 (2026-11-22): all 9 GPU tests 149 s (session 3); session 4's run 9 fitted only the
 # first 5 (incl. 3 dtypes) in 190 s: the parity test compiles mamba_ssm (~65 s) and the variants test 3 kernel
 # sets, so give the tests ~300 s for all; the bench with autotuning: ~115 s per shape with 4 variants, ~110 s
-# for both shapes with 2 (run 9), 246 s for one shape with 11 (run 8).
+# for both shapes with 2 (run 9), 246 s for one shape with 11 (run 8). Session 5 (fresh H100, triton 3.6): one shape
+# with 3 variants (one new autotuned kernel) did not finish in 127 s (bench.py now saves after our timings and
+# after mamba_ssm's); the same again on the still-warm machine (Triton's cache filled) took 81 s; the bf16
+# real-shape test alone 25 s. Time the variants at one shape only with SSD_BENCH_ARGS="--variants-on B8_T2048".
 #   SSD_BUDGET_S=390                            whole script's budget
 #   SSD_TESTS="tests/...::test_a ..."           the GPU tests to run, in order (default: the list below)
 #   SSD_BENCH_ARGS="..."                        extra bench_ssd.py arguments (CPU dry run: "--tiny --no-peer
