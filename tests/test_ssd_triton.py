@@ -151,7 +151,7 @@ def test_triton_xs4_scan_every_partial_chunk_and_fallback(monkeypatch):
     """The "xs4" scan (chunk_scan_fwd4: four row blocks per program) on packed documents whose chunks end in
     each of the four row blocks (returns after block 0, 1, 2, 3), full chunks and an empty document, with
     D per head, the gate and initial / final states; a chunk of other than four row blocks runs "xs"; it is the
-    default scan (bf16, forward and backward)."""
+    default scan for 16-bit inputs (bf16, forward and backward), float32 runs "xs"."""
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "TILE_ROWS", 16)
     monkeypatch.setattr(ts, "_PLANS", {})
@@ -169,8 +169,10 @@ def test_triton_xs4_scan_every_partial_chunk_and_fallback(monkeypatch):
     yr, fr, _ = run("reference", d, F64, grad=False, chunk_size=32, cu_seqlens=cu)
     assert counter.n == 1
     assert rel(y, yr) < 2e-5 and rel(f, fr) < 2e-5, (rel(y, yr), rel(f, fr))
-    monkeypatch.delenv("LM_SSD_SCAN")  # the default scan; bf16 with the gate (pre-gate output stored for dz)
-    compare(make(1, 80, 2, 16, 1, 16), torch.bfloat16, 3e-2, chunk_size=64)
+    monkeypatch.delenv("LM_SSD_SCAN")  # the default scan for 16-bit inputs; bf16 with the gate (pre-gate output
+    compare(make(1, 80, 2, 16, 1, 16), torch.bfloat16, 3e-2, chunk_size=64)  # stored for dz)
+    assert counter.n == 2
+    compare(make(1, 80, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=64)  # float32: "xs" by default
     assert counter.n == 2
 
 

@@ -219,21 +219,22 @@ class _Plan:
 _SCAN_VARIANTS = ("flat", "grid", "flat2", "xs", "xs4")
 
 
-def _scan_variant(plan):
+def _scan_variant(plan, dtype=torch.bfloat16):
     """The forward scan kernel. "flat": one head per program, grid (chunk, head, row block); "grid": the
     same math on the grid (row block, head, chunk) (chunk_scan_fwd2_kernel); "flat2": "grid" plus the
     exponential-free factorised decay below the diagonal, on the C.B operand; "xs": "grid" with the decay
     below the diagonal on the x rows, so the raw C.B tile is the product's A operand; "xs4": "xs" with one
     program per (p block, head, chunk) for chunks of four row blocks (chunk == 4 * the tile rows, i.e. 256
-    on a GPU), each decayed x tile built once (chunk_scan_fwd4_kernel; other chunk sizes run "xs"), the default.
-    LM_SSD_SCAN overrides the default. Removed after losing in two H100 runs each (kernels/ssd/PERF.md): "hb", "fact", "chunk"
-    scans."""
+    on a GPU), each decayed x tile built once (chunk_scan_fwd4_kernel; other chunk sizes run "xs").
+    Default: "xs4" for 16-bit inputs, "xs" for float32 (xs4 with float32 operands compiles for sm_90 with
+    spills and twice the shared memory, and was not timed). LM_SSD_SCAN overrides the default. Removed after
+    losing in two H100 runs each (kernels/ssd/PERF.md): "hb", "fact", "chunk" scans."""
     v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
     if v and v not in _SCAN_VARIANTS:
         raise ValueError(f"LM_SSD_SCAN={v!r} must be one of {_SCAN_VARIANTS} (or unset)")
     # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.321 - 0.325,
-    # xs 0.303 (session 4); B8 T2048: xs 0.304, xs4 0.285 (session 5)
-    return v or "xs4"
+    # xs 0.303 (session 4); B8 T2048: xs 0.304, xs4 0.285 (session 5, bf16)
+    return v or ("xs" if dtype == torch.float32 else "xs4")
 
 
 _STATE_VARIANTS = ("old", "pnfast", "bn128")
@@ -331,7 +332,7 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
         return y, final, None
     state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)  # (p, n) per (chunk, head)
-    variant = _scan_variant(pl)
+    variant = _scan_variant(pl, x.dtype)
     st_strides = (N, 1)  # (s_sp, s_sn): the "PN" layout (the kernels also take "NP": (1, P))
     sv = _state_variant()
     bn = min(128, pl.BNF) if sv == "bn128" else pl.BN
