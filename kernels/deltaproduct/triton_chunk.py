@@ -105,6 +105,11 @@ VN_RECOMPUTE_MIN_NH = 99
 # H100 session 4 run 1: nh=1 f+b 2.577 vs 2.703 ms (sequential backward 0.411 vs 0.571), forward with grad
 # 0.852 vs 0.836; at nh=2/3 f+b 4.506/6.481 vs 4.225/6.067 (the sequential backward grows to 0.876 / 1.287 ms).
 AQK_SAVE = None
+# nh >= INTRA_MIN_NH: _wu_kernel stores Aqk ([BQ, BT] per chunk in k's dtype) instead of O_loc = Aqk U ([BQ, V]), and
+# the sequential forward forms O_loc = Aqk U from the U tile it loads anyway (one [BQ, BT] x [BT, BV] product per
+# chunk, off the state recurrence); the tile it loads is the same size as the O_loc tile it no longer reads. Saves
+# ~0.1 GB of writes at nh=2 (B8 T2048 H16 V256). Prepared in session 5, not yet timed on a GPU: off.
+OLOC_IN_H_O = False
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -289,15 +294,16 @@ def _wu_configs():
     return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
 
 
-@triton.autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ"])
+@triton.autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ", "AQF"])
 @triton.jit
-def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_rows, scale,
+def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row, cu_rows, scale,
                NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
-               SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr):
+               SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr):
     """Second half of the forward prep (T and gc from _kkt_inv_kernel): W = T diag(beta e^g) K,
     U = T diag(beta) V over V blocks (software-pipelined by num_stages), and with INTRA the outputs' state-
-    independent terms O_loc = Aqk U and Qe = e^g Q - Aqk W."""
+    independent terms O_loc = Aqk U and Qe = e^g Q - Aqk W; AQF (OLOC_IN_H_O): Aqk itself is stored for the
+    sequential forward instead of O_loc."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -348,6 +354,9 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_
         if SAVE_AQ:  # Aqk^T for the sequential backward (i_c is the global chunk index)
             tl.store(aq + (i_c.to(tl.int64) * H + tl.program_id(1)) * (BT * BQ) + o_t[None, :] * BQ + o_q[:, None],
                      b_Ak.to(aq.dtype.element_ty))
+        if AQF:  # Aqk for the sequential forward, which forms O_loc = Aqk U itself
+            tl.store(aqf + (i_c.to(tl.int64) * H + tl.program_id(1)) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :],
+                     b_Ak.to(aqf.dtype.element_ty))
         b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
         tl.store(qe + o_q[:, None] * (H * K) + o_k[None, :], b_qe.to(qe.dtype.element_ty),
                  mask=m_q[:, None] & mk[None, :])
@@ -361,7 +370,7 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, chunk_seq, chunk_row, cu_
             b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
             b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
         tl.store(u + o_t[:, None] * (H * V) + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
-        if INTRA:
+        if INTRA and not AQF:
             b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
             tl.store(o + o_q[:, None] * (H * V) + o_v[None, :], b_ol.to(o.dtype.element_ty),
                      mask=m_q[:, None] & (o_v < V)[None, :])
@@ -374,20 +383,22 @@ def _h_o_v2_configs():
     return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
 
 
-@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ"],
+@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
+                                                 "AQF"],
                  restore_value=["o"])
 @triton.jit
-def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, cu_rows, chunk_off, scale,
+def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, chunk_off, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
                     STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
-                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr):
+                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr):
     """Sequential over the chunks of one sequence (one V block of the state per program): Vn = U - W S,
     S <- e^gC S + Kd^T Vn, and the outputs: INTRA: o = O_loc + Qe S (O_loc, Qe from _wu_kernel); else
     o = scale (e^g Q S + (Q K^T o Gam o M) Vn). K^T is loaded directly (one tile serves Q K^T and K^T Vn), the
     decays scale the small row operands (Vn rows, output rows) instead of the K and Q tiles, tile offsets are
     int32 from an int64 chunk base (no spills on sm_90, where session 1's version spilled 96-224 B/thread).
-    SAVE (forward with grad): also writes the state entering each chunk, Vn (SAVE_VN) and Aqk^T (SAVE_AQ)."""
+    SAVE (forward with grad): also writes the state entering each chunk, Vn (SAVE_VN) and Aqk^T (SAVE_AQ).
+    AQF (with INTRA): O_loc = Aqk U from _wu_kernel's Aqk and the U tile, instead of _wu_kernel's O_loc."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -438,8 +449,12 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, cu_rows, chunk
         m_qv = m_q[:, None] & mv[None, :]
         if INTRA:
             b_qe = tl.load(qe + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
-            b_ol = tl.load(o + bo + off_qv, mask=m_qv, other=0.0)
-            b_o = b_ol.to(tl.float32) + tl.dot(b_qe, b_Sk, input_precision=PREC)
+            if AQF:
+                b_aq = tl.load(aqf + ((c0 + c) * H + i_h) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :])
+                b_o = tl.dot(b_aq, b_u, input_precision=PREC) + tl.dot(b_qe, b_Sk, input_precision=PREC)
+            else:
+                b_ol = tl.load(o + bo + off_qv, mask=m_qv, other=0.0)
+                b_o = b_ol.to(tl.float32) + tl.dot(b_qe, b_Sk, input_precision=PREC)
         else:
             b_q = tl.load(q + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
             b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
@@ -832,10 +847,12 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     aq = None
     if save and (not intra if AQK_SAVE is None else AQK_SAVE) and DH_FUSE_DVL:
         aq = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev)
+    aqf = torch.empty(NT, H, BQ, BT, dtype=k.dtype, device=dev) if intra and OLOC_IN_H_O else None
     _launch(_wu_kernel, "wu", (NT, H),
-            (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, cseq, crow, cu_rows, scale),
+            (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, aqf if aqf is not None else gc, cseq,
+             crow, cu_rows, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
-                 SAVE_AQ=aq is not None and intra),
+                 SAVE_AQ=aq is not None and intra, AQF=aqf is not None),
             default=WU_CONFIG)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
@@ -843,10 +860,11 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     vn = torch.empty_like(v) if save and not recomp else None
     meta["recomp_vn"] = recomp
     args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
-            hs if hs is not None else gc, vn if vn is not None else gc, aq if aq is not None else gc, cu_rows, coff,
-            scale)
+            hs if hs is not None else gc, vn if vn is not None else gc, aq if aq is not None else gc,
+            aqf if aqf is not None else gc, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
-              SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra)
+              SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra,
+              AQF=aqf is not None)
     _launch(_fwd_h_o_v2_kernel, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     # the backward reads Vn, or U when it recomputes Vn (RECOMP_VN), and Aqk^T when saved
