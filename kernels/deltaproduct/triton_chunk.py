@@ -110,6 +110,10 @@ AQK_SAVE = None
 # chunk, off the state recurrence); the tile it loads is the same size as the O_loc tile it no longer reads. Saves
 # ~0.1 GB of writes at nh=2 (B8 T2048 H16 V256). Prepared in session 5, not yet timed on a GPU: off.
 OLOC_IN_H_O = False
+# With OLOC_IN_H_O: _wu_kernel does not form or store Qe = e^g Q - Aqk W either; the sequential forward computes
+# o = scale e^g Q S + Aqk Vn (the nh=1 formula) from the Q tile, the stored Aqk and the Vn it forms anyway (~67 MB
+# fewer writes and one [BQ, BT] x [BT, K] product less in the prep). Prepared in session 5, not timed: off.
+OLOC_NO_QE = False
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -294,16 +298,16 @@ def _wu_configs():
     return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
 
 
-@triton.autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ", "AQF"])
+@triton.autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ", "AQF", "NOQE"])
 @triton.jit
 def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row, cu_rows, scale,
                NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
-               SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr):
+               SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr):
     """Second half of the forward prep (T and gc from _kkt_inv_kernel): W = T diag(beta e^g) K,
     U = T diag(beta) V over V blocks (software-pipelined by num_stages), and with INTRA the outputs' state-
     independent terms O_loc = Aqk U and Qe = e^g Q - Aqk W; AQF (OLOC_IN_H_O): Aqk itself is stored for the
-    sequential forward instead of O_loc."""
+    sequential forward instead of O_loc; NOQE (OLOC_NO_QE): no Qe either."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -357,9 +361,10 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row
         if AQF:  # Aqk for the sequential forward, which forms O_loc = Aqk U itself
             tl.store(aqf + (i_c.to(tl.int64) * H + tl.program_id(1)) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :],
                      b_Ak.to(aqf.dtype.element_ty))
-        b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
-        tl.store(qe + o_q[:, None] * (H * K) + o_k[None, :], b_qe.to(qe.dtype.element_ty),
-                 mask=m_q[:, None] & mk[None, :])
+        if not NOQE:
+            b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
+            tl.store(qe + o_q[:, None] * (H * K) + o_k[None, :], b_qe.to(qe.dtype.element_ty),
+                     mask=m_q[:, None] & mk[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mv = m_t[:, None] & (o_v < V)[None, :]
@@ -384,21 +389,22 @@ def _h_o_v2_configs():
 
 
 @triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
-                                                 "AQF"],
+                                                 "AQF", "NOQE"],
                  restore_value=["o"])
 @triton.jit
 def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, chunk_off, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
                     STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
-                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr):
+                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr):
     """Sequential over the chunks of one sequence (one V block of the state per program): Vn = U - W S,
     S <- e^gC S + Kd^T Vn, and the outputs: INTRA: o = O_loc + Qe S (O_loc, Qe from _wu_kernel); else
     o = scale (e^g Q S + (Q K^T o Gam o M) Vn). K^T is loaded directly (one tile serves Q K^T and K^T Vn), the
     decays scale the small row operands (Vn rows, output rows) instead of the K and Q tiles, tile offsets are
     int32 from an int64 chunk base (no spills on sm_90, where session 1's version spilled 96-224 B/thread).
     SAVE (forward with grad): also writes the state entering each chunk, Vn (SAVE_VN) and Aqk^T (SAVE_AQ).
-    AQF (with INTRA): O_loc = Aqk U from _wu_kernel's Aqk and the U tile, instead of _wu_kernel's O_loc."""
+    AQF (with INTRA): O_loc = Aqk U from _wu_kernel's Aqk and the U tile, instead of _wu_kernel's O_loc; with NOQE
+    o = scale e^g Q S + Aqk Vn from the Q tile and _wu_kernel's (scaled) Aqk, no Qe."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -447,7 +453,13 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
         bq = (t0.to(tl.int64) * H + i_h) * K
         bo = (t0.to(tl.int64) * H + i_h) * V
         m_qv = m_q[:, None] & mv[None, :]
-        if INTRA:
+        if INTRA and NOQE:
+            b_q = tl.load(q + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
+            b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+            b_aq = tl.load(aqf + ((c0 + c) * H + i_h) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :])
+            b_o = tl.dot(b_q, b_Sk, input_precision=PREC) * (scale * tl.exp(b_gq))[:, None] \
+                + tl.dot(b_aq, b_vn.to(kdt), input_precision=PREC)
+        elif INTRA:
             b_qe = tl.load(qe + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
             if AQF:
                 b_aq = tl.load(aqf + ((c0 + c) * H + i_h) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :])
@@ -835,7 +847,8 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     intra = nh >= INTRA_MIN_NH
-    qe = torch.empty_like(q) if intra else gc
+    noqe = intra and OLOC_IN_H_O and OLOC_NO_QE
+    qe = torch.empty_like(q) if intra and not noqe else gc
     o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
     scale_t = intra if PREP_SCALE_T is None else PREP_SCALE_T
     _launch(_kkt_inv_kernel, "kkt_inv", (NT, H),
@@ -852,7 +865,7 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
             (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, aqf if aqf is not None else gc, cseq,
              crow, cu_rows, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
-                 SAVE_AQ=aq is not None and intra, AQF=aqf is not None),
+                 SAVE_AQ=aq is not None and intra, AQF=aqf is not None, NOQE=noqe),
             default=WU_CONFIG)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
@@ -864,7 +877,7 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
             aqf if aqf is not None else gc, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
               SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra,
-              AQF=aqf is not None)
+              AQF=aqf is not None, NOQE=noqe)
     _launch(_fwd_h_o_v2_kernel, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     # the backward reads Vn, or U when it recomputes Vn (RECOMP_VN), and Aqk^T when saved
