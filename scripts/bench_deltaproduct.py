@@ -77,6 +77,8 @@ VARIANTS = {
     "dh_w8s3": dict(DH_CONFIG=({"BV": 64}, 8, 3)),
     "oloc": dict(OLOC_IN_H_O=True),  # nh >= 2: _wu_kernel stores Aqk, the sequential forward forms O_loc = Aqk U
     "oloc_noqe": dict(OLOC_IN_H_O=True, OLOC_NO_QE=True),  # ... and no Qe: o = scale e^g Q S + Aqk Vn
+    "every2": dict(STATES_EVERY2=True),  # chunk states stored for even chunks only, the others formed in the backward
+    "b_all": dict(OLOC_IN_H_O=True, OLOC_NO_QE=True, STATES_EVERY2=True),  # the three (B) candidates together
     "oloc_r128": dict(OLOC_IN_H_O=True, WU_CONFIG=({"BV": 64}, 4, 3, 128)),
     "wu_r128": dict(WU_CONFIG=({"BV": 64}, 4, 3, 128)),  # 4 programs per SM (spills 52 at nh=2)
     "wu_r168s4": dict(WU_CONFIG=({"BV": 64}, 4, 4, 168)),

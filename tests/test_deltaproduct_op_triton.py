@@ -113,6 +113,7 @@ SWITCHES = [
     dict(AQK_SAVE=True, INTRA_MIN_NH=99), dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True, INTRA_MIN_NH=1),
     dict(OLOC_IN_H_O=True), dict(OLOC_IN_H_O=True, AQK_SAVE=True, INTRA_MIN_NH=1),
     dict(OLOC_IN_H_O=True, OLOC_NO_QE=True), dict(OLOC_IN_H_O=True, OLOC_NO_QE=True, INTRA_MIN_NH=1),
+    dict(STATES_EVERY2=True), dict(STATES_EVERY2=True, OLOC_IN_H_O=True, OLOC_NO_QE=True),
 ]
 
 
@@ -193,13 +194,14 @@ def test_wu_kernel_register_cap_compiles_for_sm90():
     assert int(regs) <= int(cap)
 
 
-@pytest.mark.parametrize("oloc,noqe", [(False, False), (True, False), (True, True)])
-def test_triton_chunk64_nh2_oloc_matches_reference(oloc, noqe, monkeypatch):
-    """OLOC_IN_H_O (and OLOC_NO_QE) at the bench's tile shapes (64-row chunks, 32-token query tiles, nh=2): 70 tokens
-    are 140 rows, two full chunks and a partial one; gated, with an initial state."""
+@pytest.mark.parametrize("oloc,noqe,every2", [(False, False, False), (True, False, False), (True, True, True)])
+def test_triton_chunk64_nh2_oloc_matches_reference(oloc, noqe, every2, monkeypatch):
+    """OLOC_IN_H_O, OLOC_NO_QE and STATES_EVERY2 at the bench's tile shapes (64-row chunks, 32-token query tiles,
+    nh=2): 70 tokens are 140 rows, two full chunks and a partial one; gated, with an initial state."""
     import lm_kernels.deltaproduct.triton_chunk as tc
     monkeypatch.setattr(tc, "OLOC_IN_H_O", oloc)
     monkeypatch.setattr(tc, "OLOC_NO_QE", noqe)
+    monkeypatch.setattr(tc, "STATES_EVERY2", every2)
     ins = make(1, 70, 1, 16, 16, 2, True, True, 1)
     wo = torch.randn(1, 70, 1, 16, dtype=torch.float64)
     ws = torch.randn(1, 1, 16, 16, dtype=torch.float64)

@@ -114,6 +114,11 @@ OLOC_IN_H_O = False
 # o = scale e^g Q S + Aqk Vn (the nh=1 formula) from the Q tile, the stored Aqk and the Vn it forms anyway (~67 MB
 # fewer writes and one [BQ, BT] x [BT, K] product less in the prep). Prepared in session 5, not timed: off.
 OLOC_NO_QE = False
+# The forward with grad stores the state entering every second chunk of a sequence only (local index 0, 2, ..);
+# before the main backward, _fill_states_kernel forms the others from the one before (S_c = e^gC S_c-1 +
+# Kd_c-1^T Vn_c-1, from the stored bf16 state and Vn). Halves the state stores of the forward (0.27 GB at nh=2) for
+# a parallel pass in the backward (~0.7 GB of traffic at nh=2). Needs Vn stored. Prepared in session 5, not timed.
+STATES_EVERY2 = False
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -389,14 +394,15 @@ def _h_o_v2_configs():
 
 
 @triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
-                                                 "AQF", "NOQE"],
+                                                 "AQF", "NOQE", "EVERY2"],
                  restore_value=["o"])
 @triton.jit
 def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, chunk_off, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
                     STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
-                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr):
+                    SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr,
+                    EVERY2: tl.constexpr):
     """Sequential over the chunks of one sequence (one V block of the state per program): Vn = U - W S,
     S <- e^gC S + Kd^T Vn, and the outputs: INTRA: o = O_loc + Qe S (O_loc, Qe from _wu_kernel); else
     o = scale (e^g Q S + (Q K^T o Gam o M) Vn). K^T is loaded directly (one tile serves Q K^T and K^T Vn), the
@@ -404,7 +410,8 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
     int32 from an int64 chunk base (no spills on sm_90, where session 1's version spilled 96-224 B/thread).
     SAVE (forward with grad): also writes the state entering each chunk, Vn (SAVE_VN) and Aqk^T (SAVE_AQ).
     AQF (with INTRA): O_loc = Aqk U from _wu_kernel's Aqk and the U tile, instead of _wu_kernel's O_loc; with NOQE
-    o = scale e^g Q S + Aqk Vn from the Q tile and _wu_kernel's (scaled) Aqk, no Qe."""
+    o = scale e^g Q S + Aqk Vn from the Q tile and _wu_kernel's (scaled) Aqk, no Qe. EVERY2: SAVE stores the
+    states of even chunks only (_fill_states_kernel forms the others in the backward)."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -433,7 +440,11 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
         t0 = r0 // NH
         nt = re - r0
         if SAVE:
-            tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
+            if EVERY2:
+                tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty),
+                         mask=m_kv & (c % 2 == 0))
+            else:
+                tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
         bk = (r0.to(tl.int64) * H + i_h) * K
         bv = (r0.to(tl.int64) * H + i_h) * V
         m_t = o_t < nt
@@ -490,6 +501,43 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
+@triton.autotune(configs=_configs([4], [1]), key=["H", "K", "V", "BT", "NH"])
+@triton.jit
+def _fill_states_kernel(k, gc, vn, hs, chunk_seq, chunk_row, cu_rows,
+                        NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """STATES_EVERY2: the state entering each odd chunk of a sequence (local index 1, 3, ..), from the stored state
+    and Vn of the chunk before (which is full: only a sequence's last chunk can be partial), as the sequential
+    forward updates it: S_c = e^gC S_c-1 + K_c-1^T (Vn_c-1 o e^(gC - g)). One V block per program; programs of even
+    chunks load and store nothing."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    bos = tl.load(cu_rows + n).to(tl.int64)
+    par = ((r0 - bos) // BT) % 2  # 1: an odd chunk of its sequence
+    rp = r0 - BT  # first row of the chunk before
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk = o_k < K
+    mv = o_v < V
+    # (the parity enters the masks through tensor comparisons: the interpreter refuses a tensor & scalar-bool mask)
+    m_kv = (mk & (o_k * 0 + par == 1))[:, None] & mv[None, :]
+    m_t = o_t * 0 + par == 1
+    kdt = k.dtype.element_ty
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    b_S = tl.load(hs + ((i_c - 1).to(tl.int64) * H + i_h) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+    b_g = tl.load(gc + (rp + o_t) * H + i_h, mask=m_t, other=0.0)
+    g_last = tl.sum(tl.where(o_t == BT - 1, b_g, 0.0), 0)
+    b_kt = tl.load(k + ((rp + o_t)[None, :] * H + i_h) * K + o_k[:, None], mask=mk[:, None] & m_t[None, :],
+                   other=0.0)
+    b_vn = tl.load(vn + ((rp + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & mv[None, :],
+                   other=0.0)
+    b_vd = (b_vn.to(tl.float32) * tl.exp(g_last - b_g)[:, None]).to(kdt)
+    b_S = b_S * tl.exp(g_last) + tl.dot(b_kt, b_vd, input_precision=PREC)
+    tl.store(hs + (i_c.to(tl.int64) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
+
+
 @triton.autotune(configs=_configs([4], [1]), key=["H", "K", "V", "BT", "NH", "BV"])  # among 4/1, 8/1
 @triton.jit
 def _bwd_dvloc_kernel(q, k, gc, do, dvn, chunk_seq, chunk_row, cu_rows, scale,
@@ -872,12 +920,14 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     recomp = save and nh >= VN_RECOMPUTE_MIN_NH
     vn = torch.empty_like(v) if save and not recomp else None
     meta["recomp_vn"] = recomp
+    every2 = save and STATES_EVERY2 and not recomp
+    meta["every2"] = every2
     args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
             hs if hs is not None else gc, vn if vn is not None else gc, aq if aq is not None else gc,
             aqf if aqf is not None else gc, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
               SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra,
-              AQF=aqf is not None, NOQE=noqe)
+              AQF=aqf is not None, NOQE=noqe, EVERY2=every2)
     _launch(_fwd_h_o_v2_kernel, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     # the backward reads Vn, or U when it recomputes Vn (RECOMP_VN), and Aqk^T when saved
@@ -914,6 +964,9 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dv = torch.empty_like(v)
     db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
+    if meta.get("every2", False):  # the odd chunks' states, which the forward did not store
+        _launch(_fill_states_kernel, "fill", (NT, H, triton.cdiv(V, BV)), (k, gc, vn, hs, cseq, crow, cu_rows),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec))
     _launch(_bwd_main_kernel, "main", (NT, H),
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
