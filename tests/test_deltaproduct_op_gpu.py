@@ -101,3 +101,15 @@ def test_gpu_fp32_small_heads_16_token_chunks(nh, chunk):
     ins = make(3, 160, 12, 32, 32, nh, 3, torch.float32)
     check(ins, 3, nh, torch.float32, tol_o=1e-4, tol_g=1e-4, chunk_size=chunk)
 
+
+
+@pytest.mark.parametrize("nh", [2, 3])
+def test_gpu_bf16_forward_store_switches(nh, monkeypatch):
+    """OLOC_IN_H_O + OLOC_NO_QE + STATES_EVERY2 (the forward stores Aqk instead of O_loc and Qe, and every second
+    chunk state; the backward forms the others from the bf16 state and Vn) vs float64, bf16, with a varlen batch."""
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    for name in ("OLOC_IN_H_O", "OLOC_NO_QE", "STATES_EVERY2"):
+        monkeypatch.setattr(tc, name, True)
+    cu = torch.tensor([0, 100, 101, 700, 1024], device="cuda")
+    ins = make(1, 1024, 4, 128, 128, nh, 4, torch.float32)
+    check(ins, 4, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, cu=cu)

@@ -15,6 +15,7 @@ Forward:  _kkt_inv_kernel (parallel over chunks) gate cumsum, A = beta KK^T o Ga
                                                   (with grad: also saves S per chunk and Vn)
 Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent part Aqk^T dO computed inline)
                                                   and the state gradient entering each chunk
+          _fill_states_kernel (STATES_EVERY2 only) the odd chunks' states from the stored even ones
           _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
 Kept selectable as a measured alternative (module constants below, H100 timings in BENCH.md):
 _bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Removed after measuring slower in every
