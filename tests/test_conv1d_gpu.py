@@ -139,7 +139,7 @@ def test_x_add_bf16_equals_conv_of_the_sum():
     """The implicit models' injection read by the kernels (x_add): the same bf16 outputs and gradients as
     the conv of the bf16 sum x + x_add (the GPU rounds float32 -> bf16 to nearest, as PyTorch's add)."""
     x, wt, bi, st, gy = inputs(8, 2048, 2304, 4, width=4384, off=2048, state=True)
-    xa = torch.randn(8, 2048, 4384, device="cuda", dtype=torch.bfloat16)[..., 2048:]
+    xa = torch.randn(8, 2048, 4384, device="cuda", dtype=torch.bfloat16)[..., 2048:2048 + 2304]
     leaves = [v.detach().clone().requires_grad_() for v in (x, xa, wt, bi)]
     y, ns = causal_conv1d(leaves[0], leaves[2], leaves[3], conv_state=st, x_add=leaves[1], backend="triton")
     (y.float() * gy.float()).sum().backward()

@@ -1,5 +1,5 @@
-"""Models through lm.models.layers.causal_conv1d: tiny Mamba2 and DeltaProduct (explicit and implicit: the
-injection's conv part read by the kernel as x_add) give the same loss and parameter gradients with LM_CONV1D_BACKEND=triton (the Triton conv under the
+"""Models through lm.models.layers.causal_conv1d: tiny Mamba2 and DeltaProduct, explicit and implicit
+(implicit Mamba2: the injection's conv part read by the kernel as x_add) give the same loss and parameter gradients with LM_CONV1D_BACKEND=triton (the Triton conv under the
 interpreter on CPU) as with the PyTorch reference, packed documents included."""
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ MODELS = {
     "mamba2": mamba2,
     "mamba2_implicit": lambda: mamba2(dict(max_iter=3, tol=None, phantom_steps=1, damping=1.0)),
     "deltaproduct": deltaproduct,
-    # implicit: the injection's conv part goes to the kernel as x_add
     "deltaproduct_implicit": lambda: deltaproduct(dict(max_iter=2, tol=None, phantom_steps=1, damping=1.0)),
 }
 

@@ -164,19 +164,16 @@ class DeltaProductMixer(Mixer):
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
         H, dk, dv, nh = self.H, self.dk, self.dv, self.nh
         proj = self.in_proj(x)
-        sizes = [self.conv_dim, *self.split[3:]]
-        qkv, beta, a, gate = proj.split(sizes, dim=-1)
-        qkv_inj = None
-        if injection is not None:  # the conv reads its part (the sum is never stored); the gates' adds fuse
-            qkv_inj, beta_inj, a_inj, gate_inj = injection.split(sizes, dim=-1)
-            beta, a, gate = beta + beta_inj, a + a_inj, gate + gate_inj
+        if injection is not None:
+            proj = proj + injection
+        qkv, beta, a, gate = proj.split([self.conv_dim, *self.split[3:]], dim=-1)
         state = cache.get(self.layer_idx) if cache is not None else {}
         conv_state = None
         if self.conv1d is not None:
             qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight[:, 0, :], None, cu_seqlens=cu_seqlens,
-                                            conv_state=state.get("conv"), activation="silu", x_add=qkv_inj)
+                                            conv_state=state.get("conv"), activation="silu")
         else:
-            qkv = F.silu(qkv if qkv_inj is None else qkv + qkv_inj)
+            qkv = F.silu(qkv)
         q, k, v = qkv.split(self.split[:3], dim=-1)
         q = q.reshape(b, t, H, dk)
         k = k.reshape(b, t * nh, H, dk)  # per token (n_h, H, dk): row i*nh + j is step j of token i

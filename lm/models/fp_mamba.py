@@ -252,18 +252,14 @@ class FPMambaMixer(Mixer):
 
     # --- pieces -------------------------------------------------------------------------------------
     def _inputs(self, x, injection, conv_state, cu_seqlens):
-        sizes = [self.d_inner, self.conv_dim, self.nheads]
-        z, xbc, dt = self.in_proj(x).split(sizes, dim=-1)
-        xbc_inj = None
-        if injection is not None:  # the conv reads its part (the sum is never stored)
-            z_inj, xbc_inj, dt_inj = injection.split(sizes, dim=-1)
-            z, dt = z + z_inj, dt + dt_inj
+        zxbcdt = self.in_proj(x)
+        if injection is not None:
+            zxbcdt = zxbcdt + injection
+        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         new_conv = None
         if self.conv1d is not None:
             xbc, new_conv = causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
-                                          conv_state=conv_state, activation="silu", x_add=xbc_inj)
-        elif xbc_inj is not None:
-            xbc = xbc + xbc_inj
+                                          conv_state=conv_state, activation="silu")
         gn = self.ngroups * self.d_state
         xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
         return _Inputs(z, xs, B, C, dt), new_conv

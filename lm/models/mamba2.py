@@ -96,10 +96,10 @@ class Mamba2Mixer(Mixer):
         b, t, _ = x.shape
         sizes = [self.d_inner, self.conv_dim, self.nheads]
         z, xbc, dt = self.in_proj(x).split(sizes, dim=-1)
-        xbc_inj = None
-        if injection is not None:  # the conv reads its part (the sum is never stored); z, dt adds fuse downstream
+        z_inj = xbc_inj = None
+        if injection is not None:  # the conv and the gated norm read their parts: no full-width sum is stored
             z_inj, xbc_inj, dt_inj = injection.split(sizes, dim=-1)
-            z, dt = z + z_inj, dt + dt_inj
+            dt = dt + dt_inj
         state = cache.get(self.layer_idx) if cache is not None else {}
         xbc, conv_state = causal_conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
@@ -121,7 +121,7 @@ class Mamba2Mixer(Mixer):
                               cu_seqlens=cu_seqlens, return_final_state=cache is not None)
         if cache is not None:
             cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
-        y = self.norm(y.reshape(b, t, self.d_inner), z)
+        y = self.norm(y.reshape(b, t, self.d_inner), z, z_inj)
         return self.out_proj(y)
 
 
