@@ -67,7 +67,9 @@ VARIANTS = {
     "novn_64s2": dict(VN_RECOMPUTE_MIN_NH=1, MAIN_CONFIG=({"BV": 64}, 8, 2)),
     # session 5 (BENCH.md): the main backward at more pipeline stages, register-capped launch configs (4th element:
     # ptx maxnreg) for more programs per SM
-    "s4": dict(MAIN_CONFIG=({"BV": 32}, 8, 3), WU_CONFIG=({"BV": 64}, 4, 3)),  # session 4's defaults
+    "s4": dict(MAIN_CONFIG=({"BV": 32}, 8, 3), WU_CONFIG=({"BV": 64}, 4, 3), OLOC_IN_H_O=False,
+               OLOC_NO_QE=False),  # session 4's defaults
+    "s5r1": dict(MAIN_CONFIG=({"BV": 32}, 8, 4), OLOC_IN_H_O=False, OLOC_NO_QE=False),  # session 5 run 1's
     "main_32s5": dict(MAIN_CONFIG=({"BV": 32}, 8, 5)),
     "main_32s6": dict(MAIN_CONFIG=({"BV": 32}, 8, 6)),
     "main_64s3": dict(MAIN_CONFIG=({"BV": 64}, 8, 3)),
@@ -75,7 +77,7 @@ VARIANTS = {
     "dh_w8": dict(DH_CONFIG=({"BV": 64}, 8, 2)),  # sequential backward at 8 warps (190 registers, one per SM)
     "dh_s3": dict(DH_CONFIG=({"BV": 64}, 4, 3)),  # one more stage (214 KB of shared memory at nh=1)
     "dh_w8s3": dict(DH_CONFIG=({"BV": 64}, 8, 3)),
-    "oloc": dict(OLOC_IN_H_O=True),  # nh >= 2: _wu_kernel stores Aqk, the sequential forward forms O_loc = Aqk U
+    "oloc": dict(OLOC_IN_H_O=True, OLOC_NO_QE=False),  # nh >= 2: _wu_kernel stores Aqk, the sequential forward forms O_loc = Aqk U
     "oloc_noqe": dict(OLOC_IN_H_O=True, OLOC_NO_QE=True),  # ... and no Qe: o = scale e^g Q S + Aqk Vn
     "every2": dict(STATES_EVERY2=True),  # chunk states stored for even chunks only, the others formed in the backward
     "b_all": dict(OLOC_IN_H_O=True, OLOC_NO_QE=True, STATES_EVERY2=True),  # the three (B) candidates together

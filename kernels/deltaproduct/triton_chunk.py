@@ -93,6 +93,9 @@ MAIN_REBASE = True
 MAIN_LATE_LOADS = True
 # Main backward launch config (meta, num_warps, num_stages) or None (the autotune list below).
 MAIN_CONFIG = None
+# The main backward at nh = 1 (unless MAIN_CONFIG is set): 5 pipeline stages. H100 session 5 run 3 (lead): f+b
+# 2.508 vs 2.534 ms at 4 stages (nh=2/3: 4.143/5.933 vs 4.126/5.961, so the autotuned 4 stays there).
+MAIN_CONFIG_NH1 = ({"BV": 32}, 8, 5)
 # From which nh the forward with grad skips the Vn store and the main backward recomputes Vn = U - W S from U
 # (written by _wu_kernel anyway, kept for the backward instead of Vn), W and the saved chunk state it loads (one
 # [BT, K] x [K, BV] product more per V block there). Off (99): H100 session 4 run 1, forward with grad nh=2/3
@@ -109,16 +112,20 @@ AQK_SAVE = None
 # nh >= INTRA_MIN_NH: _wu_kernel stores Aqk ([BQ, BT] per chunk in k's dtype) instead of O_loc = Aqk U ([BQ, V]), and
 # the sequential forward forms O_loc = Aqk U from the U tile it loads anyway (one [BQ, BT] x [BT, BV] product per
 # chunk, off the state recurrence); the tile it loads is the same size as the O_loc tile it no longer reads. Saves
-# ~0.1 GB of writes at nh=2 (B8 T2048 H16 V256). Prepared in session 5, not yet timed on a GPU: off.
-OLOC_IN_H_O = False
+# ~0.1 GB of writes at nh=2 (B8 T2048 H16 V256). On with OLOC_NO_QE (H100 session 5 run 3, lead, "oloc_noqe" vs
+# "new"): forward with grad nh=2/3 1.494/2.191 vs 1.550/2.238 ms, f+b 4.078/5.908 vs 4.126/5.961 (nh=1 unchanged).
+OLOC_IN_H_O = True
 # With OLOC_IN_H_O: _wu_kernel does not form or store Qe = e^g Q - Aqk W either; the sequential forward computes
 # o = scale e^g Q S + Aqk Vn (the nh=1 formula) from the Q tile, the stored Aqk and the Vn it forms anyway (~67 MB
-# fewer writes and one [BQ, BT] x [BT, K] product less in the prep). Prepared in session 5, not timed: off.
-OLOC_NO_QE = False
+# fewer writes and one [BQ, BT] x [BT, K] product less in the prep). On (see OLOC_IN_H_O; OLOC_IN_H_O alone: 1.514 /
+# 2.214 ms forward with grad at nh=2/3).
+OLOC_NO_QE = True
 # The forward with grad stores the state entering every second chunk of a sequence only (local index 0, 2, ..);
 # before the main backward, _fill_states_kernel forms the others from the one before (S_c = e^gC S_c-1 +
 # Kd_c-1^T Vn_c-1, from the stored bf16 state and Vn). Halves the state stores of the forward (0.27 GB at nh=2) for
-# a parallel pass in the backward (~0.7 GB of traffic at nh=2). Needs Vn stored. Prepared in session 5, not timed.
+# a parallel pass in the backward (~0.7 GB of traffic at nh=2). Needs Vn stored. Off: H100 session 5 run 3 (lead),
+# with the OLOC switches ("b_all" vs "oloc_noqe"): forward with grad nh=2/3 1.418/2.069 vs 1.494/2.191 ms (0.890 /
+# 0.921 of fla) but f+b 4.364/6.351 vs 4.078/5.908, i.e. 3.08/3.07 x the forward with grad (limit 3).
 STATES_EVERY2 = False
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
@@ -972,7 +979,8 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp), default=MAIN_CONFIG)
+                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp),
+            default=MAIN_CONFIG if MAIN_CONFIG is not None else (MAIN_CONFIG_NH1 if nh == 1 else None))
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
