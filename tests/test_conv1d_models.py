@@ -1,5 +1,4 @@
-"""Models through lm.models.layers.causal_conv1d: tiny Mamba2 and DeltaProduct, explicit and implicit
-(implicit Mamba2: the injection's conv part read by the kernel as x_add) give the same loss and parameter gradients with LM_CONV1D_BACKEND=triton (the Triton conv under the
+"""Models through lm.models.layers.causal_conv1d: tiny Mamba2 and DeltaProduct, explicit and implicit, give the same loss and parameter gradients with LM_CONV1D_BACKEND=triton (the Triton conv under the
 interpreter on CPU) as with the PyTorch reference, packed documents included."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Depthwise causal conv1d (Mamba2 / FP-Mamba / DeltaProduct short conv): public API and backend dispatch.
 
     y, new_state = causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, conv_state=None,
-                                 activation="silu", backend=None, x_add=None)
+                                 activation="silu", backend=None)
     y, new_state = causal_conv1d_reference(...same, no backend...)   # PyTorch (F.conv1d), the CPU path
     y, new_state = causal_conv1d_naive(...same, no backend...)       # float64 loop (tests)
 
@@ -10,10 +10,7 @@ channels are contiguous); weight (c, w); bias (c,); conv_state (b, c, w-1): the 
 (zeros if None); cu_seqlens (num_seqs+1,) offsets of packed documents (b == 1): tap j is masked where the
 position inside the document is < j; activation "silu" or None. Returns y (b, t, c) contiguous in x's
 dtype and the new conv state (b, c, w-1) in x's dtype (the last w-1 inputs). Weight, bias and state are
-rounded to x's dtype, as the reference does; the Triton path accumulates in float32. x_add (same shape
-as x, optional): the conv runs on x + x_add (rounded to x's dtype); the Triton path reads both and never
-stores the sum (the implicit models add their injection to the projection this way), both get the same
-gradient.
+rounded to x's dtype, as the reference does; the Triton path accumulates in float32.
 
 Backends: "reference" (PyTorch, autograd), "triton" (Triton kernels with their own backward: gradients
 of x, weight, bias and conv_state; the backward recomputes the pre-activation), None = auto: Triton when x
@@ -64,23 +61,16 @@ def resolve_backend(backend, x, width: int | None = None) -> str:
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
-def _run_triton(x, weight, bias, cu_seqlens, conv_state, activation, x_add=None):
-    return _triton_impl()(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation,
-                          x_add=x_add)
+def _run_triton(x, weight, bias, cu_seqlens, conv_state, activation):
+    return _triton_impl()(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation)
 
 
-def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu", backend=None,
-                  x_add=None):
-    """Depthwise causal conv1d of x (+ x_add); returns (y (b, t, c), new conv state (b, c, w-1)). See
-    module docstring.
+def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu", backend=None):
+    """Depthwise causal conv1d; returns (y (b, t, c), new conv state (b, c, w-1)). See module docstring.
 
     Under torch.compile the Triton path is one opaque call; the reference path is traced as before."""
     which = resolve_backend(backend, x, weight.shape[-1])
     if which == "triton" and x.shape[1] > 0:
-        return _run_triton(x, weight, bias, cu_seqlens, conv_state, activation, x_add)
-    if x_add is not None:
-        if tuple(x_add.shape) != tuple(x.shape):
-            raise ValueError(f"causal_conv1d: x_add must have x's shape {tuple(x.shape)}, got {tuple(x_add.shape)}")
-        x = x + x_add
+        return _run_triton(x, weight, bias, cu_seqlens, conv_state, activation)
     return causal_conv1d_reference(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state,
                                    activation=activation)

@@ -98,13 +98,8 @@ def _state_strides(conv_state):
     return (0, 0, 0) if conv_state is None else conv_state.stride()
 
 
-def _add_strides(x_add):
-    return (0, 0) if x_add is None else (x_add.stride(0), x_add.stride(1))
-
-
-def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool, x_add=None):
-    """y (b, t, c) contiguous in x's dtype and the new conv state (b, c, w-1) in x's dtype; the input is
-    x + x_add (rounded to x's dtype) when x_add is given."""
+def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool):
+    """y (b, t, c) contiguous in x's dtype and the new conv state (b, c, w-1) in x's dtype."""
     b, t, c = x.shape
     w = weight.shape[-1]
     y = torch.empty(b, t, c, device=x.device, dtype=x.dtype)
@@ -114,17 +109,16 @@ def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool, x_add=None):
     grid = lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(c, meta["BC"]), b)  # noqa: E731
     _fwd[grid](
         x, conv_state if conv_state is not None else dummy, weight, bias if bias is not None else dummy,
-        cu_seqlens if cu_seqlens is not None else dummy, y, new_state, x_add if x_add is not None else dummy,
+        cu_seqlens if cu_seqlens is not None else dummy, y, new_state,
         t, c, n_seq, log_n,
         x.stride(0), x.stride(1), *_state_strides(conv_state), *weight.stride(),
-        y.stride(0), y.stride(1), *new_state.stride(), *_add_strides(x_add),
+        y.stride(0), y.stride(1), *new_state.stride(),
         W=w, BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
-        VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1, ACC=_ACC.get(x.dtype, tl.float32),
-        HAS_ADD=x_add is not None)
+        VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1, ACC=_ACC.get(x.dtype, tl.float32))
     return y, new_state
 
 
-def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_grad: bool, x_add=None):
+def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_grad: bool):
     """(dx (b, t, c) in x's dtype, dweight (c, w), dbias (c,) or None, dconv_state (b, c, w-1) or None)."""
     b, t, c = x.shape
     w = weight.shape[-1]
@@ -145,12 +139,11 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     grid_g = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
     _bwd_g[grid_g](
         x, conv_state if conv_state is not None else dummy, weight, bias if bias is not None else dummy, cu, dy, g,
-        part, x_add if x_add is not None else dummy, t, c, n_seq, log_n, chunk,
+        part, t, c, n_seq, log_n, chunk,
         x.stride(0), x.stride(1), *_state_strides(conv_state), *weight.stride(),
         dy.stride(0), dy.stride(1), g.stride(0), g.stride(1), part.stride(0), part.stride(1), part.stride(2),
-        *_add_strides(x_add),
         W=w, WP=_pow2(w), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
-        VARLEN=cu_seqlens is not None, SILU=silu, ACC=acc, HAS_ADD=x_add is not None)
+        VARLEN=cu_seqlens is not None, SILU=silu, ACC=acc)
     grid_dx = lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(c, meta["BC"]), b)  # noqa: E731
     _bwd_dx[grid_dx](
         g, weight, cu, dx, dstate if dstate is not None else dummy,
@@ -176,38 +169,32 @@ def _add_new_state_grad(dns, dx, dstate, t, w):
 
 class CausalConv1dFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, conv_state, cu_seqlens, silu, x_add=None):
-        y, new_state = conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu, x_add)
-        ctx.save_for_backward(x, weight, bias, conv_state, cu_seqlens, x_add)
+    def forward(ctx, x, weight, bias, conv_state, cu_seqlens, silu):
+        y, new_state = conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
+        ctx.save_for_backward(x, weight, bias, conv_state, cu_seqlens)
         ctx.silu = silu
         ctx.set_materialize_grads(False)  # an unused new state gets no zero-filled gradient (and no add)
         return y, new_state
 
     @staticmethod
     def backward(ctx, dy, dns):
-        x, weight, bias, conv_state, cu_seqlens, x_add = ctx.saved_tensors
+        x, weight, bias, conv_state, cu_seqlens = ctx.saved_tensors
         b, t, c = x.shape
         w = weight.shape[-1]
         state_grad = conv_state is not None and ctx.needs_input_grad[3]
         if dy is None:
             dy = torch.zeros(b, t, c, device=x.device, dtype=x.dtype)
-        dx, dweight, dbias, dstate = conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, ctx.silu, state_grad,
-                                                x_add)
+        dx, dweight, dbias, dstate = conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, ctx.silu, state_grad)
         if dns is not None and w > 1:
             _add_new_state_grad(dns, dx, dstate, t, w)
-        dadd = None
-        if x_add is not None and ctx.needs_input_grad[6]:  # d(x + x_add): the same gradient for both
-            dadd = dx if not ctx.needs_input_grad[0] else dx.clone()
         return (dx if ctx.needs_input_grad[0] else None, dweight if ctx.needs_input_grad[1] else None,
-                dbias if ctx.needs_input_grad[2] else None, dstate, None, None, dadd)
+                dbias if ctx.needs_input_grad[2] else None, dstate, None, None)
 
 
-def check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, max_width=None, x_add=None):
+def check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, max_width=None):
     """Shapes, widths and the activation; ValueError naming what is wrong."""
     if x.dim() != 3:
         raise ValueError(f"causal_conv1d: x must be (batch, seqlen, channels), got shape {tuple(x.shape)}")
-    if x_add is not None and tuple(x_add.shape) != tuple(x.shape):
-        raise ValueError(f"causal_conv1d: x_add must have x's shape {tuple(x.shape)}, got {tuple(x_add.shape)}")
     b, t, c = x.shape
     if weight.dim() != 2 or weight.shape[0] != c:
         raise ValueError(f"causal_conv1d: weight must be (channels={c}, width), got {tuple(weight.shape)}")
@@ -228,18 +215,14 @@ def check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, max_wid
         raise ValueError(f"causal_conv1d: activation must be 'silu' or None, got {activation!r}")
 
 
-def causal_conv1d_triton(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu", x_add=None):
-    """Same contract as causal_conv1d_reference (y (b, t, c) contiguous, new state (b, c, w-1)); the input
-    is x + x_add when x_add is given (read by the kernels: the sum is never stored)."""
-    check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, MAX_WIDTH, x_add)
+def causal_conv1d_triton(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu"):
+    """Same contract as causal_conv1d_reference (y (b, t, c) contiguous, new state (b, c, w-1))."""
+    check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, MAX_WIDTH)
     if x.stride(-1) != 1:  # the kernels vectorise along channels
         x = x.contiguous()
-    if x_add is not None and (x_add.stride(-1) != 1 or x_add.dtype != x.dtype):
-        x_add = x_add.to(x.dtype).contiguous()
     silu = activation == "silu"
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(x.device)
-    if torch.is_grad_enabled() and any(v is not None and v.requires_grad
-                                       for v in (x, weight, bias, conv_state, x_add)):
-        return CausalConv1dFn.apply(x, weight, bias, conv_state, cu_seqlens, silu, x_add)
-    return conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu, x_add)
+    if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (x, weight, bias, conv_state)):
+        return CausalConv1dFn.apply(x, weight, bias, conv_state, cu_seqlens, silu)
+    return conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)

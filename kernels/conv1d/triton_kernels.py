@@ -44,17 +44,13 @@ def _doc_start(cu_ptr, rows, N_SEQ, LOG_N):
 
 @triton.jit
 def _load_in(x_ptr, s_ptr, rows, row_min, cols, mask, T, stride_xt, stride_sc, stride_sk,
-             W: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr, a_ptr, stride_at, HAS_ADD: tl.constexpr):
+             W: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr):
     """The input at positions `rows` and channels `cols` (broadcastable index tensors; `mask` masks
     channels / padding): x for rows >= 0, the conv state for -(W-1) <= rows < 0 (rounded to x's dtype),
     zero elsewhere; returned in the ACC dtype. `row_min` (scalar, <= every row) skips the state load
-    for tiles that start at row 0 or later. HAS_ADD: the x rows are x + x_add (x_add at a_ptr, row
-    stride stride_at, the same channels)."""
+    for tiles that start at row 0 or later."""
     in_x = (rows >= 0) & (rows < T) & mask
     v = tl.load(x_ptr + rows.to(tl.int64) * stride_xt + cols, mask=in_x, other=0.0).to(ACC)
-    if HAS_ADD:  # the input is x + x_add, rounded to x's dtype (as the sum of two tensors in PyTorch)
-        av = tl.load(a_ptr + rows.to(tl.int64) * stride_at + cols, mask=in_x, other=0.0).to(ACC)
-        v = (v + av).to(x_ptr.dtype.element_ty).to(ACC)
     if HAS_STATE:
         if row_min < 0:
             in_s = (rows < 0) & (rows >= 1 - W) & mask
@@ -66,15 +62,14 @@ def _load_in(x_ptr, s_ptr, rows, row_min, cols, mask, T, stride_xt, stride_sc, s
 @triton.jit
 def _preact(x_ptr, s_ptr, w_ptr, b_ptr, rows, row0, pos, offs_c, mask_c, T, stride_xt, stride_sc, stride_sk,
             stride_wc, stride_wk, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-            VARLEN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, a_ptr, stride_at,
-            HAS_ADD: tl.constexpr):
+            VARLEN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """z = sum_j w[:, W-1-j] input[rows - j] (+ bias) for a (BT, BC) tile: taps that cross a document
     start (pos < j) masked; weight and bias rounded to x's dtype, accumulated in ACC."""
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     z = tl.zeros((BT, BC), dtype=ACC)
     for j in tl.static_range(W):
         v = _load_in(x_ptr, s_ptr, (rows - j)[:, None], row0 - j, offs_c[None, :], mask_c[None, :], T,
-                     stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC, a_ptr, stride_at, HAS_ADD)
+                     stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)
         if VARLEN:
             v = tl.where((pos >= j)[:, None], v, 0.0)
         wj = tl.load(w_ptr + offs_c * stride_wc + (W - 1 - j) * stride_wk, mask=mask_c, other=0.0)
@@ -85,17 +80,16 @@ def _preact(x_ptr, s_ptr, w_ptr, b_ptr, rows, row0, pos, offs_c, mask_c, T, stri
 
 
 @triton.jit
-def conv_fwd_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr, a_ptr,
+def conv_fwd_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
                     T, C, N_SEQ, LOG_N,
                     stride_xb, stride_xt, stride_sb, stride_sc, stride_sk, stride_wc, stride_wk,
-                    stride_yb, stride_yt, stride_nb, stride_nc, stride_nk, stride_ab, stride_at,
+                    stride_yb, stride_yt, stride_nb, stride_nc, stride_nk,
                     W: tl.constexpr, BS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
                     VARLEN: tl.constexpr, SILU: tl.constexpr, WRITE_STATE: tl.constexpr, ACC: tl.constexpr,
-                    BT: tl.constexpr, BC: tl.constexpr, HAS_ADD: tl.constexpr = False):
+                    BT: tl.constexpr, BC: tl.constexpr):
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
-    a_ptr += pid_b * stride_ab
     s_ptr += pid_b * stride_sb
     row0 = pid_t * BT
     rows = row0 + tl.arange(0, BT)
@@ -105,7 +99,7 @@ def conv_fwd_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr, a_ptr,
     if VARLEN:
         pos = rows - _doc_start(cu_ptr, rows, N_SEQ, LOG_N)
     z = _preact(x_ptr, s_ptr, w_ptr, b_ptr, rows, row0, pos, offs_c, mask_c, T, stride_xt, stride_sc, stride_sk,
-                stride_wc, stride_wk, W, HAS_STATE, HAS_BIAS, VARLEN, ACC, BT, BC, a_ptr, stride_at, HAS_ADD)
+                stride_wc, stride_wk, W, HAS_STATE, HAS_BIAS, VARLEN, ACC, BT, BC)
     if SILU:
         z = z / (1.0 + tl.exp(-z))
     tl.store(y_ptr + pid_b * stride_yb + rows[:, None].to(tl.int64) * stride_yt + offs_c[None, :], z.to(XDT),
@@ -114,20 +108,19 @@ def conv_fwd_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr, a_ptr,
         if (pid_t + 1) * BT >= T:  # the last tile: new state = inputs at T-(W-1) .. T-1
             k = tl.arange(0, BS)
             last = _load_in(x_ptr, s_ptr, (T - (W - 1) + k)[:, None], T - (W - 1), offs_c[None, :], mask_c[None, :],
-                            T, stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC, a_ptr, stride_at, HAS_ADD)
+                            T, stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)
             tl.store(ns_ptr + pid_b * stride_nb + k[:, None] * stride_nk + offs_c[None, :] * stride_nc,
                      last.to(XDT), mask=(k < W - 1)[:, None] & mask_c[None, :])
 
 
 @triton.jit
-def conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, g_ptr, part_ptr, a_ptr,
+def conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, g_ptr, part_ptr,
                       T, C, N_SEQ, LOG_N, CHUNK,
                       stride_xb, stride_xt, stride_sb, stride_sc, stride_sk, stride_wc, stride_wk,
                       stride_db, stride_dt, stride_gb, stride_gt, stride_pb, stride_pc, stride_pk,
-                      stride_ab, stride_at,
                       W: tl.constexpr, WP: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr, HAS_ADD: tl.constexpr = False):
+                      BT: tl.constexpr, BC: tl.constexpr):
     """Backward pass 1: g = dy * act'(z) (z recomputed; stored in float32 when SILU, else g = dy is not
     stored) and the per-program dweight / dbias partial sums over CHUNK rows. The partials are kept per row,
     one (BT, BC) accumulator per tap (W <= 8; the unused ones are dead code), and summed over the rows once
@@ -136,7 +129,6 @@ def conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, g_ptr, part_pt
     the H100 at W = 3 with a conv state (right in the interpreter), so the taps are unrolled by hand."""
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     x_ptr += pid_b * stride_xb
-    a_ptr += pid_b * stride_ab
     s_ptr += pid_b * stride_sb
     offs_c = pid_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
@@ -162,15 +154,14 @@ def conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, g_ptr, part_pt
             pos = rows - _doc_start(cu_ptr, rows, N_SEQ, LOG_N)
         if SILU:
             z = _preact(x_ptr, s_ptr, w_ptr, b_ptr, rows, t0, pos, offs_c, mask_c, T, stride_xt, stride_sc,
-                        stride_sk, stride_wc, stride_wk, W, HAS_STATE, HAS_BIAS, VARLEN, ACC, BT, BC, a_ptr,
-                        stride_at, HAS_ADD)
+                        stride_sk, stride_wc, stride_wk, W, HAS_STATE, HAS_BIAS, VARLEN, ACC, BT, BC)
             sig = 1.0 / (1.0 + tl.exp(-z))
             g = g * sig * (1.0 + z * (1.0 - sig))
             tl.store(g_ptr + pid_b * stride_gb + rows[:, None].to(tl.int64) * stride_gt + offs_c[None, :],
                      g.to(g_ptr.dtype.element_ty), mask=live)
         for j in tl.static_range(W):  # a_j[p] += g[p] * input[p - j]: per-row partials, summed after the loop
             v = _load_in(x_ptr, s_ptr, (rows - j)[:, None], t0 - j, offs_c[None, :], mask_c[None, :], T,
-                         stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC, a_ptr, stride_at, HAS_ADD)
+                         stride_xt, stride_sc, stride_sk, W, HAS_STATE, ACC)
             if VARLEN:
                 v = tl.where((pos >= j)[:, None], v, 0.0)
             if j == 0:

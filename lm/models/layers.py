@@ -24,32 +24,31 @@ class _RMSNormFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, z, weight, group: int, eps: float, z_add=None):
+    def forward(ctx, x, z, weight, group: int, eps: float):
         acc = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
             u = x.to(acc)
             if z is not None:
-                zs = z if z_add is None else z + z_add  # not saved: recomputed in backward from z, z_add
-                u = u * F.silu(zs.to(acc))
+                u = u * F.silu(z.to(acc))
             shape = u.shape
             ug = u.reshape(*shape[:-1], shape[-1] // group, group)
             rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
             y = (ug * rstd).reshape(shape)
             if weight is not None:
                 y = y * weight.to(acc)
-        ctx.save_for_backward(x, z, weight, rstd, z_add)
+        ctx.save_for_backward(x, z, weight, rstd)
         ctx.group = group
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, z, weight, rstd, z_add = ctx.saved_tensors
+        x, z, weight, rstd = ctx.saved_tensors
         group = ctx.group
         acc = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
             xa = x.to(acc)
             if z is not None:
-                za = (z if z_add is None else z + z_add).to(acc)
+                za = z.to(acc)
                 sig = torch.sigmoid(za)
                 gate = za * sig
                 u = xa * gate
@@ -66,24 +65,21 @@ class _RMSNormFn(torch.autograd.Function):
             gg = g.reshape(*shape[:-1], shape[-1] // group, group)
             xg = xhat.reshape_as(gg)
             du = (rstd * (gg - xg * (gg * xg).mean(-1, keepdim=True))).reshape(shape)
-            dx = dz = dz_add = None
+            dx = dz = None
             if z is not None:
                 dx = du * gate
-                if ctx.needs_input_grad[1] or ctx.needs_input_grad[5]:
-                    dzs = du * xa * sig * (1 + za * (1 - sig))
-                    dz = dzs.to(z.dtype) if ctx.needs_input_grad[1] else None
-                    dz_add = dzs.to(z_add.dtype) if ctx.needs_input_grad[5] else None
+                if ctx.needs_input_grad[1]:
+                    dz = (du * xa * sig * (1 + za * (1 - sig))).to(z.dtype)
             else:
                 dx = du
-        return dx.to(x.dtype), dz, dw, None, None, dz_add
+        return dx.to(x.dtype), dz, dw, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, z: torch.Tensor | None = None,
-             group_size: int | None = None, z_add: torch.Tensor | None = None) -> torch.Tensor:
+             group_size: int | None = None) -> torch.Tensor:
     """y = u / rms(u) * weight with u = x * silu(z) (or x), per group of `group_size` channels (default:
-    all); computed in at least float32 and returned in x's dtype. `z_add`: the gate is z + z_add (the
-    implicit models' injection), recomputed in backward rather than saved."""
-    return _RMSNormFn.apply(x, z, weight, group_size or x.shape[-1], eps, z_add)
+    all); computed in at least float32 and returned in x's dtype."""
+    return _RMSNormFn.apply(x, z, weight, group_size or x.shape[-1], eps)
 
 
 class RMSNorm(nn.Module):
@@ -107,8 +103,8 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"GatedRMSNorm: dim {dim} is not a multiple of group_size {self.group_size}")
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None, z_add: torch.Tensor | None = None) -> torch.Tensor:
-        return rms_norm(y, self.weight, self.eps, z=z, group_size=self.group_size, z_add=z_add)
+    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        return rms_norm(y, self.weight, self.eps, z=z, group_size=self.group_size)
 
 
 class SwiGLU(nn.Module):
@@ -132,10 +128,8 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor | None = None,
     conv_state: torch.Tensor | None = None,
     activation: str | None = "silu",
-    x_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution over time (of x + x_add when x_add is given: the Triton path reads both
-    and never stores the sum).
+    """Depthwise causal convolution over time.
 
     x (b, t, c); weight (c, w); conv_state (b, c, w-1): the last w-1 inputs before x (zeros if None).
     With `cu_seqlens` (b == 1) no tap reaches across a document start. Returns (y (b, t, c), the new
@@ -144,8 +138,7 @@ def causal_conv1d(
     Runs `lm_kernels.conv1d`: the Triton kernel on CUDA tensors (x read through its strides, no
     transposes), the PyTorch reference (F.conv1d) on CPU; LM_CONV1D_BACKEND=reference|triton overrides.
     """
-    return _conv1d(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation,
-                   x_add=x_add)
+    return _conv1d(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation)
 
 
 def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:

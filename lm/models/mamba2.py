@@ -94,16 +94,14 @@ class Mamba2Mixer(Mixer):
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
-        sizes = [self.d_inner, self.conv_dim, self.nheads]
-        z, xbc, dt = self.in_proj(x).split(sizes, dim=-1)
-        z_inj = xbc_inj = None
-        if injection is not None:  # the conv and the gated norm read their parts: no full-width sum is stored
-            z_inj, xbc_inj, dt_inj = injection.split(sizes, dim=-1)
-            dt = dt + dt_inj
+        zxbcdt = self.in_proj(x)
+        if injection is not None:
+            zxbcdt = zxbcdt + injection
+        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         state = cache.get(self.layer_idx) if cache is not None else {}
         xbc, conv_state = causal_conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
-            conv_state=state.get("conv"), activation="silu", x_add=xbc_inj,
+            conv_state=state.get("conv"), activation="silu",
         )
         gn = self.ngroups * self.d_state
         xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
@@ -121,7 +119,7 @@ class Mamba2Mixer(Mixer):
                               cu_seqlens=cu_seqlens, return_final_state=cache is not None)
         if cache is not None:
             cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
-        y = self.norm(y.reshape(b, t, self.d_inner), z, z_inj)
+        y = self.norm(y.reshape(b, t, self.d_inner), z)
         return self.out_proj(y)
 
 
