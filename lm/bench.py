@@ -1,4 +1,5 @@
-"""`lm bench NAME [args]`: run scripts/bench_NAME.py (kernel and training benchmarks; GPU for timings)."""
+"""`lm bench NAME [args]`: run scripts/bench_NAME.py (kernel and training benchmarks; GPU for timings), and
+the per-kernel device-time breakdown those scripts share."""
 from __future__ import annotations
 
 import runpy
@@ -19,3 +20,25 @@ def main(argv: list[str]) -> int:
     sys.argv = [f"bench_{name}.py", *argv[1:]]
     runpy.run_path(str(repo_root() / "scripts" / f"bench_{name}.py"), run_name="__main__")
     return 0
+
+
+def kernel_times(fn, iters: int = 10) -> dict:
+    """{CUDA kernel name: device ms per call of fn} over `iters` calls after one warm-up call (torch.profiler),
+    largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t > 0 and e.device_type is not None and "cuda" in str(e.device_type).lower():
+            out[e.key] = round(t / 1e3 / iters, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -110,45 +111,6 @@ def parse_variants(specs):
     return out
 
 
-class env_vars:
-    """Set environment variables inside a with-block, restore them after."""
-
-    def __init__(self, env):
-        self.env, self.old = env, {}
-
-    def __enter__(self):
-        for k, v in self.env.items():
-            self.old[k] = os.environ.get(k)
-            os.environ[k] = v
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def kernel_profile(fn, steps=10):
-    """{kernel name: device ms per call of fn} over `steps` calls (CUDA only)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = getattr(e, "cuda_time_total", 0.0)
-        if t > 0 and e.device_type is not None and "cuda" in str(e.device_type).lower():
-            out[e.key] = round(t / 1e3 / steps, 4)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -171,6 +133,8 @@ def main(argv=None):
     from lm_kernels.conv1d import causal_conv1d, causal_conv1d_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.profile and device == "cuda":
+        from lm.bench import kernel_times
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TINY if args.tiny else SHAPES
     if args.shapes:
@@ -218,14 +182,14 @@ def main(argv=None):
                 times[f"{gname}_rel_vs_fp32"] = rel(gv, gr)
             row[pname] = times
         for vname, venv in variants:  # ours again under each variant's switches (read at each call)
-            with env_vars(venv):
+            with mock.patch.dict(os.environ, venv):
                 try:
                     times, fb = timings(ours, x, weight, bias, cu, gy, args.warmup, args.rep)
                     grads = fb()
                     for gname, gv, gr in zip(("dx", "dweight", "dbias"), grads, g32):
                         times[f"{gname}_rel_vs_fp32"] = rel(gv, gr)
                     if args.profile and device == "cuda":
-                        times["profile_fwd_bwd"] = kernel_profile(fb)
+                        times["profile_fwd_bwd"] = kernel_times(fb)
                 except Exception as e:  # noqa: BLE001
                     times = {"error": f"{type(e).__name__}: {e}"[:500]}
             row[f"ours[{vname}]"] = dict(times, env=venv)
@@ -238,7 +202,7 @@ def main(argv=None):
                 print("    " + ", ".join(f"{k[:40]} {v:.4f}" for k, v in list(times["profile_fwd_bwd"].items())[:8]))
         o = row.get("ours", {})
         if args.profile and device == "cuda" and "fwd_ms" in o:
-            o["profile_fwd_bwd"] = kernel_profile(timings(ours, x, weight, bias, cu, gy, 1, 1)[1])
+            o["profile_fwd_bwd"] = kernel_times(timings(ours, x, weight, bias, cu, gy, 1, 1)[1])
             print("    ours: " + ", ".join(f"{k[:40]} {v:.4f}" for k, v in list(o["profile_fwd_bwd"].items())[:8]))
         if "fwd_ms" in o:
             nbytes = b * t * c * x.element_size()

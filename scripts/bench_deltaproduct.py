@@ -149,22 +149,9 @@ def bench(fn, quick):
 
 
 def kernel_breakdown(fn, iters=5):
-    """Device time per kernel name (ms per call of fn), from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None)
-        if t is None:
-            t = getattr(ev, "cuda_time_total", 0.0)
-        if t > 0:
-            out[ev.key[:60]] = round(t / iters / 1e3, 4)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+    """Device time per kernel name (ms per call of fn), from torch.profiler: the 12 largest."""
+    from lm.bench import kernel_times
+    return {k[:60]: v for k, v in list(kernel_times(fn, iters).items())[:12]}
 
 
 def check_vs_reference(q, k, v, beta, g, h0, nh, n_check):
