@@ -84,13 +84,9 @@ VARIANTS = {
     "oloc_r128": dict(OLOC_IN_H_O=True, WU_CONFIG=({"BV": 64}, 4, 3, 128)),
     "wu_r128": dict(WU_CONFIG=({"BV": 64}, 4, 3, 128)),  # 4 programs per SM (spills 52 at nh=2)
     "wu_r168s4": dict(WU_CONFIG=({"BV": 64}, 4, 4, 168)),
-    # session 6: STATES_EVERY2's fill pass inside the sequential backward (FILL_IN_DH; the fill in FS x FS pieces),
-    # at the default dh launch (spills 256-416 B on sm_90 with triton 3.6), at 8 warps, at BV 32
-    "b_kern": dict(STATES_EVERY2=True, FILL_IN_DH=False),  # the fill as its own launch (= session 5's b_all)
-    "b_dh": dict(STATES_EVERY2=True, FILL_IN_DH=True, FILL_SPLIT=2),
-    "b_dh1": dict(STATES_EVERY2=True, FILL_IN_DH=True, FILL_SPLIT=1),
-    "b_dh_w8": dict(STATES_EVERY2=True, FILL_IN_DH=True, FILL_SPLIT=2, DH_FILL_CONFIG=({"BV": 64}, 8, 2)),
-    "b_dh_32": dict(STATES_EVERY2=True, FILL_IN_DH=True, FILL_SPLIT=2, DH_FILL_CONFIG=({"BV": 32}, 4, 2)),
+    # session 6: the no-grad sequential forward at 1 stage (73 KB of shared memory instead of 119: two programs per SM
+    # instead of one for its 4 waves of chunk chains), as the SAVE launch already runs
+    "ho_s1": dict(FIXED={"h_o": ({"BV": 64}, 4, 1)}),
 }
 
 

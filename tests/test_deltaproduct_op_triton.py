@@ -114,7 +114,6 @@ SWITCHES = [
     dict(OLOC_IN_H_O=True), dict(OLOC_IN_H_O=True, AQK_SAVE=True, INTRA_MIN_NH=1),
     dict(OLOC_IN_H_O=True, OLOC_NO_QE=True), dict(OLOC_IN_H_O=True, OLOC_NO_QE=True, INTRA_MIN_NH=1),
     dict(STATES_EVERY2=True), dict(STATES_EVERY2=True, OLOC_IN_H_O=True, OLOC_NO_QE=True),
-    dict(STATES_EVERY2=True, FILL_IN_DH=False), dict(STATES_EVERY2=True, FILL_SPLIT=1),
 ]
 
 

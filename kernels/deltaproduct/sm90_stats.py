@@ -87,7 +87,7 @@ def _main_cx(nh, BV, **extra):
 def _dh_cx(nh, BV, **extra):
     BT, K, V = 64, 128, 256
     cx = dict(NH=nh, H=16, K=K, V=V, BT=BT, BK=128, BV=BV, BQ=tc._bq(BT, nh), USE_DHT=False, STORE_DH0=False,
-              PREC="tf32", FUSE_DVL=True, LOAD_AQ=nh < tc.INTRA_MIN_NH, FILL=False, FS=2)
+              PREC="tf32", FUSE_DVL=True, LOAD_AQ=nh < tc.INTRA_MIN_NH)
     cx.update(extra)
     return cx
 
@@ -96,7 +96,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--nh", type=int, nargs="+", default=[1])
     p.add_argument("--configs", nargs="+", default=["32/8/3"], help="BV/warps/stages of the main backward")
-    p.add_argument("--kernels", nargs="+", default=["main"], help="main, dh, dh_fill<FS> (FS: the fill in FS x FS pieces, e.g. dh_fill2)")
+    p.add_argument("--kernels", nargs="+", default=["main"], help="main, dh")
     a = p.parse_args(argv)
     for nh in a.nh:
         for kname in a.kernels:
@@ -104,9 +104,8 @@ def main(argv=None):
                 bv, w, s = (int(x) for x in c.split("/"))
                 if kname == "main":
                     r = stats(tc._bwd_main_kernel, _main_cx(nh, bv), w, s)
-                elif kname.startswith("dh"):  # the sequential backward: dh, or dh_fill<FS> with the every-2 state fill
-                    fs = int(kname[7:] or 2) if kname.startswith("dh_fill") else 2
-                    r = stats(tc._bwd_dh_v2_kernel, _dh_cx(nh, bv, FILL=kname != "dh", FS=fs), w, s)
+                elif kname == "dh":  # the sequential backward
+                    r = stats(tc._bwd_dh_v2_kernel, _dh_cx(nh, bv), w, s)
                 else:
                     raise SystemExit(f"unknown kernel {kname}")
                 print(f"nh={nh} {kname} BV{bv} w{w} s{s}: {r}", flush=True)

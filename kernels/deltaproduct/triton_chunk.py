@@ -127,14 +127,6 @@ OLOC_NO_QE = True
 # with the OLOC switches ("b_all" vs "oloc_noqe"): forward with grad nh=2/3 1.418/2.069 vs 1.494/2.191 ms (0.890 /
 # 0.921 of fla) but f+b 4.364/6.351 vs 4.078/5.908, i.e. 3.08/3.07 x the forward with grad (limit 3).
 STATES_EVERY2 = False
-# With STATES_EVERY2: the odd chunks' states are formed by the sequential backward (_bwd_dh_v2_kernel, FILL) at the
-# even chunk before, from the K tile it loads anyway, instead of by _fill_states_kernel's own launch.
-FILL_IN_DH = True
-# ... in FILL_SPLIT x FILL_SPLIT pieces of the [BK, BV] state block (registers: see BENCH.md, session 6)
-FILL_SPLIT = 2
-# Launch config of _bwd_dh_v2_kernel when it fills (None: DH_CONFIG's); the fill adds a [BK, BV] state tile next to
-# dS, and the kernel is at 255 registers without it (BV 64, 4 warps).
-DH_FILL_CONFIG = None
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -594,22 +586,18 @@ def _bwd_dvloc_kernel(q, k, gc, do, dvn, chunk_seq, chunk_row, cu_rows, scale,
 
 
 # among 4/2, 8/2
-@triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL", "LOAD_AQ", "FILL", "FS"],
+@triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL", "LOAD_AQ"],
                  restore_value=["dvn"])
 @triton.jit
-def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, hs, vn, cu_rows, chunk_off, scale,
+def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off, scale,
                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
-                      STORE_DH0: tl.constexpr, PREC: tl.constexpr, FUSE_DVL: tl.constexpr, LOAD_AQ: tl.constexpr,
-                      FILL: tl.constexpr, FS: tl.constexpr):
+                      STORE_DH0: tl.constexpr, PREC: tl.constexpr, FUSE_DVL: tl.constexpr, LOAD_AQ: tl.constexpr):
     """Sequential over the chunks of one sequence in reverse: dVn and the state gradient entering each chunk.
     Q^T and W^T are loaded directly, the decays scale dO rows and the (K dS) rows instead of the Q and K tiles,
     int32 tile offsets. FUSE_DVL: the state-independent part of dVn, (Q K^T o Gam o M)^T dO, is computed here
     (off the loop-carried chain) instead of being read from _bwd_dvloc_kernel's output; LOAD_AQ: its
-    Aqk^T factor is read from the forward's save instead of recomputed. FILL (STATES_EVERY2): at each even chunk c
-    that has a successor, also forms the state entering chunk c + 1, which the forward did not store, from the
-    stored state and Vn of chunk c and the K tile loaded here anyway (S_c+1 = e^gC S_c + K_c^T (Vn_c o e^(gC - g)),
-    as _fill_states_kernel does, without its launch and its K reads); it is off the dS chain."""
+    Aqk^T factor is read from the forward's save instead of recomputed."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -673,25 +661,6 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, hs, vn, cu_rows, c
         b_dog = (b_do.to(tl.float32) * (scale * tl.exp(b_gq))[:, None]).to(kdt)
         b_dS = b_dS * tl.exp(g_last) + tl.dot(b_qt, b_dog, input_precision=PREC) \
             - tl.dot(b_wt, b_dvn.to(kdt), input_precision=PREC)
-        if FILL:
-            if (c % 2 == 0) & (c + 1 < NT):
-                # in FS x FS pieces ([BK/FS, BV/FS] float32 next to dS; the kernel has no registers to spare)
-                for vh in tl.static_range(FS):
-                    o_vh = i_v * BV + vh * (BV // FS) + tl.arange(0, BV // FS)
-                    m_vh = o_vh < V
-                    b_vnf = tl.load(vn + bv + o_t[:, None] * (H * V) + o_vh[None, :], mask=m_t[:, None] & m_vh[None, :],
-                                    other=0.0).to(tl.float32)
-                    b_vdf = (b_vnf * tl.exp(g_last - b_g)[:, None]).to(kdt)
-                    for kh in tl.static_range(FS):
-                        o_kh = kh * (BK // FS) + tl.arange(0, BK // FS)
-                        m_kh = (o_kh < K)[:, None] & m_vh[None, :]
-                        off_khv = o_kh[:, None] * V + o_vh[None, :]
-                        b_kth = tl.load(k + bk + o_kh[:, None] + o_t[None, :] * (H * K),
-                                        mask=(o_kh < K)[:, None] & m_t[None, :], other=0.0)
-                        b_Sf = tl.load(hs + ((c0 + c) * H + i_h) * K * V + off_khv, mask=m_kh, other=0.0).to(tl.float32)
-                        b_Sf = b_Sf * tl.exp(g_last) + tl.dot(b_kth, b_vdf, input_precision=PREC)
-                        tl.store(hs + ((c0 + c + 1) * H + i_h) * K * V + off_khv, b_Sf.to(hs.dtype.element_ty),
-                                 mask=m_kh)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_dS, mask=m_kv)
 
@@ -993,20 +962,17 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     if not fuse:
         _bwd_dvloc_kernel[(NT, H)](q, k, gc, do, dvn, cseq, crow, cu_rows, scale, NH=nh, H=H, K=K, V=V, BT=BT,
                                    BK=BK, BV=BV, BQ=BQ, PREC=prec)
-    every2 = meta.get("every2", False)
-    fill_dh = every2 and FILL_IN_DH
     _launch(_bwd_dh_v2_kernel, "dh", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn,
-             aq if aq is not None else gc, hs if fill_dh else gc, vn if fill_dh else gc, cu_rows, coff, scale),
+             aq if aq is not None else gc, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None, STORE_DH0=h0 is not None,
-                 PREC=prec, FUSE_DVL=fuse, LOAD_AQ=aq is not None, FILL=fill_dh, FS=FILL_SPLIT),
-            default=DH_FILL_CONFIG if fill_dh and DH_FILL_CONFIG is not None else DH_CONFIG)
+                 PREC=prec, FUSE_DVL=fuse, LOAD_AQ=aq is not None), default=DH_CONFIG)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
-    if every2 and not fill_dh:  # the odd chunks' states, which the forward did not store
+    if meta.get("every2", False):  # the odd chunks' states, which the forward did not store
         _launch(_fill_states_kernel, "fill", (NT, H, triton.cdiv(V, BV)), (k, gc, vn, hs, cseq, crow, cu_rows),
                 dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec))
     _launch(_bwd_main_kernel, "main", (NT, H),
