@@ -29,7 +29,11 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-DEFAULT_VARIANTS = ["xs=xs/-/-", "bwd_slots=-/-/-/LM_SSD_BWD=slots"]
+# session 6: register caps of the xs4 scan (3 programs per SM at 168; 200 keeps 2) and the state kernel at 32-row p
+# blocks, 4 warps, 128 registers (4 programs per SM, no spills in triton 3.6's sm_90 compile: kernels/ssd/sm90_stats.py)
+DEFAULT_VARIANTS = ["scan4_r168=-/-/-/LM_SSD_CFG=scan4:64:4:1:168", "scan4_r200=-/-/-/LM_SSD_CFG=scan4:64:4:1:200",
+                    "state_r128=-/-/-/LM_SSD_CFG=state:32:4:2:128",
+                    "both=-/-/-/LM_SSD_CFG=scan4:64:4:1:168+state:32:4:2:128"]
 BWD_VARS = ("LM_SSD_BWD",)  # variants setting these are timed forward + backward too
 
 
@@ -104,17 +108,20 @@ def fwd_bwd(f, gy):
     return run
 
 
-def host_ms(fn, n=100):
-    """Host time per call (ms): n calls queued without waiting for the device (launch queue not full)."""
+def host_ms(fn, n=50, reps=5):
+    """Host time per call (ms): the least over `reps` runs of n calls queued without waiting for the device (the
+    launch queue stays far from full), each run starting on an idle device."""
     if not torch.cuda.is_available():
         return float("nan")
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = (time.perf_counter() - t) / n * 1e3
-    torch.cuda.synchronize()
-    return dt
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e3)
+        torch.cuda.synchronize()
+    return best
 
 
 def autotuned_configs():
@@ -163,6 +170,24 @@ def kernel_resources():
     return out
 
 
+class env_set:
+    """Sets environment variables for a with-block and restores them after."""
+
+    def __init__(self, env):
+        self.env, self.saved = env, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -170,17 +195,19 @@ def rel(a, b):
 def profile_kernels(fns, iters=5):
     """{label: [(kernel name, mean ms per call of fn), ...]} for each (label, fn)."""
     from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = {}
     for label, fn in fns:
         fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             for _ in range(iters):
                 fn()
-            torch.cuda.synchronize()
+            sync()
         acc = defaultdict(float)
         for ev in prof.key_averages():
-            t = getattr(ev, "self_device_time_total", None)
+            t = getattr(ev, "self_device_time_total", None) if cuda else ev.self_cpu_time_total
             if t is None:
                 t = getattr(ev, "self_cuda_time_total", 0.0)
             if t > 0:
@@ -221,6 +248,11 @@ def main(argv=None):
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                   torch=torch.__version__, triton=triton.__version__, dtype="bfloat16", targets=TARGETS,
                   shapes={})
+    # Phase 1: every wall / host timing of every shape and variant, before any profiling: torch.profiler's CUDA
+    # activity leaves CUPTI attached after it ends (pytorch/pytorch#144455), which can add host time to every
+    # launch after it; the shapes measured after a profile saw more host time per call in sessions 4-5.
+    profile_jobs = []  # (shape name, label, fn, top-k) for phase 2
+    host_fns = {}
     for name, shape in shapes.items():
         chunk = shape[-1]
         inp = make_inputs(shape, device, dtype)
@@ -246,9 +278,11 @@ def main(argv=None):
         row["ours_fwd_host_ms"] = host_ms(ours)
         row["ours_fwd_bwd_ms"] = bench(fwd_bwd(ours, gy), args.warmup, args.rep, grad_to_none=list(gin.values()))
         print(f"{name}: ours fwd {row['ours_fwd_ms']:.3f} ms, no-grad {row['ours_nograd_fwd_ms']:.3f}, fwd+bwd "
-              f"{row['ours_fwd_bwd_ms']:.3f}", flush=True)
+              f"{row['ours_fwd_bwd_ms']:.3f}; host ms per call no-grad {row['ours_nograd_host_ms']:.3f}, fwd "
+              f"{row['ours_fwd_host_ms']:.3f}", flush=True)
         if args.json:
             write_json(args.json, result)
+        theirs = None
         if peer:
             pin = with_grad(inp)
             theirs = peer_fn(pin, chunk)
@@ -277,60 +311,80 @@ def main(argv=None):
             yo.backward(gy)
             yp.backward(gy)
             row["ours_vs_mamba_rel"] = {"y": rel(yo, yp), **{f"d{k}": rel(gin[k].grad, pin[k].grad) for k in gin}}
-        if device == "cuda" and not args.no_profile:
-            fns = [("ours fwd", ours), ("ours fwd+bwd", fwd_bwd(ours, gy))]
-            if peer:
-                fns += [("mamba fwd", theirs), ("mamba fwd+bwd", fwd_bwd(theirs, gy))]
-            row["kernels_ms"] = {k: [(n, round(t, 4)) for n, t in v[:14]] for k, v in profile_kernels(fns).items()}
+        if not args.no_profile:  # (on CPU: the CPU ops, a dry run of phase 2)
+            profile_jobs.append((name, None, [("ours fwd", ours), ("ours fwd+bwd", fwd_bwd(ours, gy))]
+                                 + ([("mamba fwd", theirs), ("mamba fwd+bwd", fwd_bwd(theirs, gy))] if peer else []),
+                                 14))
+        host_fns[name] = (ours, ours_ng)
         row["autotuned"] = autotuned_configs()
         print_row(name, row)
         if args.json:  # after every shape, so a run cut short keeps what it measured
             write_json(args.json, result)
         # kernel variants (environment switches read at each call): no-grad and grad-enabled forward (+ backward
         # for backward variants, BWD_VARS), after the default path and the peer, each printed and saved when done (a run
-        # cut short keeps what it measured)
+        # cut short keeps what it measured); their kernels are profiled in phase 2
         for vname, venv in (variants if args.variants_on is None or name in args.variants_on else []):
-            saved = {k: os.environ.get(k) for k in venv}
-            os.environ.update(venv)
             try:
-                with torch.no_grad():
-                    yv = ours_ng()
-                    row[f"ours_nograd_fwd_ms_{vname}"] = bench(ours_ng, args.warmup, args.rep)
-                    row[f"y_rel_{vname}_vs_default"] = rel(yv, y_default)
-                    if peer:
-                        row[f"y_rel_{vname}_vs_mamba"] = rel(yv, y_peer)
-                if venv.get("LM_SSD_NOGRAD", "split") != "fused":
-                    ours()
-                    row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
-                if any(k in venv for k in BWD_VARS):  # a backward variant: forward + backward and its kernels too
-                    fb = fwd_bwd(ours, gy)
-                    fb()
-                    row[f"ours_fwd_bwd_ms_{vname}"] = bench(fb, args.warmup, args.rep, grad_to_none=list(gin.values()))
-                    if device == "cuda" and not args.no_profile:
-                        row[f"kernels_ms_fwd_bwd_{vname}"] = [(n, round(t, 4)) for n, t in
-                                                              profile_kernels([("v", fb)])["v"][:10]]
-                if device == "cuda" and not args.no_profile:
-                    def ng():
+                with env_set(venv):
+                    with torch.no_grad():
+                        yv = ours_ng()
+                        row[f"ours_nograd_fwd_ms_{vname}"] = bench(ours_ng, args.warmup, args.rep)
+                        row[f"y_rel_{vname}_vs_default"] = rel(yv, y_default)
+                        if peer:
+                            row[f"y_rel_{vname}_vs_mamba"] = rel(yv, y_peer)
+                    if venv.get("LM_SSD_NOGRAD", "split") != "fused":
+                        ours()
+                        row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
+                    fb = None
+                    if any(k in venv for k in BWD_VARS):  # a backward variant: forward + backward and its kernels too
+                        fb = fwd_bwd(ours, gy)
+                        fb()
+                        row[f"ours_fwd_bwd_ms_{vname}"] = bench(fb, args.warmup, args.rep,
+                                                                grad_to_none=list(gin.values()))
+                if not args.no_profile:
+                    def ng(f=ours_ng):
                         with torch.no_grad():
-                            ours_ng()
-                    row[f"kernels_ms_nograd_{vname}"] = [(n, round(t, 4)) for n, t in profile_kernels([("v", ng)])["v"][:8]]
+                            f()
+                    profile_jobs.append((name, (vname, venv, "nograd"), [("v", ng)], 8))
+                    if fb is not None:
+                        profile_jobs.append((name, (vname, venv, "fwd_bwd"), [("v", fb)], 10))
             except Exception as e:  # a variant that fails to compile must not cost the rest of the run
                 print(f"variant {vname} failed: {e!r}", file=sys.stderr)
                 row[f"ours_nograd_fwd_ms_{vname}"] = float("nan")
                 row[f"error_{vname}"] = repr(e)[:500]
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             print_variant(row, vname)
             if args.json:
                 write_json(args.json, result)
         row["autotuned"] = autotuned_configs()
-        del inp, gin
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    # Phase 2: per-kernel device times (torch.profiler), then the host time per call once more (after profiling)
+    for name, var, fns, top in profile_jobs:
+        row = result["shapes"][name]
+        try:
+            if var is None:
+                row["kernels_ms"] = {k: [(n, round(t, 4)) for n, t in v[:top]] for k, v in profile_kernels(fns).items()}
+                for label, ks in row["kernels_ms"].items():
+                    print(f"  {name} [{label}] " + ", ".join(f"{n[:40]}={t:.3f}" for n, t in ks[:10]), flush=True)
+            else:
+                vname, venv, what = var
+                with env_set(venv):
+                    ks = profile_kernels(fns)["v"]
+                row[f"kernels_ms_{what}_{vname}"] = [(n, round(t, 4)) for n, t in ks[:top]]
+                print(f"  {name} variant {vname} [{what}] " + ", ".join(f"{n[:28]}={t:.3f}" for n, t in ks[:6]),
+                      flush=True)
+        except Exception as e:  # noqa: BLE001 (a report, never a reason to lose the run)
+            print(f"profile {name} {var} failed: {e!r}", file=sys.stderr)
+        if args.json:
+            write_json(args.json, result)
+    if profile_jobs:
+        for name, (ours, ours_ng) in host_fns.items():
+            row = result["shapes"][name]
+            with torch.no_grad():
+                row["ours_nograd_host_ms_after_profile"] = host_ms(ours_ng)
+            row["ours_fwd_host_ms_after_profile"] = host_ms(ours)
+            print(f"{name}: host ms per call after profiling: no-grad {row['ours_nograd_host_ms_after_profile']:.3f}, "
+                  f"fwd {row['ours_fwd_host_ms_after_profile']:.3f} (before: {row['ours_nograd_host_ms']:.3f}, "
+                  f"{row['ours_fwd_host_ms']:.3f})", flush=True)
+    del host_fns, profile_jobs
     result["kernel_resources"] = kernel_resources()
     for r in result["kernel_resources"]:
         if "error" in r or r["kernel"] in ("chunk_scan_fwd2_kernel", "chunk_scan_fwd4_kernel", "dx_bwd_kernel"):

@@ -42,7 +42,8 @@ TESTS=(tests/test_ssd_gpu.py::test_gpu_real_shape_vs_float64_reference
        tests/test_ssd_gpu.py::test_gpu_nograd_equals_grad_path_and_headdim_128
        tests/test_ssd_gpu.py::test_gpu_accuracy_parity_with_mamba_ssm_if_available
        tests/test_ssd_gpu.py::test_gpu_float32_highest_precision
-       tests/test_ssd_gpu.py::test_gpu_scan_and_backward_variants_agree)
+       tests/test_ssd_gpu.py::test_gpu_scan_and_backward_variants_agree
+       tests/test_ssd_gpu.py::test_gpu_launch_cfgs_repeat_calls_and_strided_inputs)
 if [ -n "${SSD_TESTS:-}" ]; then read -r -a TESTS <<<"$SSD_TESTS"; fi  # e.g. "tests/test_ssd_gpu.py::test_x ..."
 
 run_tests() {

@@ -322,3 +322,43 @@ def test_autotuned_kernels_with_atomics_reset_their_outputs():
         assert targets <= set(obj.reset_to_zero or []), (fn, targets)
         checked += 1
     assert checked >= 5  # the autotuned kernels were found (none uses atomics since session 4)
+
+
+def test_triton_launch_reuses_the_autotuned_config_and_cfg_switch(monkeypatch):
+    """_launch: the first call per shape / dtypes goes through the autotuner, later ones launch the config it
+    chose directly (same outputs, forward and backward); a swapped configs list is tuned again. LM_SSD_CFG
+    (opt-in fixed launch configs) is checked, and ignored by the interpreter."""
+    import lm_kernels.ssd.triton_ssd as ts
+    from triton.runtime.autotuner import Autotuner
+    runs = []
+    orig = Autotuner.run
+
+    def counting(self, *a, **k):
+        runs.append(self.base_fn.__name__)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(Autotuner, "run", counting)
+    monkeypatch.setattr(ts, "_BEST", {})
+    monkeypatch.setattr(ts, "_PLANS", {})
+    d = make(1, 40, 2, 16, 1, 16)
+    y1, f1, g1 = run("triton", d, torch.float32, chunk_size=16)
+    assert sorted(runs) == sorted(["dtcb_fwd_kernel", "state_fwd_kernel", "chunk_scan_fwd2_kernel", "dstate_bwd_kernel",
+                                   "dcb_bwd_kernel", "dx_bwd_kernel", "dbdc_bwd_kernel"]), runs
+    y2, f2, g2 = run("triton", d, torch.float32, chunk_size=16)
+    assert len(runs) == 7  # no autotuner call the second time
+    assert torch.equal(y1, y2) and torch.equal(f1, f2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+    monkeypatch.setattr(ts._scan_fwd2, "configs", list(ts._scan_fwd2.configs))
+    with torch.no_grad():
+        y3, _ = ssd_scan(**d, chunk_size=16, backend="triton")
+    assert runs[7:] == ["chunk_scan_fwd2_kernel"]  # the other two kernels' keys are known
+    assert torch.equal(y1, y3)
+    monkeypatch.setenv("LM_SSD_CFG", "scan4:64:4:1:168+state:32:4:2:128")
+    assert ts._fixed_cfgs() == {"scan4": dict(BP=64, num_warps=4, num_stages=1, maxnreg=168),
+                                "state": dict(BP=32, num_warps=4, num_stages=2, maxnreg=128)}
+    with torch.no_grad():
+        y4, _ = ssd_scan(**d, chunk_size=16, backend="triton")
+    assert torch.equal(y1, y4)
+    for bad in ("scan4:64:4", "scan:64:4:1", "state=32/4/2", "state:32:4:x"):
+        monkeypatch.setenv("LM_SSD_CFG", bad)
+        with pytest.raises(ValueError, match="LM_SSD_CFG"):
+            ssd_scan(**d, chunk_size=16, backend="triton")

@@ -25,6 +25,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.autotuner import Autotuner
 
 from . import triton_kernels as K
 from .common import check_scan_args
@@ -124,6 +125,71 @@ _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
 _dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA"])(K.dx_bwd_kernel)
 
 
+_BEST = {}  # launch key -> the autotuner's chosen config as launch kwargs (see _launch)
+
+
+def _launch(tuner, key, grid, args, kw, fixed=None):
+    """tuner[grid](*args, **kw) for a triton Autotuner `tuner`. Autotuner.run rebuilds its key from all ~45
+    arguments on every call (30 - 40 us of host time per launch on the 2-core CPU, ~1/3 of a forward's host
+    time); so the first call per `key` goes through it and the config it chose is kept, and later calls launch
+    the jitted kernel with that config directly. `key` must fix the autotuner's own key (shapes in it, tensor
+    dtypes): it only selects a config, so a coarser key could cost speed, never correctness. `fixed`: launch
+    kwargs (meta-parameters, num_warps, num_stages, maxnreg) used instead of the autotuner's (compiled runs
+    only; the opt-in LM_SSD_CFG variants). Anything else than an Autotuner (a test's wrapper) is called
+    plainly."""
+    if not isinstance(tuner, Autotuner) or tuner.reset_to_zero or tuner.restore_value:
+        tuner[grid](*args, **kw)
+        return
+    if fixed is not None and not _INTERPRET:
+        meta = fixed
+    else:
+        key = (id(tuner), id(tuner.configs), key)  # a test may swap the configs list
+        meta = _BEST.get(key)
+        if meta is None:
+            tuner[grid](*args, **kw)
+            if len(_BEST) > 4096:
+                _BEST.clear()
+            _BEST[key] = tuner.best_config.all_kwargs()
+            return
+    tuner.fn[grid(meta) if callable(grid) else grid](*args, **kw, **meta)
+
+
+_CFG_KERNELS = ("scan4", "state")
+
+
+def _fixed_cfgs():
+    """{kernel: launch kwargs} of LM_SSD_CFG = "KERNEL:BP:warps:stages[:maxnreg]+..." with KERNEL scan4
+    (chunk_scan_fwd4) or state (state_fwd), e.g. "scan4:64:4:1:168+state:32:4:2:128": opt-in launch configs
+    instead of the autotuned ones (compiled runs only), e.g. a register cap (ptx .maxnreg) so that more programs
+    fit on an SM; {} when unset. One variable for both, read per call like the other LM_SSD_* switches."""
+    v = os.environ.get("LM_SSD_CFG", "")
+    hit = _FIXED.get(v)
+    if hit is not None:
+        return hit
+    hit = {}
+    for item in v.replace(" ", "").split("+"):
+        if not item:
+            continue
+        name, *parts = item.split(":")
+        if name not in _CFG_KERNELS or len(parts) not in (3, 4) or not all(q.isdigit() for q in parts):
+            raise ValueError(f"LM_SSD_CFG={v!r}: {item!r} is not KERNEL:BP:num_warps:num_stages[:maxnreg] with KERNEL "
+                             f"one of {_CFG_KERNELS} (integers; several joined by '+'); unset it for the autotuned "
+                             "configs")
+        hit[name] = dict(BP=int(parts[0]), num_warps=int(parts[1]), num_stages=int(parts[2]))
+        if len(parts) == 4:
+            hit[name]["maxnreg"] = int(parts[3])
+    _FIXED[v] = hit
+    return hit
+
+
+_FIXED = {}
+
+
+def _cdiv(a, b):
+    """ceil(a / b) for ints (triton.cdiv is a jitted function: ~6 us of host time per call from Python)."""
+    return -(-a // b)
+
+
 def _p2(v, lo=16):
     return max(lo, triton.next_power_of_2(int(v)))
 
@@ -213,7 +279,7 @@ class _Plan:
         self.BH = 16 if L <= 128 else 8
         self.BKS = min(L, STATE_STEP_ROWS)  # rows per step of the sequential state kernels
         self.BN_dbdc = min(self.BNF, 128)
-        self.npn = triton.cdiv(p, self.BP) * triton.cdiv(n, self.BN)
+        self.npn = _cdiv(p, self.BP) * _cdiv(n, self.BN)
 
 
 _SCAN_VARIANTS = ("flat", "grid", "flat2", "xs", "xs4")
@@ -291,6 +357,14 @@ def _limits(dt_limit):
     return has, lo, (hi if hi < math.inf else 3.0e38)
 
 
+def _tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state):
+    """What fixes every autotuner's key of a call (its shape arguments and the dtypes of its tensors), for
+    _launch (a superset: the launch flags are not in the autotuners' keys)."""
+    return (pl.P, pl.N, pl.R, pl.L, pl.NC, pl.H, pl.G, pl.BN, pl.BM, x.dtype, dt.dtype, A.dtype, B.dtype,
+            None if D is None else D.dtype, None if z is None else z.dtype, None if dt_bias is None else dt_bias.dtype,
+            None if initial_state is None else initial_state.dtype)
+
+
 def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit, want_final, save):
     pl = plan
     dev = x.device
@@ -301,21 +375,22 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     prec = _dot_prec(x.dtype)
     cb_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype, device=dev)
+    tk = _tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state)
     if _dtcb_fused():  # one launch for dt/cs and C.B
-        _dtcb_fwd[(pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK) + triton.cdiv(H, pl.BH))](
+        _launch(_dtcb_fwd, ("dtcb", tk), (pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK) + _cdiv(H, pl.BH)), (
             dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, B, C, CB, pl.chunk_t0, pl.chunk_len,
-            pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2), lo, hi,
-            L=L, BH=pl.BH, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-            HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+            pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2), lo, hi),
+            dict(L=L, BH=pl.BH, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+                 HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype)))
     else:
-        _dt_fwd[(pl.NCB, triton.cdiv(H, pl.BH))](
+        _dt_fwd[(pl.NCB, _cdiv(H, pl.BH))](
             dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, pl.chunk_t0, pl.chunk_len,
             pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), lo, hi,
             L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
             IS_VARLEN=pl.varlen, num_warps=4)
-        _cb_fwd[(pl.NCB, pl.G, (L // pl.BM) * (L // pl.BK))](
-            B, C, CB, pl.chunk_t0, pl.chunk_len, pl.T, N, pl.NC, pl.G, B.stride(0), B.stride(1), B.stride(2),
-            L=L, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+        _launch(_cb_fwd, ("cb", tk), (pl.NCB, pl.G, (L // pl.BM) * (L // pl.BK)), (
+            B, C, CB, pl.chunk_t0, pl.chunk_len, pl.T, N, pl.NC, pl.G, B.stride(0), B.stride(1), B.stride(2)),
+            dict(L=L, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype)))
     y = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     zz = z if z is not None else x
     common = (pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
@@ -324,28 +399,31 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     flags = dict(HAS_D=D is not None, D_HP=D is not None and D.dim() == 2, HAS_Z=z is not None,
                  IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
     if not save and _nograd_variant(pl) == "fused":
-        _fused_fwd[lambda META: (triton.cdiv(P, META["BP"]), H, pl.nseq)](
+        _launch(_fused_fwd, ("fused", tk), lambda META: (_cdiv(P, META["BP"]), H, pl.nseq), (
             x, B, C, CB, dtp, cs, initial_state if initial_state is not None else dtp,
-            final if final is not None else dtp, D if D is not None else dtp, zz, y, pl.cu, pl.chunk_first,
-            *common, L=L, BNF=pl.BNF, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
-            FACT=True, S_BF16=x.dtype == torch.bfloat16, **flags)
+            final if final is not None else dtp, D if D is not None else dtp, zz, y, pl.cu, pl.chunk_first, *common),
+            dict(L=L, BNF=pl.BNF, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+                 FACT=True, S_BF16=x.dtype == torch.bfloat16, **flags))
         return y, final, None
     state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)  # (p, n) per (chunk, head)
     variant = _scan_variant(pl, x.dtype)
     st_strides = (N, 1)  # (s_sp, s_sn): the "PN" layout (the kernels also take "NP": (1, P))
     sv = _state_variant()
+    fixed = _fixed_cfgs()
     bn = min(128, pl.BNF) if sv == "bn128" else pl.BN
 
     def grid(META):
-        npn = triton.cdiv(P, META["BP"]) * triton.cdiv(N, bn)
+        npn = _cdiv(P, META["BP"]) * _cdiv(N, bn)
         return (npn, H, pl.nseq) if sv != "old" else (pl.nseq, H, npn)
-    _state_fwd[grid](x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
-                     final if final is not None else dtp, pl.cu, pl.chunk_first,
-                     pl.T, H, P, N, pl.NC, pl.BT, pl.R,
-                     x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides,
-                     L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
-                     IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype), PN_FAST=sv != "old")
+    _launch(_state_fwd, ("state", bn, tk), grid, (
+        x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
+        final if final is not None else dtp, pl.cu, pl.chunk_first,
+        pl.T, H, P, N, pl.NC, pl.BT, pl.R,
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides),
+        dict(L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+             IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype), PN_FAST=sv != "old"),
+        fixed=fixed.get("state"))
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
@@ -353,15 +431,17 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     if variant == "xs4" and L != 4 * pl.BM:
         variant = "xs"  # chunk_scan_fwd4 is written for exactly four row blocks
     if variant == "xs4":
-        _scan_fwd4[lambda META: (triton.cdiv(P, META["BP"]), H, pl.NCB)](
-            *scan_args, *st_strides, L=L, BM=pl.BM, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
+        _launch(_scan_fwd4, ("scan4", tk), lambda META: (_cdiv(P, META["BP"]), H, pl.NCB),
+                (*scan_args, *st_strides), dict(L=L, BM=pl.BM, BNF=pl.BNF, STORE_PRE=store_pre, **flags),
+                fixed=fixed.get("scan4"))
     elif variant in ("grid", "flat2", "xs"):
-        _scan_fwd2[lambda META: (triton.cdiv(L, META["BM"]) * triton.cdiv(P, META["BP"]), H, pl.NCB)](
-            *scan_args, *st_strides, L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2",
-            XS=variant == "xs", **flags)
+        _launch(_scan_fwd2, ("scan2", variant, tk),
+                lambda META: (_cdiv(L, META["BM"]) * _cdiv(P, META["BP"]), H, pl.NCB),
+                (*scan_args, *st_strides), dict(L=L, BNF=pl.BNF, STORE_PRE=store_pre, FACT=variant == "flat2",
+                                                XS=variant == "xs", **flags))
     else:
-        _scan_fwd[lambda META: (pl.NCB, H, triton.cdiv(L, META["BM"]) * triton.cdiv(P, pl.BP))](
-            *scan_args, L=L, BP=pl.BP, BNF=pl.BNF, STORE_PRE=store_pre, **flags)
+        _launch(_scan_fwd, ("scan", tk), lambda META: (pl.NCB, H, _cdiv(L, META["BM"]) * _cdiv(P, pl.BP)),
+                scan_args, dict(L=L, BP=pl.BP, BNF=pl.BNF, STORE_PRE=store_pre, **flags))
     return y, final, (dtp, cs, states, st_strides, CB, ypre if store_pre else y)
 
 
@@ -380,7 +460,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         dy = torch.empty_like(ypre)
         dz = torch.empty_like(zc)
         numel = dy.numel()
-        _gate_bwd[(triton.cdiv(numel, 1024),)](doc, zc, ypre, dy, dz, numel, BLOCK=1024, num_warps=4)
+        _gate_bwd[(_cdiv(numel, 1024),)](doc, zc, ypre, dy, dz, numel, BLOCK=1024, num_warps=4)
     else:
         dy = dout
     # reverse state pass
@@ -389,56 +469,58 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     dinit = torch.empty(pl.nseq, H, P, N, dtype=torch.float32, device=dev) if initial_state is not None else None
     if dfinal is not None:
         dfinal = dfinal.float().contiguous()
-    _dstate_bwd[(pl.nseq, H, pl.npn)](
+    tk = _tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state) + (dy.dtype,)
+    _launch(_dstate_bwd, ("dstate", tk), (pl.nseq, H, pl.npn), (
         dy, C, cs, states, dfinal if dfinal is not None else cs, dstates, dinit if dinit is not None else cs,
         passing, pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, R,
-        dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides,
-        L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
-        IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+        dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides),
+        dict(L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
+             IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype)))
     # per-group dy.x^T (decayed), for dB and dC
     Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
     fused = _bwd_variant() == "fused"
-    nm = triton.cdiv(L, pl.BM)
+    nm = _cdiv(L, pl.BM)
     # every slot / total dt_bwd reads is written (it skips the slots of row blocks a chunk lacks): no zeroing
     dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
     tot = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
-    _dcb_bwd[((L // pl.BM) * (L // pl.BK), G, pl.NCB)](
+    _launch(_dcb_bwd, ("dcb", fused, tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
         dy, x, dtp, cs, CB, Q, dda, tot, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, pl.NC, pl.BT, R, G,
-        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        QONLY=fused)
+        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
+        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
+             QONLY=fused))
     # dx, direct ddt, per-row dcs
     dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
     dcs = torch.empty_like(ddt_dir)
     qrow = torch.empty_like(ddt_dir)
     dD_part = torch.zeros(pl.NCB * nm, H, P, dtype=torch.float32, device=dev) if D is not None else None
-    _dx_bwd[(nm, H, pl.NCB)](
+    _launch(_dx_bwd, ("dx", fused, tk), (nm, H, pl.NCB), (
         dy, x, B, C, CB, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, dcs, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2), *st_strides,
-        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
-        D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-        dda_ptr=dda, tot_ptr=tot, DDA=fused)
+        B.stride(0), B.stride(1), B.stride(2), *st_strides),
+        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
+             D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
+             dda_ptr=dda, tot_ptr=tot, DDA=fused))
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
-    _dbdc_bwd[(pl.NCB, G, nm * triton.cdiv(N, pl.BN_dbdc))](
+    _launch(_dbdc_bwd, ("dbdc", tk), (pl.NCB, G, nm * _cdiv(N, pl.BN_dbdc)), (
         dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2), *st_strides,
-        L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_dbdc, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
+        B.stride(0), B.stride(1), B.stride(2), *st_strides),
+        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_dbdc, IS_VARLEN=pl.varlen, DOT_PREC=prec,
+             DOT_DT=_dot_dt(x.dtype)))
     # dt, dA, dt_bias
     has_limit, lo, hi = _limits(dt_limit)
     ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev)
     dA_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev) if dt_bias is not None else None
-    _dt_bwd[(pl.NCB, triton.cdiv(H, pl.BH))](
+    _dt_bwd[(pl.NCB, _cdiv(H, pl.BH))](
         dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, tot, qrow, passing,
         ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
         pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), lo, hi,

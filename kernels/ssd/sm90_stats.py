@@ -1,0 +1,147 @@
+"""Registers / spills / shared memory of the SSD forward kernels compiled for sm_90 on a machine without a GPU,
+specialised exactly as they are launched at a bench shape.
+
+    python -m lm_kernels.ssd.sm90_stats [--shape B8_T2048] [--kernels chunk_scan_fwd4_kernel state_fwd_kernel]
+        [--configs "BP=64,num_warps=4,maxnreg=168" ...]
+
+Run it in a process without TRITON_INTERPRET. The forward runs on CPU tensors of the bench shape with every
+launch intercepted (nothing runs); each launch's arguments go through triton's own binder for a GPUTarget
+("cuda", 90, 32), so pointer alignment and integer divisibility are specialised as on the GPU, then it is
+compiled and read with cuobjdump / ptxas -v (shipped with triton). The GPU image's triton is 3.6: put
+`pip install --no-deps --target /tmp/t36 triton==3.6.0` first on PYTHONPATH to get the H100's numbers (3.9's
+code generation differs, kernels/ssd/PERF.md). --configs replaces the launch's meta-parameters / options.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def capture_forward(shape, save=True, env=None):
+    """[(JITFunction, args, kwargs)] of the launches of one forward at `shape` (bench_ssd's (b, t, h, p, n, g,
+    chunk)), bf16, with the first config of every autotuner (kwargs hold its meta-parameters and options)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    from . import triton_ssd as ts
+    got = []
+    orig_run, orig_bench = JITFunction.run, Autotuner._bench
+
+    def run(self, *args, grid=None, warmup=False, **kwargs):
+        got.append((self, args, kwargs))
+
+    JITFunction.run = run
+    Autotuner._bench = lambda self, *a, config=None, **k: [0.0]
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        b, t, h, p, n, g, chunk = shape
+        x = torch.randn(b, t, h, p).to(torch.bfloat16)
+        dt = torch.randn(b, t, h).to(torch.bfloat16)
+        B = torch.randn(b, t, g, n).to(torch.bfloat16)
+        C = torch.randn(b, t, g, n).to(torch.bfloat16)
+        A, D, bias = -torch.rand(h) - 0.5, torch.randn(h), torch.randn(h)
+        plan = ts._Plan(x, B, None, chunk)
+        ts._forward(x, dt, A, B, C, D, None, bias, None, plan, True, (0.0, float("inf")), False, save=save)
+    finally:
+        JITFunction.run, Autotuner._bench = orig_run, orig_bench
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return got
+
+
+def compile_launch(fn, args, kwargs):
+    """The CompiledKernel of fn(*args, **kwargs) for sm_90, specialised as triton's launcher would."""
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = {"debug": False, **kwargs}
+    bound, spec, opts = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    src = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=options.__dict__)
+
+
+def resources(k):
+    """{regs, stack, shared, spill_st, spill_ld} of a CompiledKernel (cuobjdump -res-usage; ptxas -v)."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        cub = os.path.join(d, "k.cubin")
+        with open(cub, "wb") as f:
+            f.write(k.asm["cubin"])
+        out = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", cub], capture_output=True,
+                             text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(k.asm["ptx"])
+        sp = None
+        for exe in ("ptxas", "ptxas-blackwell"):
+            path = os.path.join(bindir, exe)
+            if not os.path.exists(path):
+                continue
+            v = subprocess.run([path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
+                               capture_output=True, text=True).stderr
+            sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)
+            if sp:
+                break
+    return dict(regs=int(m.group(1)), stack=int(m.group(2)), shared=k.metadata.shared,
+                spill_st=int(sp.group(1)) if sp else None, spill_ld=int(sp.group(2)) if sp else None)
+
+
+def per_sm(regs, warps, shared, smem_sm=233472, smem_block_reserved=1024):
+    """Programs per SM that the registers (64k per SM, allocated per warp in units of 256) and the shared
+    memory (228 KB per SM, 1 KB reserved per block) allow; at most 64 warps."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * warps)
+    by_smem = smem_sm // (shared + smem_block_reserved) if shared else 99
+    return min(by_regs, by_smem, 64 // warps)
+
+
+def _parse_cfg(s):
+    out = {}
+    for kv in s.split(","):
+        k, _, v = kv.partition("=")
+        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    return out
+
+
+def main(argv=None):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    from bench_ssd import SHAPES  # noqa: PLC0415
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="B8_T2048", choices=list(SHAPES))
+    ap.add_argument("--kernels", nargs="*", default=["chunk_scan_fwd4_kernel", "state_fwd_kernel"])
+    ap.add_argument("--configs", nargs="*", default=[""], help="overrides of the launch's meta-parameters / options "
+                                                                "per compile, e.g. BP=64,num_warps=4,maxnreg=168")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("sm90_stats: unset TRITON_INTERPRET (it compiles for sm_90)")
+    print("triton", triton.__version__)
+    for fn, args, kwargs in capture_forward(SHAPES[a.shape]):
+        if fn.__name__ not in a.kernels:
+            continue
+        for c in a.configs:
+            kw = {**kwargs, **(_parse_cfg(c) if c else {})}
+            r = resources(compile_launch(fn, args, kw))
+            r["per_sm"] = per_sm(r["regs"], kw.get("num_warps", 4), r["shared"])
+            shown = {k: kw[k] for k in ("BP", "BN", "BK", "num_warps", "num_stages", "maxnreg") if k in kw}
+            print(f"{fn.__name__} {shown}: {r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
