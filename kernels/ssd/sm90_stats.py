@@ -26,9 +26,10 @@ from triton.backends.compiler import GPUTarget
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def capture_forward(shape, save=True, env=None):
+def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False):
     """[(JITFunction, args, kwargs)] of the launches of one forward at `shape` (bench_ssd's (b, t, h, p, n, g,
-    chunk)), bf16, with the first config of every autotuner (kwargs hold its meta-parameters and options)."""
+    chunk)) in `dtype` (with the gate z if `gate`), with the first config of every autotuner (kwargs hold its
+    meta-parameters and options)."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
@@ -45,13 +46,14 @@ def capture_forward(shape, save=True, env=None):
     os.environ.update(env or {})
     try:
         b, t, h, p, n, g, chunk = shape
-        x = torch.randn(b, t, h, p).to(torch.bfloat16)
-        dt = torch.randn(b, t, h).to(torch.bfloat16)
-        B = torch.randn(b, t, g, n).to(torch.bfloat16)
-        C = torch.randn(b, t, g, n).to(torch.bfloat16)
+        x = torch.randn(b, t, h, p).to(dtype)
+        dt = torch.randn(b, t, h).to(dtype)
+        B = torch.randn(b, t, g, n).to(dtype)
+        C = torch.randn(b, t, g, n).to(dtype)
+        z = torch.randn(b, t, h, p).to(dtype) if gate else None
         A, D, bias = -torch.rand(h) - 0.5, torch.randn(h), torch.randn(h)
         plan = ts._Plan(x, B, None, chunk)
-        ts._forward(x, dt, A, B, C, D, None, bias, None, plan, True, (0.0, float("inf")), False, save=save)
+        ts._forward(x, dt, A, B, C, D, z, bias, None, plan, True, (0.0, float("inf")), False, save=save)
     finally:
         JITFunction.run, Autotuner._bench = orig_run, orig_bench
         for k, v in saved.items():
@@ -126,13 +128,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="B8_T2048", choices=list(SHAPES))
     ap.add_argument("--kernels", nargs="*", default=["chunk_scan_fwd4_kernel", "state_fwd_kernel"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--gate", action="store_true", help="with the gate z (and, with grad, the pre-gate output stored)")
     ap.add_argument("--configs", nargs="*", default=[""], help="overrides of the launch's meta-parameters / options "
                                                                 "per compile, e.g. BP=64,num_warps=4,maxnreg=168")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("sm90_stats: unset TRITON_INTERPRET (it compiles for sm_90)")
     print("triton", triton.__version__)
-    for fn, args, kwargs in capture_forward(SHAPES[a.shape]):
+    for fn, args, kwargs in capture_forward(SHAPES[a.shape], dtype=getattr(torch, a.dtype), gate=a.gate):
         if fn.__name__ not in a.kernels:
             continue
         for c in a.configs:

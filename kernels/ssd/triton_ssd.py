@@ -7,7 +7,9 @@ Forward:  dtcb_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A, and C.B pe
           chunk_scan_fwd4 (y = inter-chunk + intra-chunk + D skip, then the z gate; grid (p block, head,
                      chunk), the chunk's four row blocks in one program; chunk_scan_fwd2 with one row block per
                      program for other chunk sizes). Other scan kernels / layouts: LM_SSD_SCAN, LM_SSD_STATE and
-                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md).
+                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md);
+                     LM_SSD_CFG: fixed launch configs for the xs4 scan / state kernel (_fixed_cfgs).
+Launches go through _launch: the autotuner on the first call per shape / dtypes, its chosen config directly after.
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate, fused with the per-chunk dstate)
           -> dcb_bwd (per group Q = sum_heads dy.x^T * decay * dt) -> dx_bwd (dx, and the intra-chunk d(dt*A)
           shares) -> dbdc_bwd -> dt_bwd (LM_SSD_BWD: see _bwd_variant).
@@ -96,13 +98,17 @@ _scan_fwd2 = triton.autotune(
 
 # H100 B8 T2048 H64 P64 N128 chunk 256 (session 5, triton 3.6; kernel ms / registers, no spills): BP 64 / 4 warps
 # 0.288 / 253, BP 32 / 4 warps 0.439 / 188, BP 64 / 8 warps 0.451 / 205, BP 32 / 8 warps 0.749 / 169. No loops:
-# num_stages does not matter.
-_scan_fwd4_cfgs = [triton.Config(dict(BP=bp), num_warps=w, num_stages=1)
-                   for bp, w in ((64, 4), (32, 4), (64, 8),
-                                 (16, 4))]  # the last: interpreter tests (small chunks)
+# num_stages does not matter. Session 6: BP 64 / 4 warps capped at 168 registers (ptx .maxnreg; 3 programs per SM
+# instead of 2, 112 B of spills) 0.254 / 0.253 ms against 0.285 / 0.285 at B8 T2048 / B2 T8192 (capped at 200: 2 per
+# SM, 0.291 / 0.289); first, so it is the config with LM_SSD_AUTOTUNE=0. With the gate z (HAS_Z, in the key) the cap
+# spills twice as much and was not timed: the autotuner picks between the capped and the uncapped config there.
+_scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=168)] + [
+    triton.Config(dict(BP=bp), num_warps=w, num_stages=1)
+    for bp, w in ((64, 4), (32, 4), (64, 8),
+                  (16, 4))]  # the last: interpreter tests (small chunks)
 _scan_fwd4 = triton.autotune(
     configs=(_scan_fwd4_cfgs[:-1] if _AUTOTUNE else _scan_fwd4_cfgs[-1:] if _INTERPRET else _scan_fwd4_cfgs[:1]),
-    key=["P", "N", "R", "L"])(K.chunk_scan_fwd4_kernel)
+    key=["P", "N", "R", "L", "HAS_Z"])(K.chunk_scan_fwd4_kernel)
 
 
 def _prune_fused(configs, named_args, **kwargs):
