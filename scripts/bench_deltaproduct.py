@@ -85,8 +85,9 @@ VARIANTS = {
     "wu_r128": dict(WU_CONFIG=({"BV": 64}, 4, 3, 128)),  # 4 programs per SM (spills 52 at nh=2)
     "wu_r168s4": dict(WU_CONFIG=({"BV": 64}, 4, 4, 168)),
     # session 6: the no-grad sequential forward at 1 stage (73 KB of shared memory instead of 119: two programs per SM
-    # instead of one for its 4 waves of chunk chains), as the SAVE launch already runs
-    "ho_s1": dict(FIXED={"h_o": ({"BV": 64}, 4, 1)}),
+    # instead of one for its 4 waves of chunk chains), as the SAVE launch already runs; adopted
+    "ho_s1": dict(FIXED={"h_o": ({"BV": 64}, 4, 1)}),  # (the default since session 6)
+    "ho_s2": dict(FIXED={"h_o": ({"BV": 64}, 4, 2)}),  # the no-grad launch before session 6
 }
 
 
