@@ -333,7 +333,8 @@ def main(argv=None):
                         ours()
                         row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
                     fb = None
-                    if any(k in venv for k in BWD_VARS):  # a backward variant: forward + backward and its kernels too
+                    if any(k in venv for k in BWD_VARS) or "dx:" in venv.get("LM_SSD_CFG", ""):
+                        # a backward variant: forward + backward and its kernels too
                         fb = fwd_bwd(ours, gy)
                         fb()
                         row[f"ours_fwd_bwd_ms_{vname}"] = bench(fb, args.warmup, args.rep,

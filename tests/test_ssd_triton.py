@@ -358,6 +358,8 @@ def test_triton_launch_reuses_the_autotuned_config_and_cfg_switch(monkeypatch):
     with torch.no_grad():
         y4, _ = ssd_scan(**d, chunk_size=16, backend="triton")
     assert torch.equal(y1, y4)
+    monkeypatch.setenv("LM_SSD_CFG", "dx:0:8:2+scan4:64:4:1")  # dx_bwd has no BP meta-parameter
+    assert ts._fixed_cfgs() == {"dx": dict(num_warps=8, num_stages=2), "scan4": dict(BP=64, num_warps=4, num_stages=1)}
     for bad in ("scan4:64:4", "scan:64:4:1", "state=32/4/2", "state:32:4:x"):
         monkeypatch.setenv("LM_SSD_CFG", bad)
         with pytest.raises(ValueError, match="LM_SSD_CFG"):

@@ -2,7 +2,7 @@
 specialised exactly as they are launched at a bench shape.
 
     python -m lm_kernels.ssd.sm90_stats [--shape B8_T2048] [--kernels chunk_scan_fwd4_kernel state_fwd_kernel]
-        [--configs "BP=64,num_warps=4,maxnreg=168" ...]
+        [--configs "BP=64,num_warps=4,maxnreg=168" ...] [--backward]
 
 Run it in a process without TRITON_INTERPRET. The forward runs on CPU tensors of the bench shape with every
 launch intercepted (nothing runs); each launch's arguments go through triton's own binder for a GPUTarget
@@ -26,10 +26,10 @@ from triton.backends.compiler import GPUTarget
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False):
+def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False, backward=False):
     """[(JITFunction, args, kwargs)] of the launches of one forward at `shape` (bench_ssd's (b, t, h, p, n, g,
-    chunk)) in `dtype` (with the gate z if `gate`), with the first config of every autotuner (kwargs hold its
-    meta-parameters and options)."""
+    chunk)) in `dtype` (with the gate z if `gate`; and of the backward after it if `backward`), with the first
+    config of every autotuner (kwargs hold its meta-parameters and options)."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
@@ -53,7 +53,11 @@ def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False
         z = torch.randn(b, t, h, p).to(dtype) if gate else None
         A, D, bias = -torch.rand(h) - 0.5, torch.randn(h), torch.randn(h)
         plan = ts._Plan(x, B, None, chunk)
-        ts._forward(x, dt, A, B, C, D, z, bias, None, plan, True, (0.0, float("inf")), False, save=save)
+        y, _, aux = ts._forward(x, dt, A, B, C, D, z, bias, None, plan, True, (0.0, float("inf")), False,
+                                save=save or backward)
+        if backward:
+            ts._backward(torch.randn(y.shape).to(dtype), None, x, dt, A, B, C, D, z, bias, None, plan, True,
+                         (0.0, float("inf")), aux)
     finally:
         JITFunction.run, Autotuner._bench = orig_run, orig_bench
         for k, v in saved.items():
@@ -130,13 +134,15 @@ def main(argv=None):
     ap.add_argument("--kernels", nargs="*", default=["chunk_scan_fwd4_kernel", "state_fwd_kernel"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--gate", action="store_true", help="with the gate z (and, with grad, the pre-gate output stored)")
+    ap.add_argument("--backward", action="store_true", help="also the backward's kernels (e.g. --kernels dx_bwd_kernel)")
     ap.add_argument("--configs", nargs="*", default=[""], help="overrides of the launch's meta-parameters / options "
                                                                 "per compile, e.g. BP=64,num_warps=4,maxnreg=168")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("sm90_stats: unset TRITON_INTERPRET (it compiles for sm_90)")
     print("triton", triton.__version__)
-    for fn, args, kwargs in capture_forward(SHAPES[a.shape], dtype=getattr(torch, a.dtype), gate=a.gate):
+    for fn, args, kwargs in capture_forward(SHAPES[a.shape], dtype=getattr(torch, a.dtype), gate=a.gate,
+                                          backward=a.backward):
         if fn.__name__ not in a.kernels:
             continue
         for c in a.configs:

@@ -160,12 +160,12 @@ def _launch(tuner, key, grid, args, kw, fixed=None):
     tuner.fn[grid(meta) if callable(grid) else grid](*args, **kw, **meta)
 
 
-_CFG_KERNELS = ("scan4", "state")
+_CFG_KERNELS = ("scan4", "state", "dx")
 
 
 def _fixed_cfgs():
     """{kernel: launch kwargs} of LM_SSD_CFG = "KERNEL:BP:warps:stages[:maxnreg]+..." with KERNEL scan4
-    (chunk_scan_fwd4) or state (state_fwd), e.g. "scan4:64:4:1:168+state:32:4:2:128": opt-in launch configs
+    (chunk_scan_fwd4), state (state_fwd) or dx (dx_bwd, BP written as 0), e.g. "scan4:64:4:1:168+state:32:4:2:128": opt-in launch configs
     instead of the autotuned ones (compiled runs only), e.g. a register cap (ptx .maxnreg) so that more programs
     fit on an SM; {} when unset. One variable for both, read per call like the other LM_SSD_* switches."""
     v = os.environ.get("LM_SSD_CFG", "")
@@ -182,6 +182,8 @@ def _fixed_cfgs():
                              f"one of {_CFG_KERNELS} (integers; several joined by '+'); unset it for the autotuned "
                              "configs")
         hit[name] = dict(BP=int(parts[0]), num_warps=int(parts[1]), num_stages=int(parts[2]))
+        if name == "dx":  # dx_bwd has no BP meta-parameter (write 0)
+            del hit[name]["BP"]
         if len(parts) == 4:
             hit[name]["maxnreg"] = int(parts[3])
     _FIXED[v] = hit
@@ -510,7 +512,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         B.stride(0), B.stride(1), B.stride(2), *st_strides),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
              D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-             dda_ptr=dda, tot_ptr=tot, DDA=fused))
+             dda_ptr=dda, tot_ptr=tot, DDA=fused), fixed=_fixed_cfgs().get("dx"))
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
