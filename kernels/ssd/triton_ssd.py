@@ -424,7 +424,7 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     def grid(META):
         npn = _cdiv(P, META["BP"]) * _cdiv(N, bn)
         return (npn, H, pl.nseq) if sv != "old" else (pl.nseq, H, npn)
-    _launch(_state_fwd, ("state", bn, tk), grid, (
+    _launch(_state_fwd, ("state", sv, bn, tk), grid, (
         x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
         final if final is not None else dtp, pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, pl.R,
