@@ -125,10 +125,19 @@ _fused_fwd = triton.autotune(
     configs=(_fused_cfgs if _AUTOTUNE else _fused_cfgs[-1:] if _INTERPRET else _fused_cfgs[:1]),
     key=["P", "N", "R", "L", "NC", "FACT"], prune_configs_by={"early_config_prune": _prune_fused})(
         K.ssd_fused_fwd_kernel)
-_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)
-_dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "N", "R", "DDA"])(K.dx_bwd_kernel)
+# Session 6 additions to the backward's autotune lists (the first entry stays the LM_SSD_AUTOTUNE=0 config), from
+# compiles for sm_90 with triton 3.6 (`sm90_stats --backward`): dstate_bwd and dbdc_bwd run one 8-warp program per
+# SM (175 / 215 registers), capped at 128 two (28 / 52 B of spills); dcb_bwd at 1 stage 168 registers (3 per SM
+# instead of 2); dx_bwd at 1 stage without its 16 B of spills. H100 run 19 (autotuner's own timings, B8 T2048):
+# dx_bwd 4 warps 1 stage 1.011 ms vs 2 stages 1.078 (8 warps 1.610): now first; dbdc_bwd capped 0.218 vs 0.220 (4
+# warps) / 0.305 (8); dcb_bwd 8 warps 0.224 vs 4 warps 0.257 / 1 stage 0.441; dstate_bwd 4 warps 0.194 vs 8 warps
+# 0.268 / capped 0.208.
+_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
+                    ["P", "N", "R"])(K.dstate_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2), (4, 1)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)
+_dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
+                  ["P", "N", "R"])(K.dbdc_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 1), (4, 2), (8, 2)), ["P", "N", "R", "DDA"])(K.dx_bwd_kernel)
 
 
 _BEST = {}  # launch key -> the autotuner's chosen config as launch kwargs (see _launch)
