@@ -132,9 +132,8 @@ _fused_fwd = triton.autotune(
 # dx_bwd 4 warps 1 stage 1.011 ms vs 2 stages 1.078 (8 warps 1.610): now first; dbdc_bwd capped 0.218 vs 0.220 (4
 # warps) / 0.305 (8); dcb_bwd 8 warps 0.224 vs 4 warps 0.257 / 1 stage 0.441; dstate_bwd 4 warps 0.194 vs 8 warps
 # 0.268 / capped 0.208.
-_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
-                    ["P", "N", "R"])(K.dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (8, 2), (4, 1)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)
+_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)  # (the capped one lost: removed)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)  # (1 stage lost: removed)
 _dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
                   ["P", "N", "R"])(K.dbdc_bwd_kernel)
 _dx_bwd = _tune(_cfgs((4, 1), (4, 2), (8, 2)), ["P", "N", "R", "DDA"])(K.dx_bwd_kernel)
