@@ -148,13 +148,19 @@ def test_triton_kernel_variants_match_reference(switch, monkeypatch):
 def test_triton_chunk64_variants_match_reference(switch, monkeypatch):
     """The 64-row-chunk code paths of the switches (the 4x4 block merges of T, the main backward's late loads):
     nh=1 over 70 tokens is one full chunk and one partial one; gated, with an initial state."""
+    _check_chunk64(1, switch, monkeypatch)
+
+
+def _check_chunk64(nh, switch, monkeypatch):
+    """With the module switches set, 70 gated tokens with an initial state over 64-row chunks match the float64
+    reference (forward, final state and every gradient) to 1e-5."""
     import lm_kernels.deltaproduct.triton_chunk as tc
     for name, value in switch.items():
         monkeypatch.setattr(tc, name, value)
-    ins = make(1, 70, 1, 16, 16, 1, True, True, 1)
+    ins = make(1, 70, 1, 16, 16, nh, True, True, 1)
     wo = torch.randn(1, 70, 1, 16, dtype=torch.float64)
     ws = torch.randn(1, 1, 16, 16, dtype=torch.float64)
-    kw = dict(num_householder=1, chunk_size=64)
+    kw = dict(num_householder=nh, chunk_size=64)
     ref = run("reference", ins, wo, ws, torch.float64, **kw)
     tri = run("triton", ins, wo, ws, torch.float32, **kw)
     for name, a, b in zip(NAMES, tri, ref):
@@ -198,15 +204,4 @@ def test_wu_kernel_register_cap_compiles_for_sm90():
 def test_triton_chunk64_nh2_oloc_matches_reference(oloc, noqe, every2, monkeypatch):
     """OLOC_IN_H_O, OLOC_NO_QE and STATES_EVERY2 at the bench's tile shapes (64-row chunks, 32-token query tiles,
     nh=2): 70 tokens are 140 rows, two full chunks and a partial one; gated, with an initial state."""
-    import lm_kernels.deltaproduct.triton_chunk as tc
-    monkeypatch.setattr(tc, "OLOC_IN_H_O", oloc)
-    monkeypatch.setattr(tc, "OLOC_NO_QE", noqe)
-    monkeypatch.setattr(tc, "STATES_EVERY2", every2)
-    ins = make(1, 70, 1, 16, 16, 2, True, True, 1)
-    wo = torch.randn(1, 70, 1, 16, dtype=torch.float64)
-    ws = torch.randn(1, 1, 16, 16, dtype=torch.float64)
-    kw = dict(num_householder=2, chunk_size=64)
-    ref = run("reference", ins, wo, ws, torch.float64, **kw)
-    tri = run("triton", ins, wo, ws, torch.float32, **kw)
-    for name, a, b in zip(NAMES, tri, ref):
-        assert rel(a, b) < 1e-5, f"{name}: relative error {rel(a, b):.3e}"
+    _check_chunk64(2, dict(OLOC_IN_H_O=oloc, OLOC_NO_QE=noqe, STATES_EVERY2=every2), monkeypatch)

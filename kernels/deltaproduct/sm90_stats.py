@@ -9,14 +9,10 @@ and the bench's compile_stats (triton's metadata on the H100) for the record. Be
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 
+from ..sm90 import TARGET, resources
 from . import triton_chunk as tc
 
 _FP32_PTRS = {"gc", "db", "dg", "ht", "h0", "dh0", "dht", "dkp"}
@@ -41,7 +37,7 @@ def _signature(fn, constexprs):
 
 def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None):
     """Registers, spill store / load bytes, stack bytes (triton's n_spills on the GPU is stack / 4) and shared
-    memory of `kernel` compiled for sm_90 with these constexprs and launch options."""
+    memory of `kernel` compiled for sm_90 with these constexprs and launch options (lm_kernels.sm90.resources)."""
     fn = kernel
     while not isinstance(fn, triton.runtime.jit.JITFunction):
         fn = fn.fn
@@ -49,31 +45,9 @@ def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None):
     # pointers 16-byte aligned, as torch allocates them (the launcher specializes on that)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                       "num_stages": num_stages,
-                                                                       "maxnreg": maxnreg})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
-    regs, stack = int(m.group(1)), int(m.group(2))
-    # spill bytes: ptxas -v on the kernel's PTX (triton 3.9 writes PTX that only its ptxas-blackwell reads)
-    sp = None
-    with tempfile.TemporaryDirectory() as d:
-        pf = os.path.join(d, "k.ptx")
-        with open(pf, "w") as f:
-            f.write(k.asm["ptx"])
-        for exe in ("ptxas", "ptxas-blackwell"):
-            v = subprocess.run([os.path.join(os.path.dirname(tool), exe), "-v", "--gpu-name", "sm_90a", pf, "-o",
-                                os.path.join(d, "k.o")], capture_output=True, text=True).stderr
-            sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)
-            if sp:
-                break
-    return dict(regs=regs, spill_st=int(sp.group(1)) if sp else None, spill_ld=int(sp.group(2)) if sp else None,
-                stack=stack,
-                shared=k.metadata.shared)
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages,
+                                                    "maxnreg": maxnreg})
+    return resources(k)
 
 
 def _main_cx(nh, BV, **extra):

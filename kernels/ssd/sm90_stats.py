@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
-import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 
-TARGET = GPUTarget("cuda", 90, 32)
+from ..sm90 import TARGET, per_sm, resources
 
 
 def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False, backward=False):
@@ -79,42 +75,6 @@ def compile_launch(fn, args, kwargs):
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
     src = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=TARGET, options=options.__dict__)
-
-
-def resources(k):
-    """{regs, stack, shared, spill_st, spill_ld} of a CompiledKernel (cuobjdump -res-usage; ptxas -v)."""
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        cub = os.path.join(d, "k.cubin")
-        with open(cub, "wb") as f:
-            f.write(k.asm["cubin"])
-        out = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", cub], capture_output=True,
-                             text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
-        ptx = os.path.join(d, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(k.asm["ptx"])
-        sp = None
-        for exe in ("ptxas", "ptxas-blackwell"):
-            path = os.path.join(bindir, exe)
-            if not os.path.exists(path):
-                continue
-            v = subprocess.run([path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
-                               capture_output=True, text=True).stderr
-            sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v)
-            if sp:
-                break
-    return dict(regs=int(m.group(1)), stack=int(m.group(2)), shared=k.metadata.shared,
-                spill_st=int(sp.group(1)) if sp else None, spill_ld=int(sp.group(2)) if sp else None)
-
-
-def per_sm(regs, warps, shared, smem_sm=233472, smem_block_reserved=1024):
-    """Programs per SM that the registers (64k per SM, allocated per warp in units of 256) and the shared
-    memory (228 KB per SM, 1 KB reserved per block) allow; at most 64 warps."""
-    per_warp = -(-regs * 32 // 256) * 256
-    by_regs = 65536 // (per_warp * warps)
-    by_smem = smem_sm // (shared + smem_block_reserved) if shared else 99
-    return min(by_regs, by_smem, 64 // warps)
 
 
 def _parse_cfg(s):
