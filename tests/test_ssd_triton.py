@@ -117,23 +117,38 @@ def test_triton_odd_sizes_varlen(heads, groups):
     compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("scan,bwd", [("xs", "fused"), ("flat2", "slots"), ("xs", "slots"), ("xs4", "fused")])
-def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, monkeypatch):
+@pytest.mark.parametrize("scan,bwd,dxfact,dcs", [("xs", "fused", "1", "dbdc"), ("flat2", "slots", "1", "dx"),
+                                                ("xs", "slots", "2", "dbdc"), ("xs4", "fused", "1", "dbdc"),
+                                                ("xs4", "fused", "0", "dx"), ("xs4", "fused", "2", "dx")])
+def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, dxfact, dcs, monkeypatch):
     """16-row tiles in 64-row chunks (4 row blocks): the "xs" scan (decay on the x rows below the diagonal),
     "xs4" (the same per whole chunk, each decayed x tile built once) and "flat2" (on the C.B tile), and both
     backward variants ("slots": dcb_bwd's d(dt*A) shares in per-row-block slots plus per-tile totals over the
     blocks between, summed by dt_bwd; "fused": the same shares from dx_bwd, dcb_bwd summing Q alone with the
     factorised decay off the diagonal), fixed-length with a partial chunk and packed documents (chunks cut
-    short, so some row blocks and slots do not exist)."""
+    short, so some row blocks and slots do not exist). dx_bwd's tiles below the diagonal with the decay
+    factorised (LM_SSD_DXFACT=1, the default, or 2) or per element (0); each row's dcs = dy . y_off formed in dbdc_bwd
+    (LM_SSD_DCS=dbdc, the default) or in dx_bwd."""
     import lm_kernels.ssd.triton_ssd as ts
     monkeypatch.setattr(ts, "TILE_ROWS", 16)
     monkeypatch.setattr(ts, "_PLANS", {})
     monkeypatch.setenv("LM_SSD_SCAN", scan)
     monkeypatch.setenv("LM_SSD_BWD", bwd)
+    monkeypatch.setenv("LM_SSD_DXFACT", dxfact)
+    monkeypatch.setenv("LM_SSD_DCS", dcs)
     compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
     lens = [9, 0, 70, 1, 36]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     compare(make(1, sum(lens), 4, 16, 2, 16, ns=len(lens)), torch.float32, 2e-5, chunk_size=64, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("dcs", ["dbdc", "dx"])
+def test_triton_dbdc_two_n_blocks_dcs_partial_sums(dcs, monkeypatch):
+    """dbdc_bwd with 64-wide n blocks (LM_SSD_DBDC_BN=64) at N = 80: two blocks per row block, each writing its
+    part of dC / dB and (LM_SSD_DCS=dbdc) its partial dcs sums to its own slot, summed by dt_bwd."""
+    monkeypatch.setenv("LM_SSD_DBDC_BN", "64")
+    monkeypatch.setenv("LM_SSD_DCS", dcs)
+    compare(make(1, 40, 2, 16, 1, 80), torch.float32, 2e-5, chunk_size=16)
 
 
 class _Launches:

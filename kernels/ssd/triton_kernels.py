@@ -827,8 +827,11 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
                     T, H, P, N, NC, BT, R, G,
                     s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                     L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BN: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """Per (chunk, group, m-block x n-block): dC = sum_h e^{cs} dy S + Q B, dB = sum_h w x G' + Q^T C."""
+                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
+                    dcs_ptr=None, DCS: tl.constexpr = False):
+    """Per (chunk, group, m-block x n-block): dC = sum_h e^{cs} dy S + Q B, dB = sum_h w x G' + Q^T C.
+    DCS: also each head's dcs_m = dy_m . y_off_m = sum_n C_mn (e^{cs_m} dy_m S)_n from the dC product it forms
+    anyway (dx_bwd then skips its C S^T product), the part of the n block in its slot of dcs ((n blocks, H, B*T))."""
     pid_c = tl.program_id(0)
     g = tl.program_id(1)
     pid_mn = tl.program_id(2)
@@ -846,6 +849,9 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
     dtype = DOT_DT
     acc_dC = tl.zeros((BM, BN), dtype=tl.float32)
     acc_dB = tl.zeros((BM, BN), dtype=tl.float32)
+    if DCS:
+        Cm = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :],
+                     mask=mmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
     for hh in range(0, R):
         h = g * R + hh
         tok0 = h * BT + b * T + t0
@@ -864,7 +870,13 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
         Gd = tl.load(dstates_ptr + st_off, mask=pn, other=0.0).to(dtype)
         e_m = tl.where(mmask, tl.exp(cs_m), 0.0)
         w_m = tl.where(mmask, tl.exp(a - cs_m) * dt_m, 0.0)
-        acc_dC = tl.dot((dym * e_m[:, None]).to(dtype), S, acc_dC, input_precision=DOT_PREC)
+        if DCS:
+            tC = tl.dot((dym * e_m[:, None]).to(dtype), S, input_precision=DOT_PREC)
+            acc_dC += tC
+            tl.store(dcs_ptr + (pid_mn % n_nb) * (H.to(tl.int64) * BT) + tok0 + rows_m, tl.sum(tC * Cm, 1),
+                     mask=mmask)
+        else:
+            acc_dC = tl.dot((dym * e_m[:, None]).to(dtype), S, acc_dC, input_precision=DOT_PREC)
         acc_dB = tl.dot((xm * w_m[:, None]).to(dtype), Gd, acc_dB, input_precision=DOT_PREC)
     q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     B_base = B_ptr + b * s_B_b + g * s_B_g
@@ -895,26 +907,51 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
 
 @triton.jit
 def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
-             offs_p, pmask, s_dy_t, HBT, pid_c, h, H,
+             c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H,
              L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NMB: tl.constexpr, DIAG: tl.constexpr,
-             DDA: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+             DDA: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, FACT: tl.constexpr):
     """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k. DDA: with x_l . dy_m
     (xld = x_l) the transposed tile M^T[l, m] = M[m, l] of dcb_bwd (M = Q_h * CB) gives the same
     d(dt*A) shares as dcb_bwd: on the diagonal block (DIAG) the stable sum_{m >= l} sum_{s < l},
-    else the column part (slot of block m, rows l), the row part (slot of block l, rows m) and the tile total."""
+    else the column part (slot of block m, rows l), the row part (slot of block l, rows m) and the tile total.
+    Below the diagonal, FACT 1 factorises the decay through the row before the k block; FACT 2 through the l
+    block's last row c2 (the same for all of its k blocks): the caller scales the sum of these tiles by
+    e^{c2 - cs_l} once, and w2 = dt_l e^{c2 - cs_l} weighs the d(dt*A) shares."""
     rows_k = k + tl.arange(0, BK)
     kmask = rows_k < clen
-    causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
-    cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=causal & lmask[:, None],
-                  other=0.0).to(tl.float32)  # [l, m] = C_m . B_l
     cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
-    decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
-    dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :], mask=kmask[:, None] & pmask[None, :],
-                  other=0.0).to(DOT_DT)
-    cbd = cbT * decay
+    if DIAG or not FACT:
+        causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
+        cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=causal & lmask[:, None],
+                      other=0.0).to(tl.float32)  # [l, m] = C_m . B_l
+        decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
+        dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :],
+                      mask=kmask[:, None] & pmask[None, :], other=0.0).to(DOT_DT)
+        cbd = cbT * decay
+    else:
+        # below the diagonal every l precedes every m: e^{cs_m - cs_l} = e^{cs_m - c} e^{c - cs_l} through a row
+        # c between them (both exponents <= 0), on the dy rows and the C.B columns (FACT 1: c = the row before
+        # the k block) or the rows of dx (FACT 2: c = c2): no exponential per tile element
+        if FACT == 2:
+            c = c2
+        else:
+            c = tl.load(cs_ptr + tok0 + k - 1)
+        ek = tl.where(kmask, tl.exp(cs_k - c), 0.0)
+        cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=kmask[None, :] & lmask[:, None],
+                      other=0.0).to(tl.float32)
+        if FACT == 2:
+            cbd = cbT
+        else:
+            cbd = cbT * tl.exp(c - cs_l)[:, None]
+        dyk = (tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :],
+                       mask=kmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * ek[:, None]).to(DOT_DT)
     dxi = tl.dot(cbd.to(DOT_DT), dyk, dxi, input_precision=DOT_PREC)
     if DDA:
-        MT = tl.dot(xld, tl.trans(dyk), input_precision=DOT_PREC) * cbd * dt_l[:, None]  # [l, m] = M[m, l]
+        if FACT == 2 and not DIAG:
+            wl = w2
+        else:
+            wl = dt_l
+        MT = tl.dot(xld, tl.trans(dyk), input_precision=DOT_PREC) * cbd * wl[:, None]  # [l, m] = M[m, l]
         if DIAG:
             pre = tl.cumsum(MT, axis=0) - MT  # [l, m] = sum_{s < l} M[m, s]
             F = tl.sum(tl.where(rows_k[None, :] >= rows_l[:, None], pre, 0.0), 1)
@@ -937,7 +974,8 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr,
-                  dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False):
+                  dda_ptr=None, tot_ptr=None, DDA: tl.constexpr = False, FACT: tl.constexpr = 1,
+                  DCS: tl.constexpr = True):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row dcs and state terms, dD partial sums.
     DDA: also the intra-chunk d(dt*A) shares of dcb_bwd (see _dx_tile), so that dcb_bwd only sums Q (QONLY).
     Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy
@@ -965,37 +1003,50 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     cs_l = tl.load(cs_ptr + tok0 + rows_l, mask=lmask, other=0.0)
     dt_l = tl.load(dtp_ptr + tok0 + rows_l, mask=lmask, other=0.0)
     a = tl.load(cs_ptr + tok0 + clen - 1)
-    Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
-                 other=0.0).to(dtype)
-    Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
-                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
-    dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
     dxi = tl.zeros((BM, BPF), dtype=tl.float32)
+    c2 = tl.load(cs_ptr + tok0 + tl.minimum(l0 + BM, clen) - 1)  # the l block's last row (FACT 2)
+    el2 = tl.exp(c2 - cs_l)  # <= 1 (masked rows: cs_l = 0 >= c2)
+    w2 = dt_l * el2
     if DDA:
         NMB: tl.constexpr = L // BM
         HBT = H.to(tl.int64) * BT
         xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
                       mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
-        dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask, cs_l,
-                       dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True, dtype, DOT_PREC)
+        if FACT != 2:
+            dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True,
+                           dtype, DOT_PREC, FACT)
         for k in range(l0 + BK, clen, BK):
             dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
-                           cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, True, dtype,
-                           DOT_PREC)
+                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, True,
+                           dtype, DOT_PREC, FACT)
+        if FACT == 2:  # the tiles below the diagonal first, scaled once, then the diagonal tile
+            dxi = dxi * el2[:, None]
+            dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True,
+                           dtype, DOT_PREC, FACT)
     else:
-        for k in range(l0, clen, BK):
+        if FACT != 2:
+            dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, True, False, dtype,
+                           DOT_PREC, FACT)
+        for k in range(l0 + BK, clen, BK):
             dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
-                           cs_l, dt_l, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, False, False, dtype,
-                           DOT_PREC)
+                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, False, False, dtype,
+                           DOT_PREC, FACT)
+        if FACT == 2:
+            dxi = dxi * el2[:, None]
+            dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, True, False, dtype,
+                           DOT_PREC, FACT)
+    Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
+                 other=0.0).to(dtype)
+    Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
+    dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
     lp = lmask[:, None] & pmask[None, :]
     xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
     dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
-    # y_off = e^{cs_l} S C_l in float32 from the stored state (for dcs; the intra part comes from dcb_bwd)
-    Cl = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :],
-                 mask=lmask[:, None] & nmask[None, :], other=0.0).to(dtype)
-    St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * s_sp + offs_n[:, None] * s_sn,
-                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = S^T
-    yoff = tl.dot(Cl, St, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(cs_l), 0.0)[:, None]
     t = dxs + dxi
     dx = dt_l[:, None] * t
     if HAS_D:
@@ -1009,7 +1060,14 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
     tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
-    tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yoff, 1), mask=lmask)
+    if DCS:
+        # y_off = e^{cs_l} S C_l in float32 from the stored state (for dcs; the intra part comes from dcb_bwd)
+        Cl = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :],
+                     mask=lmask[:, None] & nmask[None, :], other=0.0).to(dtype)
+        St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * s_sp + offs_n[:, None] * s_sn,
+                     mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = S^T
+        yoff = tl.dot(Cl, St, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(cs_l), 0.0)[:, None]
+        tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yoff, 1), mask=lmask)
     tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
 
 
@@ -1018,7 +1076,8 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
                   ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, NC, BT, NPN, s_dt_b, s_dt_t, dt_lo, dt_hi,
                   L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr):
+                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
+                  NDCS: tl.constexpr = 1):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c>
     + the intra-chunk part from dcb_bwd / dx_bwd (its per-row-block slots and tile totals, row blocks of BMB
     rows); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias."""
@@ -1032,9 +1091,11 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     hmask = heads < H
     mask = (rows[:, None] < clen) & hmask[None, :]
     off = heads[None, :] * BT + b * T + t0 + rows[:, None]
-    dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
     NMB: tl.constexpr = L // BMB
     HBT = H.to(tl.int64) * BT
+    dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
+    for s in tl.static_range(1, NDCS):  # dbdc_bwd's partial sums per n block
+        dcs += tl.load(dcs_ptr + s * HBT + off, mask=mask, other=0.0)
     dda_intra = tl.zeros((L, BH), dtype=tl.float32)
     for s in tl.static_range(NMB):  # slot s exists where the chunk has row block s (tile (s, j) ran)
         dda_intra += tl.load(dda_ptr + s * HBT + off, mask=mask & (rows[:, None] * 0 + s * BMB < clen), other=0.0)

@@ -134,9 +134,11 @@ _fused_fwd = triton.autotune(
 # 0.268 / capped 0.208.
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)  # (the capped one lost: removed)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)  # (1 stage lost: removed)
-_dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
-                  ["P", "N", "R"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 1), (4, 2), (8, 2)), ["P", "N", "R", "DDA"])(K.dx_bwd_kernel)
+_dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128),
+                                             triton.Config({}, num_warps=4, num_stages=2, maxnreg=168)],
+                  ["P", "N", "R", "DCS", "BN"])(K.dbdc_bwd_kernel)
+_dx_bwd = _tune(_cfgs((4, 1)) + [triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _cfgs((4, 2), (8, 2)),
+                ["P", "N", "R", "DDA", "FACT", "DCS"])(K.dx_bwd_kernel)
 
 
 _BEST = {}  # launch key -> the autotuner's chosen config as launch kwargs (see _launch)
@@ -294,7 +296,6 @@ class _Plan:
         self.BN = min(64, self.BNF)
         self.BH = 16 if L <= 128 else 8
         self.BKS = min(L, STATE_STEP_ROWS)  # rows per step of the sequential state kernels
-        self.BN_dbdc = min(self.BNF, 128)
         self.npn = _cdiv(p, self.BP) * _cdiv(n, self.BN)
 
 
@@ -357,6 +358,36 @@ def _bwd_variant():
     if v and v not in _BWD_VARIANTS:
         raise ValueError(f"LM_SSD_BWD={v!r} must be one of {_BWD_VARIANTS} (or unset)")
     return v or "fused"
+
+
+def _dx_fact():
+    """dx_bwd's tiles below the diagonal: the decay factorised through the row before each k block (1, on the dy
+    rows and the C.B columns) or through the l block's last row (2, on the dy rows and, once for all k blocks,
+    the rows of dx), or e^{cs_m - cs_l} per element (0). No exponential per tile element with 1 or 2.
+    LM_SSD_DXFACT overrides the default (1)."""
+    v = os.environ.get("LM_SSD_DXFACT", "").strip()
+    if v not in ("", "0", "1", "2"):
+        raise ValueError(f"LM_SSD_DXFACT={v!r} must be 0, 1 or 2 (or unset)")
+    return int(v or 1)
+
+
+def _dcs_in_dbdc(pl):
+    """Where each row's dcs = dy . y_off (the state part of y) is formed: "dbdc" in dbdc_bwd from the product
+    e^{cs} dy S it forms for dC anyway (one n block only, N <= 128), "dx" in dx_bwd by its own C S^T product.
+    LM_SSD_DCS overrides the default."""
+    v = os.environ.get("LM_SSD_DCS", "").strip().lower()
+    if v not in ("", "dbdc", "dx"):
+        raise ValueError(f"LM_SSD_DCS={v!r} must be 'dbdc' or 'dx' (or unset)")
+    return (v or "dbdc") == "dbdc"
+
+
+def _dbdc_bn(pl):
+    """dbdc_bwd's n block: all of N up to 128 (one n block: x / dy rows read once per head), or 64 with
+    LM_SSD_DBDC_BN=64 (twice the programs, each head's products and dcs partial sums within a warp)."""
+    v = os.environ.get("LM_SSD_DBDC_BN", "").strip()
+    if v not in ("", "64", "128"):
+        raise ValueError(f"LM_SSD_DBDC_BN={v!r} must be 64 or 128 (or unset)")
+    return min(pl.BNF, int(v or 128))
 
 
 def _dtcb_fused():
@@ -509,10 +540,14 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     # dx, direct ddt, per-row dcs
     dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
-    dcs = torch.empty_like(ddt_dir)
+    dcs_dbdc = _dcs_in_dbdc(pl)
+    bn_dbdc = _dbdc_bn(pl)
+    n_dcs = _cdiv(N, bn_dbdc) if dcs_dbdc else 1  # dcs partial sums, one per dbdc_bwd n block
+    dcs = torch.empty(n_dcs, H, pl.BT, dtype=torch.float32, device=dev)
     qrow = torch.empty_like(ddt_dir)
     dD_part = torch.zeros(pl.NCB * nm, H, P, dtype=torch.float32, device=dev) if D is not None else None
-    _launch(_dx_bwd, ("dx", fused, tk), (nm, H, pl.NCB), (
+    fact = _dx_fact()
+    _launch(_dx_bwd, ("dx", fused, fact, dcs_dbdc, tk), (nm, H, pl.NCB), (
         dy, x, B, C, CB, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, dcs, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
@@ -520,17 +555,17 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         B.stride(0), B.stride(1), B.stride(2), *st_strides),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
              D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype),
-             dda_ptr=dda, tot_ptr=tot, DDA=fused), fixed=_fixed_cfgs().get("dx"))
+             dda_ptr=dda, tot_ptr=tot, DDA=fused, FACT=fact, DCS=not dcs_dbdc), fixed=_fixed_cfgs().get("dx"))
     # dB, dC
     dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
     dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
-    _launch(_dbdc_bwd, ("dbdc", tk), (pl.NCB, G, nm * _cdiv(N, pl.BN_dbdc)), (
+    _launch(_dbdc_bwd, ("dbdc", dcs_dbdc, bn_dbdc, tk), (pl.NCB, G, nm * _cdiv(N, bn_dbdc)), (
         dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2), *st_strides),
-        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_dbdc, IS_VARLEN=pl.varlen, DOT_PREC=prec,
-             DOT_DT=_dot_dt(x.dtype)))
+        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=bn_dbdc, IS_VARLEN=pl.varlen, DOT_PREC=prec,
+             DOT_DT=_dot_dt(x.dtype), dcs_ptr=dcs, DCS=dcs_dbdc))
     # dt, dA, dt_bias
     has_limit, lo, hi = _limits(dt_limit)
     ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev)
@@ -541,7 +576,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
         ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
         pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), lo, hi,
         L=L, BH=pl.BH, NPN_B=_p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, num_warps=4)
+        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
     dA = dA_part.sum(0).to(A.dtype)
     ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
     dD = None
