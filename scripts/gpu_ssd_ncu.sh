@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the SSD kernels on the GPU machine (scripts/ncu_ssd.py drives one forward +
+# backward per case; carry .gpu for mamba_ssm's sources). Writes $OUT/ncu_<tag>.txt (ncu's details page)
+# and prints one line per kernel: duration, SM / memory throughput, L2 hit rate, occupancy, registers.
+#   NCU_CASES="ours= ours_dxfact0=LM_SSD_DXFACT=0 mamba="  NCU_SET=detailed  NCU_TIMEOUT_S=240  NCU_ARGS="--nograd"
+set -u
+OUT=${OUT:-/tmp/ssd_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-}
+PP=$(mktemp -d) && ln -s "$PWD/kernels" "$PP/lm_kernels" && export PYTHONPATH=$PP:$PYTHONPATH
+export PYTHONUNBUFFERED=1
+TAG=${NCU_TAG:-fb}
+read -r -a CASES <<<"${NCU_CASES:-ours= mamba=}"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+echo "ncu: $NCU"
+T=$(date +%s)
+timeout "${NCU_TIMEOUT_S:-240}" "$NCU" --profile-from-start off --clock-control none --set "${NCU_SET:-detailed}" \
+  ${NCU_EXTRA:-} python3 scripts/ncu_ssd.py --cases "${CASES[@]}" ${NCU_ARGS:-} >"$OUT/ncu_$TAG.txt" 2>&1
+echo "ncu rc=$? in $(( $(date +%s) - T )) s"
+python3 - "$OUT/ncu_$TAG.txt" <<'PY'
+import re, sys
+cur = None
+want = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "L2 Hit Rate", "Achieved Occupancy",
+        "Registers Per Thread", "DRAM Throughput", "L1/TEX Hit Rate", "Executed Ipc Active")
+rows = []
+for line in open(sys.argv[1], errors="replace"):
+    if line.startswith("== case"):
+        print(line.strip()); continue
+    m = re.match(r"\s\s(\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", line)
+    if m:
+        if cur: print(cur)
+        cur = m.group(1)[:40] + ":"; continue
+    for w in want:
+        if cur and line.strip().startswith(w):
+            parts = line.split()
+            cur += f" {w.split()[0]}={parts[-1]}{parts[-2] if parts[-2] in ('ms','us','%','GB/s') else ''}"
+if cur: print(cur)
+PY
