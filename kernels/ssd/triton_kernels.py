@@ -455,7 +455,9 @@ def _xs4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypr
     acc = acc * tl.where(mmask, tl.exp(cs_m - cs_r), 0.0)[:, None]
     causal = (rows[:, None] >= rows[None, :]) & mmask[None, :] & mmask[:, None]
     dec = tl.exp(tl.where(causal, cs_m[:, None] - cs_m[None, :], float("-inf")))
-    cb = tl.load(cb_base + rows[:, None] * L + rows[None, :], mask=causal, other=0.0).to(tl.float32)
+    # the whole tile is stored by dtcb_fwd (finite above the diagonal, where dec is 0): a row mask only, so
+    # the load vectorises (a causal mask varies along the contiguous axis: 16-bit loads)
+    cb = tl.load(cb_base + rows[:, None] * L + rows[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
     cb = cb * dec * dt_m[None, :]
     acc = tl.dot(cb.to(DOT_DT), xm.to(DOT_DT), acc, input_precision=DOT_PREC)
     if HAS_D:
@@ -885,8 +887,8 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
     for k in range(0, k_end, BK):  # dC_m += sum_{l <= m} Q[m, l] B_l
         rows_k = k + tl.arange(0, BK)
         kmask = rows_k < clen
-        q = tl.load(q_base + rows_m[:, None] * L + rows_k[None, :],
-                    mask=mmask[:, None] & kmask[None, :] & (rows_m[:, None] >= rows_k[None, :]), other=0.0)
+        # Q's diagonal tiles hold zeros above the diagonal (dcb_bwd): no causal mask, so the loads vectorise
+        q = tl.load(q_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         Bk = tl.load(B_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
                      other=0.0).to(dtype)
         acc_dC = tl.dot(q.to(dtype), Bk, acc_dC, input_precision=DOT_PREC)
@@ -894,8 +896,7 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
     for k in range(k_begin, clen, BK):  # dB_l += sum_{m >= l} Q[m, l] C_m  (here l = rows_m)
         rows_k = k + tl.arange(0, BK)
         kmask = rows_k < clen
-        qT = tl.load(q_base + rows_k[None, :] * L + rows_m[:, None],
-                     mask=mmask[:, None] & kmask[None, :] & (rows_k[None, :] >= rows_m[:, None]), other=0.0)
+        qT = tl.load(q_base + rows_k[None, :] * L + rows_m[:, None], mask=mmask[:, None] & kmask[None, :], other=0.0)
         Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
                      other=0.0).to(dtype)
         acc_dB = tl.dot(qT.to(dtype), Ck, acc_dB, input_precision=DOT_PREC)
@@ -922,8 +923,10 @@ def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, cle
     cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
     if DIAG or not FACT:
         causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
-        cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=causal & lmask[:, None],
-                      other=0.0).to(tl.float32)  # [l, m] = C_m . B_l
+        # [l, m] = C_m . B_l; the diagonal tile is stored whole by dtcb_fwd (finite where decay is 0): no causal
+        # mask on the load, so it vectorises
+        cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=kmask[None, :] & lmask[:, None],
+                      other=0.0).to(tl.float32)
         decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
         dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :],
                       mask=kmask[:, None] & pmask[None, :], other=0.0).to(DOT_DT)
@@ -1004,9 +1007,14 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     dt_l = tl.load(dtp_ptr + tok0 + rows_l, mask=lmask, other=0.0)
     a = tl.load(cs_ptr + tok0 + clen - 1)
     dxi = tl.zeros((BM, BPF), dtype=tl.float32)
-    c2 = tl.load(cs_ptr + tok0 + tl.minimum(l0 + BM, clen) - 1)  # the l block's last row (FACT 2)
-    el2 = tl.exp(c2 - cs_l)  # <= 1 (masked rows: cs_l = 0 >= c2)
-    w2 = dt_l * el2
+    if FACT == 2:
+        c2 = tl.load(cs_ptr + tok0 + tl.minimum(l0 + BM, clen) - 1)  # the l block's last row
+        el2 = tl.exp(c2 - cs_l)  # <= 1 (masked rows: cs_l = 0 >= c2)
+        w2 = dt_l * el2
+    else:
+        c2 = 0.0
+        el2 = dt_l
+        w2 = dt_l
     if DDA:
         NMB: tl.constexpr = L // BM
         HBT = H.to(tl.int64) * BT
@@ -1046,20 +1054,25 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
     dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
     lp = lmask[:, None] & pmask[None, :]
     xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
-    dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
+    tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
     t = dxs + dxi
+    tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
     dx = dt_l[:, None] * t
+    if HAS_D or DCS:
+        dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
     if HAS_D:
         if D_HP:
             Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
         else:
             Dv = tl.load(D_ptr + h).to(tl.float32)
         dx = dx + Dv * dyl
-        tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h) * P + offs_p,
-                 tl.sum(dyl * xl, 0), mask=pmask)
+        if D_HP:
+            tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h) * P + offs_p,
+                     tl.sum(dyl * xl, 0), mask=pmask)
+        else:  # one D per head: one partial sum per program (a small reduction on the host side)
+            tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h, tl.sum(tl.sum(dyl * xl, 0), 0))
     tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
-    tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
     if DCS:
         # y_off = e^{cs_l} S C_l in float32 from the stored state (for dcs; the intra part comes from dcb_bwd)
         Cl = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :],
@@ -1068,7 +1081,6 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
                      mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = S^T
         yoff = tl.dot(Cl, St, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(cs_l), 0.0)[:, None]
         tl.store(dcs_ptr + tok0 + rows_l, tl.sum(dyl * yoff, 1), mask=lmask)
-    tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
 
 
 @triton.jit

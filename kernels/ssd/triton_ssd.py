@@ -132,12 +132,18 @@ _fused_fwd = triton.autotune(
 # dx_bwd 4 warps 1 stage 1.011 ms vs 2 stages 1.078 (8 warps 1.610): now first; dbdc_bwd capped 0.218 vs 0.220 (4
 # warps) / 0.305 (8); dcb_bwd 8 warps 0.224 vs 4 warps 0.257 / 1 stage 0.441; dstate_bwd 4 warps 0.194 vs 8 warps
 # 0.268 / capped 0.208.
+# Session 7 (H100, autotuner's own timings at B8 T2048, ms; kernels/ssd/PERF.md): dx_bwd without its C S^T product
+# (dcs in dbdc_bwd) capped at 168 registers (32 B of spills, 3 programs per SM) 0.73 - 0.86 vs 0.95 uncapped, 1.03 at
+# 2 stages, 1.68 at 8 warps (both removed); dbdc_bwd with dcs at 8 warps 4 stages (190 KB of shared memory: loads
+# of 4 heads in flight) 0.233 vs 0.323 at 2 stages; without dcs 8 warps capped 0.219, 3 stages 0.229, 4 warps 0.221,
+# 4 warps capped 0.353 (removed); dcb_bwd 3 / 4 stages 0.238 / 0.360 vs 0.224 and dstate_bwd 8 warps 3 stages 0.295
+# vs 0.194: not kept. (8, 4) is not first: float32 / float16 tiles need more shared memory than the H100 has at 4
+# stages (the autotuner skips such configs; LM_SSD_AUTOTUNE=0 launches the first).
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(K.dstate_bwd_kernel)  # (the capped one lost: removed)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R", "QONLY"])(K.dcb_bwd_kernel)  # (1 stage lost: removed)
-_dbdc_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128),
-                                             triton.Config({}, num_warps=4, num_stages=2, maxnreg=168)],
+_dbdc_bwd = _tune(_cfgs((8, 2), (8, 4), (4, 2), (8, 3)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
                   ["P", "N", "R", "DCS", "BN"])(K.dbdc_bwd_kernel)
-_dx_bwd = _tune(_cfgs((4, 1)) + [triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _cfgs((4, 2), (8, 2)),
+_dx_bwd = _tune([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _cfgs((4, 1)),
                 ["P", "N", "R", "DDA", "FACT", "DCS"])(K.dx_bwd_kernel)
 
 
@@ -545,7 +551,8 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     n_dcs = _cdiv(N, bn_dbdc) if dcs_dbdc else 1  # dcs partial sums, one per dbdc_bwd n block
     dcs = torch.empty(n_dcs, H, pl.BT, dtype=torch.float32, device=dev)
     qrow = torch.empty_like(ddt_dir)
-    dD_part = torch.zeros(pl.NCB * nm, H, P, dtype=torch.float32, device=dev) if D is not None else None
+    dD_part = (torch.zeros((pl.NCB * nm, H, P) if D.dim() == 2 else (pl.NCB * nm, H), dtype=torch.float32, device=dev)
+               if D is not None else None)
     fact = _dx_fact()
     _launch(_dx_bwd, ("dx", fused, fact, dcs_dbdc, tk), (nm, H, pl.NCB), (
         dy, x, B, C, CB, dtp, cs, states, dstates, D if D is not None else cs,
@@ -581,8 +588,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
     dD = None
     if D is not None:
-        dD = dD_part.sum(0)
-        dD = (dD if D.dim() == 2 else dD.sum(-1)).to(D.dtype)
+        dD = dD_part.sum(0).to(D.dtype)  # (H, P) or (H,)
     dinit = dinit.to(initial_state.dtype) if dinit is not None else None
     return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
 
