@@ -3,6 +3,7 @@
 # backward per case; carry .gpu for mamba_ssm's sources). Writes $OUT/ncu_<tag>.txt (ncu's details page)
 # and prints one line per kernel: duration, SM / memory throughput, L2 hit rate, occupancy, registers.
 #   NCU_CASES="ours= ours_dxfact0=LM_SSD_DXFACT=0 mamba="  NCU_SET=detailed  NCU_TIMEOUT_S=240  NCU_ARGS="--nograd"
+#   DeltaProduct: NCU_ARGS="--op deltaproduct --nh 2" NCU_CASES="ours= fla=" (written in session 7, not yet run)
 set -u
 OUT=${OUT:-/tmp/ssd_out}
 mkdir -p "$OUT"
