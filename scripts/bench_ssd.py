@@ -31,7 +31,8 @@ TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
 # the xs4 scan without the register cap of its default config (session 6: 0.285 ms vs 0.254 capped at 168)
 DEFAULT_VARIANTS = ["scan4_uncapped=-/-/-/LM_SSD_CFG=scan4:64:4:1"]
-BWD_VARS = ("LM_SSD_BWD", "LM_SSD_DXFACT", "LM_SSD_CFG", "LM_SSD_DCS", "LM_SSD_DBDC_BN")  # variants setting these are timed forward + backward too
+BWD_VARS = ("LM_SSD_BWD", "LM_SSD_DXFACT", "LM_SSD_DCS", "LM_SSD_DBDC_BN")  # variants setting these (or a dx config
+# in LM_SSD_CFG) are timed forward + backward too
 
 
 def parse_variants(specs):

@@ -4,17 +4,35 @@
 # and prints one line per kernel: duration, SM / memory throughput, L2 hit rate, occupancy, registers.
 #   NCU_CASES="ours= ours_dxfact0=LM_SSD_DXFACT=0 mamba="  NCU_SET=detailed  NCU_TIMEOUT_S=240  NCU_ARGS="--nograd"
 #   DeltaProduct: NCU_ARGS="--op deltaproduct --nh 2" NCU_CASES="ours= fla=" (written in session 7, not yet run)
+# NCU_SOURCE=1 (scripts/gpu_ssd_ncu_src.sh): source level instead, set "full" (warp stall reasons, per-SASS-
+# instruction samples) for the kernels of NCU_KERNELS (default "regex:dx_bwd"): writes $OUT/ncu_src_<tag>.txt
+# (details) and $OUT/sass_<tag>.csv (source page).
 set -u
 OUT=${OUT:-/tmp/ssd_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-}
 PP=$(mktemp -d) && ln -s "$PWD/kernels" "$PP/lm_kernels" && export PYTHONPATH=$PP:$PYTHONPATH
 export PYTHONUNBUFFERED=1
-TAG=${NCU_TAG:-fb}
-read -r -a CASES <<<"${NCU_CASES:-ours= mamba=}"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
 T=$(date +%s)
+if [ "${NCU_SOURCE:-0}" = "1" ]; then
+  TAG=${NCU_TAG:-dx}
+  read -r -a CASES <<<"${NCU_CASES:-ours=}"
+  REP=/tmp/ncu_$TAG
+  timeout "${NCU_TIMEOUT_S:-240}" "$NCU" --profile-from-start off --clock-control none --set full \
+    --import-source yes --kernel-name "${NCU_KERNELS:-regex:dx_bwd}" -f -o "$REP" \
+    python3 scripts/ncu_ssd.py --cases "${CASES[@]}" ${NCU_ARGS:-} >"$OUT/ncu_run_$TAG.log" 2>&1
+  echo "ncu rc=$? in $(( $(date +%s) - T )) s"
+  "$NCU" --import "$REP.ncu-rep" --page details >"$OUT/ncu_src_$TAG.txt" 2>&1
+  "$NCU" --import "$REP.ncu-rep" --page source --csv --print-source sass >"$OUT/sass_$TAG.csv" 2>"$OUT/sass_$TAG.err" \
+    || "$NCU" --import "$REP.ncu-rep" --page source --csv >"$OUT/sass_$TAG.csv" 2>>"$OUT/sass_$TAG.err"
+  ls -la "$OUT"; head -c 600 "$OUT/sass_$TAG.err"
+  grep -E "Warp Cycles Per Issued|Stall|Duration|Achieved Occupancy" "$OUT/ncu_src_$TAG.txt" | head -40
+  exit 0
+fi
+TAG=${NCU_TAG:-fb}
+read -r -a CASES <<<"${NCU_CASES:-ours= mamba=}"
 timeout "${NCU_TIMEOUT_S:-240}" "$NCU" --profile-from-start off --clock-control none --set "${NCU_SET:-detailed}" \
   ${NCU_EXTRA:-} python3 scripts/ncu_ssd.py --cases "${CASES[@]}" ${NCU_ARGS:-} >"$OUT/ncu_$TAG.txt" 2>&1
 echo "ncu rc=$? in $(( $(date +%s) - T )) s"

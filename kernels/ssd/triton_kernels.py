@@ -1015,38 +1015,27 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, CB_ptr, dtp_ptr, cs_ptr, states_p
         c2 = 0.0
         el2 = dt_l
         w2 = dt_l
+    NMB: tl.constexpr = L // BM  # the d(dt*A) slots / tile totals (used with DDA only)
     if DDA:
-        NMB: tl.constexpr = L // BM
         HBT = H.to(tl.int64) * BT
         xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
                       mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
-        if FACT != 2:
-            dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True,
-                           dtype, DOT_PREC, FACT)
-        for k in range(l0 + BK, clen, BK):
-            dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
-                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, True,
-                           dtype, DOT_PREC, FACT)
-        if FACT == 2:  # the tiles below the diagonal first, scaled once, then the diagonal tile
-            dxi = dxi * el2[:, None]
-            dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, True,
-                           dtype, DOT_PREC, FACT)
-    else:
-        if FACT != 2:
-            dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, True, False, dtype,
-                           DOT_PREC, FACT)
-        for k in range(l0 + BK, clen, BK):
-            dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
-                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, False, False, dtype,
-                           DOT_PREC, FACT)
-        if FACT == 2:
-            dxi = dxi * el2[:, None]
-            dxi = _dx_tile(dxi, dxi, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                           cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, 0, pid_c, h, H, L, BM, BK, 1, True, False, dtype,
-                           DOT_PREC, FACT)
+    else:  # unused
+        HBT = H.to(tl.int64) * 0
+        xld = dxi
+    if FACT != 2:
+        dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                       cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, DDA, dtype,
+                       DOT_PREC, FACT)
+    for k in range(l0 + BK, clen, BK):
+        dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
+                       cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, DDA, dtype,
+                       DOT_PREC, FACT)
+    if FACT == 2:  # the tiles below the diagonal first, scaled once, then the diagonal tile
+        dxi = dxi * el2[:, None]
+        dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                       cs_l, dt_l, c2, w2, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, DDA, dtype,
+                       DOT_PREC, FACT)
     Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
                  other=0.0).to(dtype)
     Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],

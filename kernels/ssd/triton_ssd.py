@@ -133,7 +133,7 @@ _fused_fwd = triton.autotune(
 # warps) / 0.305 (8); dcb_bwd 8 warps 0.224 vs 4 warps 0.257 / 1 stage 0.441; dstate_bwd 4 warps 0.194 vs 8 warps
 # 0.268 / capped 0.208.
 # Session 7 (H100, autotuner's own timings at B8 T2048, ms; kernels/ssd/PERF.md): dx_bwd without its C S^T product
-# (dcs in dbdc_bwd) capped at 168 registers (32 B of spills, 3 programs per SM) 0.73 - 0.86 vs 0.95 uncapped, 1.03 at
+# (dcs in dbdc_bwd) capped at 168 registers (16 B of spills, 3 programs per SM) 0.73 - 0.86 vs 0.95 uncapped, 1.03 at
 # 2 stages, 1.68 at 8 warps (both removed); dbdc_bwd with dcs at 8 warps 4 stages (190 KB of shared memory: loads
 # of 4 heads in flight) 0.233 vs 0.323 at 2 stages; without dcs 8 warps capped 0.219, 3 stages 0.229, 4 warps 0.221,
 # 4 warps capped 0.353 (removed); dcb_bwd 3 / 4 stages 0.238 / 0.360 vs 0.224 and dstate_bwd 8 warps 3 stages 0.295
@@ -377,9 +377,9 @@ def _dx_fact():
     return int(v or 1)
 
 
-def _dcs_in_dbdc(pl):
+def _dcs_in_dbdc():
     """Where each row's dcs = dy . y_off (the state part of y) is formed: "dbdc" in dbdc_bwd from the product
-    e^{cs} dy S it forms for dC anyway (one n block only, N <= 128), "dx" in dx_bwd by its own C S^T product.
+    e^{cs} dy S it forms for dC anyway (a partial sum per n block), "dx" in dx_bwd by its own C S^T product.
     LM_SSD_DCS overrides the default."""
     v = os.environ.get("LM_SSD_DCS", "").strip().lower()
     if v not in ("", "dbdc", "dx"):
@@ -546,7 +546,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, 
     # dx, direct ddt, per-row dcs
     dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
-    dcs_dbdc = _dcs_in_dbdc(pl)
+    dcs_dbdc = _dcs_in_dbdc()
     bn_dbdc = _dbdc_bn(pl)
     n_dcs = _cdiv(N, bn_dbdc) if dcs_dbdc else 1  # dcs partial sums, one per dbdc_bwd n block
     dcs = torch.empty(n_dcs, H, pl.BT, dtype=torch.float32, device=dev)
