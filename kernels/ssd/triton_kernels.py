@@ -193,6 +193,140 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
 
 
 @triton.jit
+def _lb_head_rows(x_base, Bk, cs_ptr, dtp_ptr, tok0, t0, a, clen, rows, rmask, offs_p, pmask, s_x_t,
+                  DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, acc):
+    """acc + sum over `rows` of w_l x_l B_l^T (w_l = dt_l e^{a - cs_l}) for one head, B rows given: (BP, BN)."""
+    cs_k = tl.load(cs_ptr + tok0 + rows, mask=rmask, other=0.0)
+    dt_k = tl.load(dtp_ptr + tok0 + rows, mask=rmask, other=0.0)
+    w = tl.where(rmask, tl.exp(a - cs_k) * dt_k, 0.0)
+    xk = tl.load(x_base + (t0 + rows[:, None]) * s_x_t + offs_p[None, :], mask=rmask[:, None] & pmask[None, :],
+                 other=0.0)
+    xw = (xk.to(tl.float32) * w[:, None]).to(DOT_DT)
+    return tl.dot(tl.trans(xw), Bk, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _lb_link(S_in, acc, a, states_ptr, final_ptr, ring_out, c, s, h, H, P, N, pn_mask, pn_off, st_off,
+             LAST: tl.constexpr, HAS_FINAL: tl.constexpr):
+    """One head's hop of the chain: store S_in as chunk c's start state, return / store the state leaving it."""
+    tl.store(states_ptr + (c.to(tl.int64) * H + h) * P * N + st_off, S_in.to(states_ptr.dtype.element_ty),
+             mask=pn_mask)
+    S_out = tl.exp(a) * S_in + acc
+    if LAST:
+        if HAS_FINAL:
+            tl.store(final_ptr + (s * H + h) * P * N + pn_off, S_out, mask=pn_mask)
+    else:
+        tl.store(ring_out + pn_off, S_out, mask=pn_mask)
+
+
+@triton.jit
+def state_lb_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_ptr, ring_ptr, flag_ptr,
+                    chunk_t0_ptr, chunk_len_ptr, chunk_seq_ptr, chunk_first_ptr,
+                    T, H, P, N, NC, BT, R, NCB,
+                    s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_sp, s_sn,
+                    L: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                    DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Chunk states with the chunks in parallel, chained by look-back: one program per (chunk, unit), a unit
+    being HB heads (sharing their B rows: same group) x a p block x an n block. Each program forms its chunk's
+    own contribution L_c = sum_l w_l x_l B_l^T (no dependency), then waits for its predecessor's flag, reads
+    the float32 state S_c entering the chunk from a two-slot ring per chain, stores it as the chunk's start
+    state (states dtype), publishes S_c+1 = e^{a_c} S_c + L_c and raises its own flag. Position from an atomic
+    ticket, chunk-major: a program only ever waits for one that took an earlier ticket, i.e. that is already
+    running, so no order of dispatch can deadlock. flag_ptr[0] is the ticket, flags follow: all zero at launch,
+    and zero again at the end (the last ticket resets the counter, each flag is reset by the one program that
+    waits on it), so one buffer serves every launch on a stream. Same outputs as state_fwd_kernel."""
+    t = tl.atomic_add(flag_ptr, 1)
+    n_pb = tl.cdiv(P, BP)
+    n_nb = tl.cdiv(N, BN)
+    NU = (H // HB) * n_pb * n_nb
+    if t == NCB * NU - 1:  # every ticket is taken (the grid is NCB * NU): zero the counter for the next launch
+        tl.atomic_xchg(flag_ptr, 0, sem="relaxed")
+    c = t // NU
+    u = t % NU
+    hb = u // (n_pb * n_nb)
+    pid_p = (u // n_nb) % n_pb
+    pid_n = u % n_nb
+    b, t0, clen = _chunk_coords(c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if clen > 0:
+        if IS_VARLEN:
+            s = tl.load(chunk_seq_ptr + c)
+            c_first = tl.load(chunk_first_ptr + s)
+            c_end = tl.load(chunk_first_ptr + s + 1)
+        else:
+            s = b
+            c_first = b * NC
+            c_end = c_first + NC
+        i = c - c_first
+        h0 = hb * HB
+        g = h0 // R
+        offs_p = pid_p * BP + tl.arange(0, BP)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        pmask = offs_p < P
+        nmask = offs_n < N
+        pn_mask = pmask[:, None] & nmask[None, :]
+        pn_off = offs_p[:, None] * N + offs_n[None, :]
+        st_off = offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+        tok0 = h0 * BT + b * T + t0
+        a0 = tl.load(cs_ptr + tok0 + clen - 1)
+        a1 = a0
+        if HB == 2:
+            a1 = tl.load(cs_ptr + tok0 + BT + clen - 1)
+        x_base = x_ptr + b * s_x_b + h0 * s_x_h
+        B_base = B_ptr + b * s_B_b + g * s_B_g
+        acc0 = tl.zeros((BP, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BP, BN), dtype=tl.float32)
+        for k in range(0, clen, BK):
+            rows = k + tl.arange(0, BK)
+            rmask = rows < clen
+            Bk = tl.load(B_base + (t0 + rows[:, None]) * s_B_t + offs_n[None, :],
+                         mask=rmask[:, None] & nmask[None, :], other=0.0).to(DOT_DT)
+            acc0 = _lb_head_rows(x_base, Bk, cs_ptr, dtp_ptr, tok0, t0, a0, clen, rows, rmask, offs_p, pmask, s_x_t,
+                                 DOT_DT, DOT_PREC, acc0)
+            if HB == 2:
+                acc1 = _lb_head_rows(x_base + s_x_h, Bk, cs_ptr, dtp_ptr, tok0 + BT, t0, a1, clen, rows, rmask,
+                                     offs_p, pmask, s_x_t, DOT_DT, DOT_PREC, acc1)
+        # the chain: ring slot (chain, i % 2) holds S_c (written by chunk c - 1), slot (i + 1) % 2 gets S_c+1
+        chain = s * (H // HB) + hb  # a chain's p / n blocks write disjoint parts of its slots
+        ring_in = ring_ptr + (chain * 2 + i % 2).to(tl.int64) * HB * P * N
+        ring_out = ring_ptr + (chain * 2 + (i + 1) % 2).to(tl.int64) * HB * P * N
+        if i > 0:
+            fprev = flag_ptr + 1 + (c - 1) * NU + u
+            while tl.atomic_add(fprev, 0, sem="acquire") == 0:
+                pass
+            tl.debug_barrier()
+            tl.atomic_xchg(fprev, 0, sem="relaxed")  # only this program waits on it: zero for the next launch
+            S0 = tl.load(ring_in + pn_off, mask=pn_mask, other=0.0, cache_modifier=".cg")
+        elif HAS_INIT:
+            S0 = tl.load(init_ptr + (s * H + h0) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+        else:
+            S0 = tl.zeros((BP, BN), dtype=tl.float32)
+        last = i == c_end - c_first - 1
+        if last:
+            _lb_link(S0, acc0, a0, states_ptr, final_ptr, ring_out, c, s, h0, H, P, N, pn_mask, pn_off, st_off,
+                     True, HAS_FINAL)
+        else:
+            _lb_link(S0, acc0, a0, states_ptr, final_ptr, ring_out, c, s, h0, H, P, N, pn_mask, pn_off, st_off,
+                     False, HAS_FINAL)
+        if HB == 2:
+            if i > 0:
+                S1 = tl.load(ring_in + P * N + pn_off, mask=pn_mask, other=0.0, cache_modifier=".cg")
+            elif HAS_INIT:
+                S1 = tl.load(init_ptr + (s * H + h0 + 1) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+            else:
+                S1 = tl.zeros((BP, BN), dtype=tl.float32)
+            if last:
+                _lb_link(S1, acc1, a1, states_ptr, final_ptr, ring_out + P * N, c, s, h0 + 1, H, P, N, pn_mask,
+                         pn_off, st_off, True, HAS_FINAL)
+            else:
+                _lb_link(S1, acc1, a1, states_ptr, final_ptr, ring_out + P * N, c, s, h0 + 1, H, P, N, pn_mask,
+                         pn_off, st_off, False, HAS_FINAL)
+        if not last:
+            tl.debug_barrier()  # every thread's ring stores before the flag
+            tl.atomic_xchg(flag_ptr + 1 + c * NU + u, 1, sem="release")
+
+
+@triton.jit
 def cb_fwd_kernel(B_ptr, C_ptr, CB_ptr, chunk_t0_ptr, chunk_len_ptr, T, N, NC, G,
                   s_B_b, s_B_t, s_B_g,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,
