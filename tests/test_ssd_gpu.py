@@ -112,7 +112,7 @@ def test_gpu_accuracy_parity_with_mamba_ssm_if_available():
 
 
 VARIANTS = (("flat2", "pnfast", "slots"), ("xs", "pnfast", "fused"), ("xs4", "pnfast", "fused"),
-            ("grid", "bn128", "fused"), ("xs4", "lb", "fused"), ("xs4", "lb1", "fused"))
+            ("grid", "bn128", "fused"))
 # (LM_SSD_SCAN, LM_SSD_STATE, LM_SSD_BWD); the first is the baseline
 
 
@@ -120,7 +120,7 @@ VARIANTS = (("flat2", "pnfast", "slots"), ("xs", "pnfast", "fused"), ("xs4", "pn
 def test_gpu_scan_and_backward_variants_agree(h, g, monkeypatch):
     """bf16: the forward scan / state kernel / backward variants in VARIANTS (row-block scan with the decay
     below the diagonal on C.B "flat2", on x "xs", the same per whole chunk "xs4", unfactorised "grid";
-    128-wide state n blocks "bn128"; the chunk states by look-back with two / one heads per program "lb" / "lb1";
+    128-wide state n blocks "bn128";
     d(dt*A) shares in dcb_bwd "slots" or dx_bwd "fused") are as close to float64 as the baseline, for the
     forward and every gradient."""
     d = make(2, 1100, h, 64, g, 128)

@@ -98,7 +98,7 @@ def test_triton_square_scan_tiles(variant, monkeypatch):
     compare(make(1, 90, 2, 16, 1, 48), torch.float32, 2e-5, chunk_size=32, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("state", ["pnfast", "old", "lb"])
+@pytest.mark.parametrize("state", ["pnfast", "old"])
 def test_triton_state_kernels_multi_step_chunks(state, monkeypatch):
     """Chunks longer than the state kernels' step (there: > 256 rows) walk each chunk in several steps."""
     import lm_kernels.ssd.triton_ssd as ts
@@ -107,14 +107,10 @@ def test_triton_state_kernels_multi_step_chunks(state, monkeypatch):
     compare(make(1, 50, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=32)
 
 
-@pytest.mark.parametrize("heads,groups,state", [(3, 1, ""), (4, 2, ""), (4, 2, "lb"), (3, 3, "lb")])
-def test_triton_odd_sizes_varlen(heads, groups, state, monkeypatch):
+@pytest.mark.parametrize("heads,groups", [(3, 1), (4, 2)])
+def test_triton_odd_sizes_varlen(heads, groups):
     """Odd head counts per group, headdim and dstate not powers of two, D per (head, p), packed documents
-    with chunks cut short (default kernels); the look-back state kernel ("lb": head pairs where a group has an
-    even number of heads, else one head per program; 16 x 16 p / n blocks under the interpreter), with an
-    empty document (its final state is its initial one)."""
-    if state:
-        monkeypatch.setenv("LM_SSD_STATE", state)
+    with chunks cut short (default kernels)."""
     lens = [9, 0, 30, 1, 20]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     d = make(1, sum(lens), heads, 12, groups, 10, D="hp", ns=len(lens))

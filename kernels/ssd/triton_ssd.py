@@ -61,25 +61,6 @@ _state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp
                    ["P", "N", "R", "BN", "NC"])(K.state_fwd_kernel)  # 32-row p blocks: more programs for long T
 
 
-def _prune_lb(configs, named_args, **kwargs):
-    """Blocks no larger than the padded p / n sizes and the chunk (keeps the last, smallest config otherwise)."""
-    L = kwargs.get("L", named_args.get("L"))
-    P, N = named_args["P"], named_args["N"]
-    keep = [c for c in configs if c.kwargs["BK"] <= L and c.kwargs["BP"] <= _p2(P) and c.kwargs["BN"] <= _p2(N)]
-    return keep or configs[-1:]
-
-
-# (BP, BN, BK, warps, stages); the last: interpreter tests (small blocks: several p / n blocks per head)
-_state_lb_cfgs = [triton.Config(dict(BP=bp, BN=bn, BK=bk), num_warps=w, num_stages=st)
-                  for bp, bn, bk, w, st in ((64, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 64, 64, 4, 3),
-                                            (64, 128, 128, 8, 2), (64, 64, 128, 4, 2), (32, 128, 64, 4, 3),
-                                            (16, 16, 16, 4, 1))]
-_state_lb = triton.autotune(
-    configs=(_state_lb_cfgs[:-1] if not (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
-             else _state_lb_cfgs[-1:] if _INTERPRET else _state_lb_cfgs[:1]),
-    key=["P", "N", "R", "L", "NC", "HB"], prune_configs_by={"early_config_prune": _prune_lb})(K.state_lb_kernel)
-
-
 def _prune_bm(configs, named_args, **kwargs):
     """Drop row blocks larger than the chunk (keeps at least the first config)."""
     L = kwargs.get("L", named_args.get("L"))
@@ -306,14 +287,13 @@ class _Plan:
             self.chunk_first = first.to(torch.int32)
             self.chunk_t0 = t0.to(torch.int32)
             self.chunk_len = clen.to(torch.int32)
-            self.chunk_seq = s.to(torch.int32)
             self.NC = 0
         else:
             self.nseq = b
             self.NC = max(1, -(-t // L))
             self.NCB = b * self.NC
             dummy = _dummy_i32(dev)
-            self.cu = self.chunk_first = self.chunk_t0 = self.chunk_len = self.chunk_seq = dummy
+            self.cu = self.chunk_first = self.chunk_t0 = self.chunk_len = dummy
         self.BPF = _p2(p)
         self.BNF = _p2(n)
         self.BM = min(TILE_ROWS, L)
@@ -346,14 +326,12 @@ def _scan_variant(plan, dtype=torch.bfloat16):
     return v or ("xs" if dtype == torch.float32 else "xs4")
 
 
-_STATE_VARIANTS = ("old", "pnfast", "bn128", "lb", "lb1")
+_STATE_VARIANTS = ("old", "pnfast", "bn128")
 
 
 def _state_variant():
     """state_fwd layout: "old" grid (sequence, head, p x n block) with 64-wide n blocks; "pnfast" grid
-    (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head);
-    "lb": every chunk in parallel, the chunk-to-chunk pass by look-back (state_lb_kernel), two heads per
-    program where they share a group (their B rows loaded once); "lb1": "lb" with one head per program.
+    (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head).
     LM_SSD_STATE overrides the default. Removed after losing in two H100 runs each: "hb2" (head pairs),
     "bn32" (32-wide n blocks)."""
     v = os.environ.get("LM_SSD_STATE", "").strip().lower()
@@ -491,19 +469,14 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
     def grid(META):
         npn = _cdiv(P, META["BP"]) * _cdiv(N, bn)
         return (npn, H, pl.nseq) if sv != "old" else (pl.nseq, H, npn)
-    if sv in ("lb", "lb1") and x.dtype == torch.float32 and not _INTERPRET:
-        sv = "pnfast"  # float32 tiles: state_lb_kernel spills kilobytes for sm_90 (triton 3.6)
-    if sv in ("lb", "lb1"):
-        _state_lookback(pl, x, B, dtp, cs, initial_state, states, final, st_strides, tk, sv, prec)
-    else:
-        _launch(_state_fwd, ("state", sv, bn, tk), grid, (
-            x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
-            final if final is not None else dtp, pl.cu, pl.chunk_first,
-            pl.T, H, P, N, pl.NC, pl.BT, pl.R,
-            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides),
-            dict(L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
-                 IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype), PN_FAST=sv != "old"),
-            fixed=fixed.get("state"))
+    _launch(_state_fwd, ("state", sv, bn, tk), grid, (
+        x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
+        final if final is not None else dtp, pl.cu, pl.chunk_first,
+        pl.T, H, P, N, pl.NC, pl.BT, pl.R,
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides),
+        dict(L=L, BN=bn, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
+             IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype), PN_FAST=sv != "old"),
+        fixed=fixed.get("state"))
     store_pre = save and z is not None
     ypre = torch.empty_like(y) if store_pre else None
     scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
@@ -523,41 +496,6 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt
         _launch(_scan_fwd, ("scan", tk), lambda META: (pl.NCB, H, _cdiv(L, META["BM"]) * _cdiv(P, pl.BP)),
                 scan_args, dict(L=L, BP=pl.BP, BNF=pl.BNF, STORE_PRE=store_pre, **flags))
     return y, final, (dtp, cs, states, st_strides, CB, ypre if store_pre else y)
-
-
-_LB_FLAGS = {}  # (device, stream) -> int32 ticket + flags of state_lb_kernel (all zero between launches)
-
-
-def _lb_flags(dev, n):
-    """A zeroed int32 buffer of at least n elements for state_lb_kernel on the current stream. The kernel leaves
-    it zero again, so it is made once per device and stream (a launch per stream at a time: launches on one
-    stream are ordered)."""
-    key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
-    buf = _LB_FLAGS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _LB_FLAGS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=dev)
-    return buf
-
-
-def _state_lookback(pl, x, B, dtp, cs, initial_state, states, final, st_strides, tk, sv, prec):
-    """state_lb_kernel: the chunk states with every chunk in parallel, chained by look-back (see there)."""
-    H, P, N, L = pl.H, pl.P, pl.N, pl.L
-    hb = 2 if sv == "lb" and pl.R % 2 == 0 else 1
-    ring = torch.empty(pl.nseq * H * 2 * P * N, dtype=torch.float32, device=x.device)
-    # units per chunk at the smallest blocks of the configs (16 x 16): the flags needed by any config
-    flags = _lb_flags(x.device, 1 + pl.NCB * (H // hb) * _cdiv(P, 16) * _cdiv(N, 16))
-    if final is not None and pl.varlen:  # an empty document has no chunk: its final state is its initial one
-        final.copy_(initial_state if initial_state is not None else torch.zeros((), device=x.device))
-
-    def nprog(META):
-        return pl.NCB * (H // hb) * _cdiv(P, META["BP"]) * _cdiv(N, META["BN"])
-    args = (x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
-            final if final is not None else dtp, ring, flags, pl.chunk_t0, pl.chunk_len, pl.chunk_seq,
-            pl.chunk_first, pl.T, H, P, N, pl.NC, pl.BT, pl.R)
-    strides = (x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2), *st_strides)
-    kw = dict(L=L, HB=hb, HAS_INIT=initial_state is not None, HAS_FINAL=final is not None,
-              IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=_dot_dt(x.dtype))
-    _launch(_state_lb, ("lb", hb, tk), lambda META: (nprog(META),), (*args, pl.NCB, *strides), kw)
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, plan, dt_softplus, dt_limit, aux):
