@@ -95,9 +95,6 @@ VARIANTS = {
     "ho128r": dict(FIXED={"h_o": ({"BV": 128}, 8, 1, 128)}),
     "dh128r": dict(DH_CONFIG=({"BV": 128}, 8, 1, 128)),
     "both128r": dict(FIXED={"h_o": ({"BV": 128}, 8, 1, 128)}, DH_CONFIG=({"BV": 128}, 8, 1, 128)),
-    # session 8: every E-th chunk state stored, the others formed in the main backward (no fill launch)
-    "ev2": dict(STATES_EVERY=2),
-    "evnh": dict(STATES_EVERY="nh"),  # E = nh: the states at 64-token boundaries, as fla stores them
 }
 
 

@@ -114,7 +114,6 @@ SWITCHES = [
     dict(OLOC_IN_H_O=True), dict(OLOC_IN_H_O=True, AQK_SAVE=True, INTRA_MIN_NH=1),
     dict(OLOC_IN_H_O=True, OLOC_NO_QE=True), dict(OLOC_IN_H_O=True, OLOC_NO_QE=True, INTRA_MIN_NH=1),
     dict(STATES_EVERY2=True), dict(STATES_EVERY2=True, OLOC_IN_H_O=True, OLOC_NO_QE=True),
-    dict(STATES_EVERY=2), dict(STATES_EVERY="nh"), dict(STATES_EVERY="nh", MAIN_REBASE=False),
 ]
 
 
@@ -199,13 +198,6 @@ def test_wu_kernel_register_cap_compiles_for_sm90():
         pytest.skip(p.stdout)
     _, regs, cap = p.stdout.split()
     assert int(regs) <= int(cap)
-
-
-@pytest.mark.parametrize("nh,every", [(2, 2), (3, 3)])
-def test_triton_chunk64_states_every_matches_reference(nh, every, monkeypatch):
-    """STATES_EVERY: the forward with grad stores every `every`-th chunk state, the main backward forms the others
-    (one or two chunks of the recurrence per V block), at the bench's tile shapes (64-row chunks)."""
-    _check_chunk64(nh, dict(STATES_EVERY=every), monkeypatch)
 
 
 @pytest.mark.parametrize("oloc,noqe,every2", [(False, False, False), (True, False, False), (True, True, True)])

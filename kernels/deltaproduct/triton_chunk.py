@@ -96,9 +96,6 @@ MAIN_CONFIG = None
 # The main backward at nh = 1 (unless MAIN_CONFIG is set): 5 pipeline stages. H100 session 5 run 3 (lead): f+b
 # 2.508 vs 2.534 ms at 4 stages (nh=2/3: 4.143/5.933 vs 4.126/5.961, so the autotuned 4 stays there).
 MAIN_CONFIG_NH1 = ({"BV": 32}, 8, 5)
-# The main backward forming two chunk states per V block (STATES_EVERY = 3): 3 stages (its pipelined K^T / Vn tiles
-# need 255 KB of shared memory at 4, 190 at 3; sm_90, triton 3.6).
-MAIN_CONFIG_EVERY3 = ({"BV": 32}, 8, 3)
 # From which nh the forward with grad skips the Vn store and the main backward recomputes Vn = U - W S from U
 # (written by _wu_kernel anyway, kept for the backward instead of Vn), W and the saved chunk state it loads (one
 # [BT, K] x [K, BV] product more per V block there). Off (99): H100 session 4 run 1, forward with grad nh=2/3
@@ -130,12 +127,6 @@ OLOC_NO_QE = True
 # with the OLOC switches ("b_all" vs "oloc_noqe"): forward with grad nh=2/3 1.418/2.069 vs 1.494/2.191 ms (0.890 /
 # 0.921 of fla) but f+b 4.364/6.351 vs 4.078/5.908, i.e. 3.08/3.07 x the forward with grad (limit 3).
 STATES_EVERY2 = False
-# The forward with grad stores the state entering every E-th chunk of a sequence only (local index 0, E, 2E, ..;
-# E = STATES_EVERY, or nh for "nh": the states at 64-token boundaries, as fla stores them), and the main backward
-# forms the others itself, per V block, from the stored state and the K / Vn tiles of the (at most E - 1) chunks
-# between (S_c = e^gC S_c-1 + K_c-1^T (Vn_c-1 o e^(gC - g)); the chunks in parallel, no chain, no extra launch, no
-# store and reload of the formed states). 1: every state stored. Needs Vn stored (not with VN_RECOMPUTE_MIN_NH).
-STATES_EVERY = 1
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -413,7 +404,7 @@ def _h_o_v2_configs():
 
 
 @triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
-                                                 "AQF", "NOQE", "EVERY"],
+                                                 "AQF", "NOQE", "EVERY2"],
                  restore_value=["o"])
 @triton.jit
 def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, chunk_off, scale,
@@ -421,7 +412,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
                     STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
                     SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr,
-                    EVERY: tl.constexpr):
+                    EVERY2: tl.constexpr):
     """Sequential over the chunks of one sequence (one V block of the state per program): Vn = U - W S,
     S <- e^gC S + Kd^T Vn, and the outputs: INTRA: o = O_loc + Qe S (O_loc, Qe from _wu_kernel); else
     o = scale (e^g Q S + (Q K^T o Gam o M) Vn). K^T is loaded directly (one tile serves Q K^T and K^T Vn), the
@@ -429,9 +420,8 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
     int32 from an int64 chunk base (no spills on sm_90, where session 1's version spilled 96-224 B/thread).
     SAVE (forward with grad): also writes the state entering each chunk, Vn (SAVE_VN) and Aqk^T (SAVE_AQ).
     AQF (with INTRA): O_loc = Aqk U from _wu_kernel's Aqk and the U tile, instead of _wu_kernel's O_loc; with NOQE
-    o = scale e^g Q S + Aqk Vn from the Q tile and _wu_kernel's (scaled) Aqk, no Qe. EVERY > 1: SAVE stores the
-    states of every EVERY-th chunk only (local index 0, EVERY, ..; _fill_states_kernel (2) or the main backward
-    forms the others)."""
+    o = scale e^g Q S + Aqk Vn from the Q tile and _wu_kernel's (scaled) Aqk, no Qe. EVERY2: SAVE stores the
+    states of even chunks only (_fill_states_kernel forms the others in the backward)."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -460,9 +450,9 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
         t0 = r0 // NH
         nt = re - r0
         if SAVE:
-            if EVERY > 1:
+            if EVERY2:
                 tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty),
-                         mask=m_kv & (c % EVERY == 0))
+                         mask=m_kv & (c % 2 == 0))
             else:
                 tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
         bk = (r0.to(tl.int64) * H + i_h) * K
@@ -687,41 +677,23 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=4)]
 
 
-@triton.jit
-def _state_step(b_S, k, vn, gc, rows, act, i_h, o_k, mk, o_v, mv, H: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
-    """One chunk of the state recurrence for a V block, where act (a [BT] mask, all equal): the state leaving the
-    chunk of `rows` from the one entering it, S e^gC + K^T (Vn o e^(gC - g)); b_S unchanged where not act."""
-    b_g = tl.load(gc + rows * H + i_h, mask=act, other=0.0)
-    g_last = tl.sum(tl.where(tl.arange(0, BT) == BT - 1, b_g, 0.0), 0)
-    b_kt = tl.load(k + (rows[None, :] * H + i_h) * K + o_k[:, None], mask=mk[:, None] & act[None, :], other=0.0)
-    b_vn = tl.load(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=act[:, None] & mv[None, :], other=0.0)
-    b_vd = (b_vn.to(tl.float32) * tl.exp(g_last - b_g)[:, None]).to(b_kt.dtype)
-    return b_S * tl.exp(g_last) + tl.dot(b_kt, b_vd, input_precision=PREC)
-
-
-@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN", "EVERY"])
+@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr,
-                     EVERY: tl.constexpr = 1):
+                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr):
     """dq, dk, dv, dbeta, dg of one chunk: one loop over V blocks with five fp32 accumulators (dO S^T,
     dO Vn^T, Vn dS^T, dVn S^T, dVn V^T), then the intra-chunk, state and WY terms. LATE: the K and Q tiles
     (used only after the V loop) are loaded after it, so that they do not hold registers across it.
-    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state.
-    EVERY > 1 (STATES_EVERY): only every EVERY-th chunk's state is stored; a chunk j = (local index % EVERY)
-    chunks after one forms its state per V block from that stored state and the j chunks between (all full:
-    only a sequence's last chunk can be partial)."""
+    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
     bos = tl.load(cu_rows + n).to(tl.int64)
     eos = tl.load(cu_rows + n + 1).to(tl.int64)
     c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
-    j_st = (((r0 - bos) // BT) % EVERY).to(tl.int32)  # chunks since the last stored state (0 when EVERY == 1)
     ph = 0
     if REBASE:
         # every pointer moved once to this chunk (int64): the tile offsets below are small int32
@@ -781,24 +753,12 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     b_dgc = tl.zeros([BK], dtype=tl.float32)
-    if EVERY > 1:  # rows of the chunks between the stored state and this one (masks all equal per chunk)
-        rows_a = rows - j_st * BT
-        act_a = o_t * 0 + j_st >= 1
-        rows_b = rows - BT
-        act_b = o_t * 0 + j_st >= 2
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mv = o_v < V
         mtv = m_t[:, None] & mv[None, :]
         p_h = (c_glob * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        if EVERY > 1:
-            b_S = tl.load(hs + p_h - j_st * (H * K * V), mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-            b_S = _state_step(b_S, k, vn, gc, rows_a, act_a, i_h, o_k, mk, o_v, mv, H, K, V, BT, PREC)
-            if EVERY > 2:
-                b_S = _state_step(b_S, k, vn, gc, rows_b, act_b, i_h, o_k, mk, o_v, mv, H, K, V, BT, PREC)
-            b_S = b_S.to(hs.dtype.element_ty)
-        else:
-            b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+        b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
         b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
         b_vn = tl.load(vn + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mtv, other=0.0)
         if RECOMP_VN:
@@ -929,14 +889,6 @@ def _blocks(K, V):
     return BK, BV
 
 
-def _states_every(nh: int) -> int:
-    """E of STATES_EVERY for this nh (1, 2 or 3: the main backward forms at most two states per chunk)."""
-    e = nh if STATES_EVERY == "nh" else int(STATES_EVERY)
-    if e not in (1, 2, 3):
-        raise ValueError(f"STATES_EVERY={STATES_EVERY!r} gives {e} for nh={nh}: 1, 2 or 3 are supported")
-    return e
-
-
 def _fwd(q, k, v, beta, g, h0, meta, save):
     """q (1,T,H,K), k,v,beta rows (1,L,..), g (1,T,H) or None. Returns o, final, saved tensors."""
     nh, BT, scale, output_final = meta["nh"], meta["BT"], meta["scale"], meta["output_final"]
@@ -979,17 +931,13 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     vn = torch.empty_like(v) if save and not recomp else None
     meta["recomp_vn"] = recomp
     every2 = save and STATES_EVERY2 and not recomp
-    every = 2 if every2 else (_states_every(nh) if save else 1)
-    if every > 1 and recomp:
-        raise ValueError("STATES_EVERY > 1 needs Vn stored: set VN_RECOMPUTE_MIN_NH above nh")
     meta["every2"] = every2
-    meta["every"] = every
     args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
             hs if hs is not None else gc, vn if vn is not None else gc, aq if aq is not None else gc,
             aqf if aqf is not None else gc, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
               SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra,
-              AQF=aqf is not None, NOQE=noqe, EVERY=every)
+              AQF=aqf is not None, NOQE=noqe, EVERY2=every2)
     _launch(_fwd_h_o_v2_kernel, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     # the backward reads Vn, or U when it recomputes Vn (RECOMP_VN), and Aqk^T when saved
@@ -1033,10 +981,8 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp, EVERY=1 if meta.get("every2", False) else meta.get("every", 1)),
-            default=MAIN_CONFIG if MAIN_CONFIG is not None else (MAIN_CONFIG_NH1 if nh == 1 else
-                                                                 MAIN_CONFIG_EVERY3 if meta.get("every", 1) == 3
-                                                                 and not meta.get("every2", False) else None))
+                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp),
+            default=MAIN_CONFIG if MAIN_CONFIG is not None else (MAIN_CONFIG_NH1 if nh == 1 else None))
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
