@@ -90,7 +90,7 @@ VARIANTS = {
     "ho_s2": dict(FIXED={"h_o": ({"BV": 64}, 4, 2)}),  # the no-grad launch before session 6
     # session 8 (ncu, nh=2): the sequential kernels run 512 chunk chains (B8 x H16 x 4 V blocks) at 2 programs per SM,
     # i.e. in 2 waves (1.94 per SM). 128-wide V blocks at 8 warps capped at 128 registers: 256 chains, 2 per SM (115 /
-    # 82 KB of shared memory), one wave, but ~700 B of spills per thread (sm_90, triton 3.6)
+    # 82 KB of shared memory), one wave, but 110 - 380 B of spills per thread: 2-3x slower (H100 run 4, BENCH.md)
     "ho128": dict(FIXED={"h_o": ({"BV": 128}, 8, 1)}),  # uncapped (255 registers: one per SM, 2 waves)
     "ho128r": dict(FIXED={"h_o": ({"BV": 128}, 8, 1, 128)}),
     "dh128r": dict(DH_CONFIG=({"BV": 128}, 8, 1, 128)),
