@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..autotune import autotune
 from . import triton_kernels as K
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -37,13 +38,13 @@ def _configs(triples, interpret):
     return [triton.Config(dict(BT=bt, BC=bc), num_warps=w, num_stages=2) for bt, bc, w in triples]
 
 
-_fwd = triton.autotune(
+_fwd = autotune(
     configs=_configs([(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)], (8, 16, 1)),
     key=_KEY)(K.conv_fwd_kernel)
-_bwd_g = triton.autotune(  # per-row partials: 147-182 registers on sm_90, no spills ((16, 128, 4) spills)
+_bwd_g = autotune(  # per-row partials: 147-182 registers on sm_90, no spills ((16, 128, 4) spills)
     configs=_configs([(8, 128, 4), (16, 128, 8), (8, 256, 8), (16, 64, 4)], (8, 16, 1)),
     key=_KEY + ["CHUNK"])(K.conv_bwd_g_kernel)
-_bwd_dx = triton.autotune(  # 47-170 registers on sm_90
+_bwd_dx = autotune(  # 47-170 registers on sm_90
     configs=_configs([(16, 128, 4), (32, 128, 4), (8, 128, 4), (16, 256, 4), (32, 128, 8)], (8, 16, 1)),
     key=["C", "W", "VARLEN", "STATE_GRAD"])(K.conv_bwd_dx_kernel)
 

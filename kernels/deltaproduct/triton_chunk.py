@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..autotune import autotune
 from ._common import check_inputs, l2norm
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -214,7 +215,7 @@ def _store_blk(T, r0, eos, i_h, i: tl.constexpr, j: tl.constexpr, X, H: tl.const
 # ----------------------------------------------------------------------------------------------------
 # One config per kernel, the fastest the autotuner found on an H100 at B8 T2048 H16 K128 V256 nh=1 bf16
 # (among those named beside each); a single config compiles once and is never re-timed at start.
-@triton.autotune(configs=_configs([4], [1]), key=["H", "K", "BT", "NH", "EARLY_A", "MP"])
+@autotune(configs=_configs([4], [1]), key=["H", "K", "BT", "NH", "EARLY_A", "MP"])
 @triton.jit
 def _kkt_inv_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -311,7 +312,7 @@ def _wu_configs():
     return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
 
 
-@triton.autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ", "AQF", "NOQE"])
+@autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ", "AQF", "NOQE"])
 @triton.jit
 def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row, cu_rows, scale,
                NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -403,7 +404,7 @@ def _h_o_v2_configs():
     return [triton.Config({"BV": 64}, num_warps=4, num_stages=1)]
 
 
-@triton.autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
+@autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
                                                  "AQF", "NOQE", "EVERY2"],
                  restore_value=["o"])
 @triton.jit
@@ -511,7 +512,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
-@triton.autotune(configs=_configs([4], [1]), key=["H", "K", "V", "BT", "NH"])
+@autotune(configs=_configs([4], [1]), key=["H", "K", "V", "BT", "NH"])
 @triton.jit
 def _fill_states_kernel(k, gc, vn, hs, chunk_seq, chunk_row, cu_rows,
                         NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -548,7 +549,7 @@ def _fill_states_kernel(k, gc, vn, hs, chunk_seq, chunk_row, cu_rows,
     tl.store(hs + (i_c.to(tl.int64) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
 
 
-@triton.autotune(configs=_configs([4], [1]), key=["H", "K", "V", "BT", "NH", "BV"])  # among 4/1, 8/1
+@autotune(configs=_configs([4], [1]), key=["H", "K", "V", "BT", "NH", "BV"])  # among 4/1, 8/1
 @triton.jit
 def _bwd_dvloc_kernel(q, k, gc, do, dvn, chunk_seq, chunk_row, cu_rows, scale,
                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -588,7 +589,7 @@ def _bwd_dvloc_kernel(q, k, gc, do, dvn, chunk_seq, chunk_row, cu_rows, scale,
 
 
 # among 4/2, 8/2
-@triton.autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL", "LOAD_AQ"],
+@autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL", "LOAD_AQ"],
                  restore_value=["dvn"])
 @triton.jit
 def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off, scale,
@@ -677,7 +678,7 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=4)]
 
 
-@triton.autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
+@autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,

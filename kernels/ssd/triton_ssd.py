@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
+from ..autotune import autotune
 from . import triton_kernels as K
 from .common import check_scan_args
 
@@ -45,7 +46,7 @@ def _tune(configs, key, reset_to_zero=None):
     those outputs in `reset_to_zero` (autotuning runs a kernel many times)."""
     if _INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0":
         configs = configs[:1]
-    return lambda fn: triton.autotune(configs=configs, key=key, reset_to_zero=reset_to_zero)(fn)
+    return lambda fn: autotune(configs=configs, key=key, reset_to_zero=reset_to_zero)(fn)
 
 
 def _cfgs(*pairs):
@@ -71,10 +72,10 @@ def _prune_bm(configs, named_args, **kwargs):
 _scan_fwd_cfgs = [triton.Config(dict(BM=bm, BK=bk), num_warps=w, num_stages=st)
                   for bm, bk, w, st in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3),
                                         (64, 32, 4, 3), (128, 128, 8, 2))]
-_scan_fwd = (triton.autotune(configs=_scan_fwd_cfgs[:1] if _INTERPRET else _scan_fwd_cfgs, key=["P", "N", "R", "L"],
+_scan_fwd = (autotune(configs=_scan_fwd_cfgs[:1] if _INTERPRET else _scan_fwd_cfgs, key=["P", "N", "R", "L"],
                              prune_configs_by={"early_config_prune": _prune_bm})(K.chunk_scan_fwd_kernel)
              if not (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
-             else triton.autotune(configs=_scan_fwd_cfgs[:1], key=["P", "N", "R", "L"])(K.chunk_scan_fwd_kernel))
+             else autotune(configs=_scan_fwd_cfgs[:1], key=["P", "N", "R", "L"])(K.chunk_scan_fwd_kernel))
 
 
 def _prune_fwd2(configs, named_args, **kwargs):
@@ -91,7 +92,7 @@ _scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_sta
                                              (64, 64, 64, 8, 2), (32, 32, 64, 4, 2), (128, 128, 64, 8, 2),
                                              (64, 64, 64, 4, 3), (128, 64, 64, 8, 3),
                                              (32, 16, 16, 4, 2))]  # the last: interpreter tests (small chunks)
-_scan_fwd2 = triton.autotune(
+_scan_fwd2 = autotune(
     configs=(_scan_fwd2_cfgs if _AUTOTUNE else _scan_fwd2_cfgs[-1:] if _INTERPRET else _scan_fwd2_cfgs[:1]),
     key=["P", "N", "R", "L", "FACT", "XS"], prune_configs_by={"early_config_prune": _prune_fwd2})(K.chunk_scan_fwd2_kernel)
 
@@ -106,7 +107,7 @@ _scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg
     triton.Config(dict(BP=bp), num_warps=w, num_stages=1)
     for bp, w in ((64, 4), (32, 4), (64, 8),
                   (16, 4))]  # the last: interpreter tests (small chunks)
-_scan_fwd4 = triton.autotune(
+_scan_fwd4 = autotune(
     configs=(_scan_fwd4_cfgs[:-1] if _AUTOTUNE else _scan_fwd4_cfgs[-1:] if _INTERPRET else _scan_fwd4_cfgs[:1]),
     key=["P", "N", "R", "L", "HAS_Z"])(K.chunk_scan_fwd4_kernel)
 
@@ -121,7 +122,7 @@ _fused_cfgs = [triton.Config(dict(BP=bp, BM=bm), num_warps=w, num_stages=st)
                for bp, bm, w, st in ((32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2),
                                      (16, 32, 4, 2), (64, 32, 4, 2), (32, 128, 8, 2),
                                      (16, 16, 4, 2))]  # the last: interpreter tests (small chunks)
-_fused_fwd = triton.autotune(
+_fused_fwd = autotune(
     configs=(_fused_cfgs if _AUTOTUNE else _fused_cfgs[-1:] if _INTERPRET else _fused_cfgs[:1]),
     key=["P", "N", "R", "L", "NC", "FACT"], prune_configs_by={"early_config_prune": _prune_fused})(
         K.ssd_fused_fwd_kernel)

@@ -1,0 +1,33 @@
+"""triton.autotune with its choices kept on disk.
+
+Triton's autotuner times every config on the first call per key in each process: for the SSD kernels at a new
+shape that is 10-20 s per process, repeated by every training restart, evaluation and benchmark. With
+`cache_results=True` (triton >= 3.4; triton 3.6 on the GPU image, 3.9 on PyPI) the autotuner stores the timings in
+triton's cache directory, keyed by triton's version, the GPU target, the kernel's source, the tuning key and the
+config list, and later processes read the choice instead of timing again. A change to a kernel or to its
+configs therefore re-tunes; two GPUs of one architecture (an H100 and an H200) share the entries.
+LM_TRITON_AUTOTUNE_CACHE=0 turns it off (every process times again, e.g. to re-tune after a driver change).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import triton
+
+_HAS_CACHE = "cache_results" in inspect.signature(triton.autotune).parameters
+
+
+def cache_enabled() -> bool:
+    v = os.environ.get("LM_TRITON_AUTOTUNE_CACHE", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"LM_TRITON_AUTOTUNE_CACHE={v!r} must be 0 or 1 (or unset)")
+    # (not under the interpreter: nothing is timed there, and triton 3.6 would still look for a GPU target)
+    return _HAS_CACHE and v == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def autotune(configs, key, **kwargs):
+    """triton.autotune(configs, key, **kwargs) with cache_results on (see the module docstring)."""
+    if cache_enabled():
+        kwargs.setdefault("cache_results", True)
+    return triton.autotune(configs=configs, key=key, **kwargs)
