@@ -6,7 +6,8 @@ shape that is 10-20 s per process, repeated by every training restart, evaluatio
 triton's cache directory, keyed by triton's version, the GPU target, the kernel's source, the tuning key and the
 config list, and later processes read the choice instead of timing again. A change to a kernel or to its
 configs therefore re-tunes; two GPUs of one architecture (an H100 and an H200) share the entries.
-LM_TRITON_AUTOTUNE_CACHE=0 turns it off (every process times again, e.g. to re-tune after a driver change).
+LM_TRITON_AUTOTUNE_CACHE=0 (read when the kernel modules are imported) turns it off: every process times again,
+e.g. to re-tune after a driver change.
 """
 from __future__ import annotations
 

@@ -40,11 +40,23 @@ STATE_STEP_ROWS = 256  # the state kernels take a whole chunk per step up to thi
 TILE_ROWS = 64  # row / k blocks of C.B and the backward kernels: min(TILE_ROWS, chunk) (tests use 16)
 
 
+_AUTOTUNE = not (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
+
+
+def _switch(var, choices):
+    """The value of the environment variable `var` ("" when unset), one of `choices` (read per call: the
+    LM_SSD_* kernel-variant switches)."""
+    v = os.environ.get(var, "").strip().lower()
+    if v and v not in choices:
+        raise ValueError(f"{var}={v!r} must be one of {tuple(choices)} (or unset)")
+    return v
+
+
 def _tune(configs, key, reset_to_zero=None):
     """Autotune over `configs` on GPU; a single fixed config under the interpreter or with
     LM_SSD_AUTOTUNE=0 (saves compile time, e.g. in tests). Kernels that accumulate with atomics name
     those outputs in `reset_to_zero` (autotuning runs a kernel many times)."""
-    if _INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0":
+    if not _AUTOTUNE:
         configs = configs[:1]
     return lambda fn: autotune(configs=configs, key=key, reset_to_zero=reset_to_zero)(fn)
 
@@ -74,7 +86,7 @@ _scan_fwd_cfgs = [triton.Config(dict(BM=bm, BK=bk), num_warps=w, num_stages=st)
                                         (64, 32, 4, 3), (128, 128, 8, 2))]
 _scan_fwd = (autotune(configs=_scan_fwd_cfgs[:1] if _INTERPRET else _scan_fwd_cfgs, key=["P", "N", "R", "L"],
                              prune_configs_by={"early_config_prune": _prune_bm})(K.chunk_scan_fwd_kernel)
-             if not (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
+             if _AUTOTUNE
              else autotune(configs=_scan_fwd_cfgs[:1], key=["P", "N", "R", "L"])(K.chunk_scan_fwd_kernel))
 
 
@@ -85,7 +97,6 @@ def _prune_fwd2(configs, named_args, **kwargs):
     return keep or [c for c in configs if c.kwargs["BK"] <= c.kwargs["BM"]][-1:]
 
 
-_AUTOTUNE = not (_INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
 _scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_stages=st)
                    for bm, bk, bp, w, st in ((64, 64, 64, 4, 2), (64, 32, 64, 4, 2), (64, 32, 64, 4, 3),
                                              (128, 64, 64, 8, 2), (128, 32, 64, 8, 3), (64, 32, 32, 4, 2),
@@ -319,9 +330,7 @@ def _scan_variant(plan, dtype=torch.bfloat16):
     Default: "xs4" for 16-bit inputs, "xs" for float32 (xs4 with float32 operands compiles for sm_90 with
     spills and twice the shared memory, and was not timed). LM_SSD_SCAN overrides the default. Removed after
     losing in two H100 runs each (kernels/ssd/PERF.md): "hb", "fact", "chunk" scans."""
-    v = os.environ.get("LM_SSD_SCAN", "").strip().lower()
-    if v and v not in _SCAN_VARIANTS:
-        raise ValueError(f"LM_SSD_SCAN={v!r} must be one of {_SCAN_VARIANTS} (or unset)")
+    v = _switch("LM_SSD_SCAN", _SCAN_VARIANTS)
     # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.321 - 0.325,
     # xs 0.303 (session 4); B8 T2048: xs 0.304, xs4 0.285 (session 5, bf16)
     return v or ("xs" if dtype == torch.float32 else "xs4")
@@ -335,9 +344,7 @@ def _state_variant():
     (p x n block, head, sequence); "bn128": "pnfast" with n blocks up to 128 wide (x read once per head).
     LM_SSD_STATE overrides the default. Removed after losing in two H100 runs each: "hb2" (head pairs),
     "bn32" (32-wide n blocks)."""
-    v = os.environ.get("LM_SSD_STATE", "").strip().lower()
-    if v and v not in _STATE_VARIANTS:
-        raise ValueError(f"LM_SSD_STATE={v!r} must be one of {_STATE_VARIANTS} (or unset)")
+    v = _switch("LM_SSD_STATE", _STATE_VARIANTS)
     # H100, B8 T2048: old 0.156 ms, pnfast 0.129 - 0.130, bn128 0.130; B2 T8192: 0.125 - 0.129
     return v or "pnfast"
 
@@ -346,10 +353,7 @@ def _nograd_variant(plan):
     """No-grad forward: "split" (state kernel, then the scan kernel) or "fused" (one pass per head walking
     the chunks with the state in registers; nothing stored but y; slower on an H100: 0.73 - 0.75 ms against
     0.47 ms for split at B8 T2048 / B2 T8192, too few programs for the chip). LM_SSD_NOGRAD overrides."""
-    v = os.environ.get("LM_SSD_NOGRAD", "").strip().lower()
-    if v and v not in ("split", "fused"):
-        raise ValueError(f"LM_SSD_NOGRAD={v!r} must be 'split' or 'fused' (or unset)")
-    return v or "split"
+    return _switch("LM_SSD_NOGRAD", ("split", "fused")) or "split"
 
 
 _BWD_VARIANTS = ("slots", "fused")
@@ -361,10 +365,7 @@ def _bwd_variant():
     "fused" in dx_bwd, from the C.B and decay tiles it builds anyway (one more product per tile), with
     dcb_bwd summing Q alone. LM_SSD_BWD overrides the default. H100 B8 T2048 (session 4): dcb_bwd + dx_bwd
     0.722 + 0.716 ms (slots), 0.213 + 1.090 (fused); with atomics they were 1.075 + 0.803."""
-    v = os.environ.get("LM_SSD_BWD", "").strip().lower()
-    if v and v not in _BWD_VARIANTS:
-        raise ValueError(f"LM_SSD_BWD={v!r} must be one of {_BWD_VARIANTS} (or unset)")
-    return v or "fused"
+    return _switch("LM_SSD_BWD", _BWD_VARIANTS) or "fused"
 
 
 def _dx_fact():
@@ -372,37 +373,25 @@ def _dx_fact():
     rows and the C.B columns) or through the l block's last row (2, on the dy rows and, once for all k blocks,
     the rows of dx), or e^{cs_m - cs_l} per element (0). No exponential per tile element with 1 or 2.
     LM_SSD_DXFACT overrides the default (1)."""
-    v = os.environ.get("LM_SSD_DXFACT", "").strip()
-    if v not in ("", "0", "1", "2"):
-        raise ValueError(f"LM_SSD_DXFACT={v!r} must be 0, 1 or 2 (or unset)")
-    return int(v or 1)
+    return int(_switch("LM_SSD_DXFACT", ("0", "1", "2")) or 1)
 
 
 def _dcs_in_dbdc():
     """Where each row's dcs = dy . y_off (the state part of y) is formed: "dbdc" in dbdc_bwd from the product
     e^{cs} dy S it forms for dC anyway (a partial sum per n block), "dx" in dx_bwd by its own C S^T product.
     LM_SSD_DCS overrides the default."""
-    v = os.environ.get("LM_SSD_DCS", "").strip().lower()
-    if v not in ("", "dbdc", "dx"):
-        raise ValueError(f"LM_SSD_DCS={v!r} must be 'dbdc' or 'dx' (or unset)")
-    return (v or "dbdc") == "dbdc"
+    return (_switch("LM_SSD_DCS", ("dbdc", "dx")) or "dbdc") == "dbdc"
 
 
 def _dbdc_bn(pl):
     """dbdc_bwd's n block: all of N up to 128 (one n block: x / dy rows read once per head), or 64 with
     LM_SSD_DBDC_BN=64 (twice the programs, each head's products and dcs partial sums within a warp)."""
-    v = os.environ.get("LM_SSD_DBDC_BN", "").strip()
-    if v not in ("", "64", "128"):
-        raise ValueError(f"LM_SSD_DBDC_BN={v!r} must be 64 or 128 (or unset)")
-    return min(pl.BNF, int(v or 128))
+    return min(pl.BNF, int(_switch("LM_SSD_DBDC_BN", ("64", "128")) or 128))
 
 
 def _dtcb_fused():
     """dt/cs and C.B in one launch (dtcb_fwd_kernel) unless LM_SSD_DTCB=0 (two launches: dt_fwd, cb_fwd)."""
-    v = os.environ.get("LM_SSD_DTCB", "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"LM_SSD_DTCB={v!r} must be 0 or 1 (or unset)")
-    return v != "0"
+    return _switch("LM_SSD_DTCB", ("0", "1")) != "0"
 
 
 def _limits(dt_limit):
