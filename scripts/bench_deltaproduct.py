@@ -95,6 +95,14 @@ VARIANTS = {
     "ho128r": dict(FIXED={"h_o": ({"BV": 128}, 8, 1, 128)}),
     "dh128r": dict(DH_CONFIG=({"BV": 128}, 8, 1, 128)),
     "both128r": dict(FIXED={"h_o": ({"BV": 128}, 8, 1, 128)}, DH_CONFIG=({"BV": 128}, 8, 1, 128)),
+    # session 9 (ncu source view, nh=2 SAVE: half of the sequential forward's warp stalls wait on the chunk's tile
+    # loads, 13% more on the query tiles loaded after Vn): all tiles loaded at the top (q_early), the query tile
+    # padded to 64 rows (one shared copy of the state), the state store after the loads (store_late); all three are
+    # the defaults since. (Loading the next chunk's tiles into registers during the state update lost, in 4 forms.)
+    "s8": dict(H_O_Q_EARLY=False, H_O_QPAD=None, H_O_STORE_LATE=False),  # session 8's sequential forward
+    "q_early": dict(H_O_QPAD=None, H_O_STORE_LATE=False),
+    "q_early_pad": dict(H_O_STORE_LATE=False),
+    "pad": dict(H_O_Q_EARLY=False, H_O_STORE_LATE=False),
 }
 
 

@@ -113,3 +113,21 @@ def test_gpu_bf16_forward_store_switches(nh, monkeypatch):
     cu = torch.tensor([0, 100, 101, 700, 1024], device="cuda")
     ins = make(1, 1024, 4, 128, 128, nh, 4, torch.float32)
     check(ins, 4, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, cu=cu)
+
+
+SEQ_SWITCHES = [dict(H_O_Q_EARLY=False, H_O_QPAD=None, H_O_STORE_LATE=False),
+                dict(H_O_Q_EARLY=(True, False), H_O_QPAD=(None, 64), H_O_STORE_LATE=False)]
+
+
+@pytest.mark.parametrize("nh", [1, 2, 3])
+@pytest.mark.parametrize("switch", SEQ_SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_gpu_bf16_sequential_kernel_switches(nh, switch, monkeypatch):
+    """The sequential forward's other load / store orders (H_O_Q_EARLY, H_O_STORE_LATE) and query tile (H_O_QPAD)
+    than the defaults (which the tests above run) vs float64, bf16, with a varlen batch (documents of 100, 1,
+    599 and 324 tokens)."""
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    for name, value in switch.items():
+        monkeypatch.setattr(tc, name, value)
+    cu = torch.tensor([0, 100, 101, 700, 1024], device="cuda")
+    ins = make(1, 1024, 4, 128, 128, nh, 4, torch.float32)
+    check(ins, 4, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, cu=cu)

@@ -114,6 +114,8 @@ SWITCHES = [
     dict(OLOC_IN_H_O=True), dict(OLOC_IN_H_O=True, AQK_SAVE=True, INTRA_MIN_NH=1),
     dict(OLOC_IN_H_O=True, OLOC_NO_QE=True), dict(OLOC_IN_H_O=True, OLOC_NO_QE=True, INTRA_MIN_NH=1),
     dict(STATES_EVERY2=True), dict(STATES_EVERY2=True, OLOC_IN_H_O=True, OLOC_NO_QE=True),
+    dict(H_O_Q_EARLY=False, H_O_QPAD=None, H_O_STORE_LATE=False), dict(H_O_Q_EARLY=(True, False), H_O_QPAD=(None, 64)),
+    dict(H_O_STORE_LATE=False, STATES_EVERY2=True), dict(H_O_QPAD=64, OLOC_IN_H_O=False, INTRA_MIN_NH=1),
 ]
 
 
@@ -205,3 +207,11 @@ def test_triton_chunk64_nh2_oloc_matches_reference(oloc, noqe, every2, monkeypat
     """OLOC_IN_H_O, OLOC_NO_QE and STATES_EVERY2 at the bench's tile shapes (64-row chunks, 32-token query tiles,
     nh=2): 70 tokens are 140 rows, two full chunks and a partial one; gated, with an initial state."""
     _check_chunk64(2, dict(OLOC_IN_H_O=oloc, OLOC_NO_QE=noqe, STATES_EVERY2=every2), monkeypatch)
+
+
+@pytest.mark.parametrize("early,qpad,late", [(False, None, False), (True, None, False), (False, 64, True),
+                                             (True, 64, True)])
+def test_triton_chunk64_nh2_load_order_matches_reference(early, qpad, late, monkeypatch):
+    """The sequential forward's load / store orders (H_O_Q_EARLY, H_O_STORE_LATE) and the query tile padded to 64
+    rows (H_O_QPAD) at the bench's tile shapes (64-row chunks, 32-token query tiles, nh=2), as above."""
+    _check_chunk64(2, dict(H_O_Q_EARLY=early, H_O_QPAD=qpad, H_O_STORE_LATE=late), monkeypatch)

@@ -66,11 +66,24 @@ def _dh_cx(nh, BV, **extra):
     return cx
 
 
+def _ho_cx(nh, BV, save, **extra):
+    """The sequential forward at the module's switches (SAVE: the launch of the forward with grad)."""
+    BT, K, V = 64, 128, 256
+    BQ, intra = tc._bq(BT, nh), nh >= tc.INTRA_MIN_NH
+    noqe = intra and tc.OLOC_IN_H_O and tc.OLOC_NO_QE
+    cx = dict(NH=nh, H=16, K=K, V=V, BT=BT, BK=128, BV=BV, BQ=BQ, USE_H0=False, STORE_FINAL=False, SAVE=save,
+              INTRA=intra, PREC="tf32", SAVE_VN=save, SAVE_AQ=save and not intra, AQF=intra and tc.OLOC_IN_H_O,
+              NOQE=noqe, EVERY2=False, BQP=tc._bqp(BQ, intra, save), Q_EARLY=tc._pick(tc.H_O_Q_EARLY, save),
+              STORE_LATE=tc._pick(tc.H_O_STORE_LATE, save))
+    cx.update(extra)
+    return cx
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--nh", type=int, nargs="+", default=[1])
     p.add_argument("--configs", nargs="+", default=["32/8/3"], help="BV/warps/stages of the main backward")
-    p.add_argument("--kernels", nargs="+", default=["main"], help="main, dh")
+    p.add_argument("--kernels", nargs="+", default=["main"], help="main, dh, h_o, h_o_save")
     a = p.parse_args(argv)
     for nh in a.nh:
         for kname in a.kernels:
@@ -80,6 +93,8 @@ def main(argv=None):
                     r = stats(tc._bwd_main_kernel, _main_cx(nh, bv), w, s)
                 elif kname == "dh":  # the sequential backward
                     r = stats(tc._bwd_dh_v2_kernel, _dh_cx(nh, bv), w, s)
+                elif kname in ("h_o", "h_o_save"):  # the sequential forward (no-grad / with grad)
+                    r = stats(tc._fwd_h_o_v2_kernel, _ho_cx(nh, bv, kname == "h_o_save"), w, s)
                 else:
                     raise SystemExit(f"unknown kernel {kname}")
                 print(f"nh={nh} {kname} BV{bv} w{w} s{s}: {r}", flush=True)

@@ -128,6 +128,22 @@ OLOC_NO_QE = True
 # with the OLOC switches ("b_all" vs "oloc_noqe"): forward with grad nh=2/3 1.418/2.069 vs 1.494/2.191 ms (0.890 /
 # 0.921 of fla) but f+b 4.364/6.351 vs 4.078/5.908, i.e. 3.08/3.07 x the forward with grad (limit 3).
 STATES_EVERY2 = False
+# Switches of the sequential forward, each one value or a (forward with grad, no-grad forward) pair. Session 9
+# (H100, ncu source view of the SAVE launch at nh=2: half of the warp stalls waited on the chunk's tile loads, a
+# further 13% on the query tiles loaded after Vn = U - W S, i.e. a second load latency per chunk):
+# H_O_Q_EARLY: the query tiles (Q, its gates, Aqk) are loaded at the top of the chunk with W, U and K^T;
+# H_O_QPAD: the query tile padded to this many rows at nh >= INTRA_MIN_NH (None: BQ): at 64 rows both products with
+# the state are warpgroup MMAs and share one shared-memory copy of it (BQ < 64 takes mma.sync from a second copy);
+# H_O_STORE_LATE: the forward with grad stores the state entering a chunk after that chunk's loads are issued, so
+# that the store (a layout conversion through shared memory) overlaps their latency.
+# Together, same process as fla 0.6.0 (B8 T2048 H16 K128 V256 bf16): forward with grad nh=1/2/3 0.777/1.430/2.082
+# vs 0.849/1.510/2.209 ms, no-grad 0.689/1.200/1.696 vs 0.733/1.261/1.832, f+b 2.420/3.993/5.776 vs 2.491/4.064/
+# 5.903. Measured and removed: the next chunk's W / U / K^T / query tiles loaded into registers during the current
+# chunk's state update (4 variants: slower, with or without spills), the state-gradient store of the sequential
+# backward after its loads (slower).
+H_O_Q_EARLY = True
+H_O_QPAD = 64
+H_O_STORE_LATE = True
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -395,6 +411,69 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row
                      mask=m_q[:, None] & (o_v < V)[None, :])
 
 
+@triton.jit
+def _ho_tile_w(w, gc, c, bos, eos, i_h, off_tk, o_t, mk, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """Gate cumsum rows, their last value and W of chunk c (the sequential forward's tiles, loaded by these
+    helpers at the point of the loop the switches choose)."""
+    r0 = bos + c * BT
+    re = tl.minimum(r0 + BT, eos)
+    m_t = o_t < re - r0
+    b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
+    g_last = tl.load(gc + (re - 1) * H + i_h)
+    b_w = tl.load(w + (r0.to(tl.int64) * H + i_h) * K + off_tk, mask=m_t[:, None] & mk[None, :], other=0.0)
+    return b_g, g_last, b_w
+
+
+@triton.jit
+def _ho_tile_u(u, c, bos, eos, i_h, off_tv, o_t, mv, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    r0 = bos + c * BT
+    m_t = o_t < tl.minimum(r0 + BT, eos) - r0
+    return tl.load(u + (r0.to(tl.int64) * H + i_h) * V + off_tv, mask=m_t[:, None] & mv[None, :], other=0.0)
+
+
+@triton.jit
+def _ho_tile_kt(k, c, bos, eos, i_h, off_kt, o_t, mk, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    r0 = bos + c * BT
+    m_t = o_t < tl.minimum(r0 + BT, eos) - r0
+    return tl.load(k + (r0.to(tl.int64) * H + i_h) * K + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
+
+
+@triton.jit
+def _ho_tiles_q(q, qe, gc, aqf, c0, c, bos, eos, i_h, off_qk, o_t, o_q, mk,
+                NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr,
+                BQP: tl.constexpr, INTRA: tl.constexpr, NOQE: tl.constexpr, AQF: tl.constexpr):
+    """The query tile of chunk c (Q, or Qe for INTRA without NOQE; BQP >= BQ rows, the padding masked), its gate
+    cumsums and Aqk (AQF; else an unused zero tile)."""
+    r0 = bos + c * BT
+    re = tl.minimum(r0 + BT, eos)
+    t0 = r0 // NH
+    rq = (t0 + o_q) * NH + NH - 1
+    m_q = (rq < re) & (o_q < BQ)
+    bq = (t0.to(tl.int64) * H + i_h) * K
+    if INTRA and not NOQE:
+        b_q = tl.load(qe + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
+    else:
+        b_q = tl.load(q + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
+    b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
+    if AQF:
+        b_aq = tl.load(aqf + ((c0 + c) * H + i_h) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :],
+                       mask=(o_q < BQ)[:, None], other=0.0)
+    else:
+        b_aq = tl.zeros([BQP, BT], dtype=q.dtype.element_ty)
+    return b_q, b_gq, b_aq
+
+
+@triton.jit
+def _ho_store_state(hs, b_S, c0, c, i_h, off_kv, m_kv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    EVERY2: tl.constexpr):
+    """The sequential forward's save of the state entering local chunk c of the sequence whose first chunk is
+    c0 (EVERY2: even local chunks only)."""
+    if EVERY2:
+        tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv & (c % 2 == 0))
+    else:
+        tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
+
+
 def _h_o_v2_configs():
     # among BV 32/2 warps, 32/4, 64/4, 64/8 (all 2 stages; session 2), then 64/4 at 1 stage (session 6: 73 instead of
     # 119 KB of shared memory, so two programs per SM instead of one for the 512 chunk chains of the bench shape; H100
@@ -413,7 +492,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
                     STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
                     SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr,
-                    EVERY2: tl.constexpr):
+                    EVERY2: tl.constexpr, BQP: tl.constexpr, Q_EARLY: tl.constexpr, STORE_LATE: tl.constexpr):
     """Sequential over the chunks of one sequence (one V block of the state per program): Vn = U - W S,
     S <- e^gC S + Kd^T Vn, and the outputs: INTRA: o = O_loc + Qe S (O_loc, Qe from _wu_kernel); else
     o = scale (e^g Q S + (Q K^T o Gam o M) Vn). K^T is loaded directly (one tile serves Q K^T and K^T Vn), the
@@ -428,7 +507,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
     eos = tl.load(cu_rows + i_n + 1)
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
     o_t = tl.arange(0, BT)
-    o_q = tl.arange(0, BQ)
+    o_q = tl.arange(0, BQP)  # the query tile padded to BQP >= BQ rows (masked)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mk = o_k < K
@@ -450,55 +529,48 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
         re = tl.minimum(r0 + BT, eos)
         t0 = r0 // NH
         nt = re - r0
-        if SAVE:
-            if EVERY2:
-                tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty),
-                         mask=m_kv & (c % 2 == 0))
-            else:
-                tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
-        bk = (r0.to(tl.int64) * H + i_h) * K
+        if SAVE and not STORE_LATE:
+            _ho_store_state(hs, b_S, c0, c, i_h, off_kv, m_kv, H, K, V, EVERY2)
+        b_g, g_last, b_w = _ho_tile_w(w, gc, c, bos, eos, i_h, off_tk, o_t, mk, H, K, BT)
+        b_u = _ho_tile_u(u, c, bos, eos, i_h, off_tv, o_t, mv, H, V, BT)
+        b_kt = _ho_tile_kt(k, c, bos, eos, i_h, off_kt, o_t, mk, H, K, BT)
+        if Q_EARLY:
+            b_q, b_gq, b_aq = _ho_tiles_q(q, qe, gc, aqf, c0, c, bos, eos, i_h, off_qk, o_t, o_q, mk,
+                                          NH, H, K, BT, BQ, BQP, INTRA, NOQE, AQF)
+        if SAVE and STORE_LATE:  # after the tile loads are issued: the store overlaps their latency
+            _ho_store_state(hs, b_S, c0, c, i_h, off_kv, m_kv, H, K, V, EVERY2)
         bv = (r0.to(tl.int64) * H + i_h) * V
         m_t = o_t < nt
-        m_tk = m_t[:, None] & mk[None, :]
         m_tv = m_t[:, None] & mv[None, :]
-        b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
-        g_last = tl.load(gc + (re - 1) * H + i_h)
-        b_w = tl.load(w + bk + off_tk, mask=m_tk, other=0.0)
-        b_u = tl.load(u + bv + off_tv, mask=m_tv, other=0.0)
-        b_kt = tl.load(k + bk + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
         b_Sk = b_S.to(kdt)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
         if SAVE and SAVE_VN:
             tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        if not Q_EARLY:
+            b_q, b_gq, b_aq = _ho_tiles_q(q, qe, gc, aqf, c0, c, bos, eos, i_h, off_qk, o_t, o_q, mk,
+                                          NH, H, K, BT, BQ, BQP, INTRA, NOQE, AQF)
         rq = (t0 + o_q) * NH + NH - 1
-        m_q = rq < re
-        bq = (t0.to(tl.int64) * H + i_h) * K
+        m_q = (rq < re) & (o_q < BQ)
         bo = (t0.to(tl.int64) * H + i_h) * V
         m_qv = m_q[:, None] & mv[None, :]
         if INTRA and NOQE:
-            b_q = tl.load(q + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
-            b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
-            b_aq = tl.load(aqf + ((c0 + c) * H + i_h) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :])
             b_o = tl.dot(b_q, b_Sk, input_precision=PREC) * (scale * tl.exp(b_gq))[:, None] \
                 + tl.dot(b_aq, b_vn.to(kdt), input_precision=PREC)
-        elif INTRA:
-            b_qe = tl.load(qe + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
+        elif INTRA:  # b_q holds Qe here
             if AQF:
-                b_aq = tl.load(aqf + ((c0 + c) * H + i_h) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :])
-                b_o = tl.dot(b_aq, b_u, input_precision=PREC) + tl.dot(b_qe, b_Sk, input_precision=PREC)
+                b_o = tl.dot(b_aq, b_u, input_precision=PREC) + tl.dot(b_q, b_Sk, input_precision=PREC)
             else:
                 b_ol = tl.load(o + bo + off_qv, mask=m_qv, other=0.0)
-                b_o = b_ol.to(tl.float32) + tl.dot(b_qe, b_Sk, input_precision=PREC)
+                b_o = b_ol.to(tl.float32) + tl.dot(b_q, b_Sk, input_precision=PREC)
         else:
-            b_q = tl.load(q + bq + off_qk, mask=m_q[:, None] & mk[None, :], other=0.0)
-            b_gq = tl.load(gc + rq * H + i_h, mask=m_q, other=0.0)
             m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
             b_A = tl.dot(b_q, b_kt, input_precision=PREC)
             b_A = tl.where(m_qk, b_A * tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], 0.0)), 0.0)
             if SAVE_AQ:
                 # Aqk^T (scaled) for the sequential backward, written once per chunk (V block 0)
                 tl.store(aq + ((c0 + c) * H + i_h) * (BT * BQ) + o_t[None, :] * BQ + o_q[:, None],
-                         (b_A * scale).to(aq.dtype.element_ty), mask=(tl.zeros([BQ, BT], dtype=tl.int32) + i_v) == 0)
+                         (b_A * scale).to(aq.dtype.element_ty),
+                         mask=((tl.zeros([BQP, BT], dtype=tl.int32) + i_v) == 0) & (o_q < BQ)[:, None])
             b_o = tl.dot(b_q, b_Sk, input_precision=PREC) * tl.exp(b_gq)[:, None] \
                 + tl.dot(b_A.to(kdt), b_vn.to(kdt), input_precision=PREC)
             b_o = b_o * scale
@@ -638,7 +710,7 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off
         b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
         g_last = tl.load(gc + (re - 1) * H + i_h)
         rq = (t0 + o_q) * NH + NH - 1
-        m_q = rq < re
+        m_q = (rq < re) & (o_q < BQ)
         bq = (t0.to(tl.int64) * H + i_h) * K
         bo = (t0.to(tl.int64) * H + i_h) * V
         b_qt = tl.load(q + bq + off_kq, mask=mk[:, None] & m_q[None, :], other=0.0)
@@ -879,6 +951,16 @@ def _bq(BT: int, nh: int) -> int:
     return max(32, triton.next_power_of_2(triton.cdiv(BT, nh)))
 
 
+def _pick(switch, save: bool):
+    """A (forward with grad, no-grad forward) switch pair, or one value for both."""
+    return switch[0 if save else 1] if isinstance(switch, tuple) else switch
+
+
+def _bqp(BQ: int, intra: bool, save: bool) -> int:
+    pad = _pick(H_O_QPAD, save) if intra else None
+    return max(BQ, pad) if pad else BQ
+
+
 def _prec(dtype):
     # float32 inputs: 3xTF32 on the GPU (about float32 accuracy on the tensor cores)
     return "tf32x3" if dtype == torch.float32 else "tf32"
@@ -938,7 +1020,8 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
             aqf if aqf is not None else gc, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
               SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra,
-              AQF=aqf is not None, NOQE=noqe, EVERY2=every2)
+              AQF=aqf is not None, NOQE=noqe, EVERY2=every2, BQP=_bqp(BQ, intra, save),
+              Q_EARLY=_pick(H_O_Q_EARLY, save), STORE_LATE=_pick(H_O_STORE_LATE, save))
     _launch(_fwd_h_o_v2_kernel, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     # the backward reads Vn, or U when it recomputes Vn (RECOMP_VN), and Aqk^T when saved
