@@ -103,6 +103,10 @@ VARIANTS = {
     "q_early": dict(H_O_QPAD=None, H_O_STORE_LATE=False),
     "q_early_pad": dict(H_O_STORE_LATE=False),
     "pad": dict(H_O_Q_EARLY=False, H_O_STORE_LATE=False),
+    # nh = 2, 3 through the nh = 1 form: the sequential forward forms Aqk from its Q and K^T tiles, _wu_kernel
+    # only W and U (as fla's recompute_w_u); with / without Aqk^T saved for the sequential backward
+    "intra4": dict(INTRA_MIN_NH=4, AQK_SAVE=False),
+    "intra4_aq": dict(INTRA_MIN_NH=4),
 }
 
 

@@ -132,7 +132,7 @@ STATES_EVERY2 = False
 # (H100, ncu source view of the SAVE launch at nh=2: half of the warp stalls waited on the chunk's tile loads, a
 # further 13% on the query tiles loaded after Vn = U - W S, i.e. a second load latency per chunk):
 # H_O_Q_EARLY: the query tiles (Q, its gates, Aqk) are loaded at the top of the chunk with W, U and K^T;
-# H_O_QPAD: the query tile padded to this many rows at nh >= INTRA_MIN_NH (None: BQ): at 64 rows both products with
+# H_O_QPAD: the query tile padded to this many rows (None: BQ; nh >= 2 has BQ = 32): at 64 rows both products with
 # the state are warpgroup MMAs and share one shared-memory copy of it (BQ < 64 takes mma.sync from a second copy);
 # H_O_STORE_LATE: the forward with grad stores the state entering a chunk after that chunk's loads are issued, so
 # that the store (a layout conversion through shared memory) overlaps their latency.
@@ -957,7 +957,7 @@ def _pick(switch, save: bool):
 
 
 def _bqp(BQ: int, intra: bool, save: bool) -> int:
-    pad = _pick(H_O_QPAD, save) if intra else None
+    pad = _pick(H_O_QPAD, save)
     return max(BQ, pad) if pad else BQ
 
 
