@@ -139,8 +139,8 @@ STATES_EVERY2 = False
 # Together, same process as fla 0.6.0 (B8 T2048 H16 K128 V256 bf16): forward with grad nh=1/2/3 0.777/1.430/2.082
 # vs 0.849/1.510/2.209 ms, no-grad 0.689/1.200/1.696 vs 0.733/1.261/1.832, f+b 2.420/3.993/5.776 vs 2.491/4.064/
 # 5.903. Measured and removed: the next chunk's W / U / K^T / query tiles loaded into registers during the current
-# chunk's state update (4 variants: slower, with or without spills), the state-gradient store of the sequential
-# backward after its loads (slower).
+# chunk's state update (4 variants: slower, with or without spills), the output and Vn stores after the state
+# update is issued (no gain), the state-gradient store of the sequential backward after its loads (slower).
 H_O_Q_EARLY = True
 H_O_QPAD = 64
 H_O_STORE_LATE = True
