@@ -501,7 +501,9 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
     SAVE (forward with grad): also writes the state entering each chunk, Vn (SAVE_VN) and Aqk^T (SAVE_AQ).
     AQF (with INTRA): O_loc = Aqk U from _wu_kernel's Aqk and the U tile, instead of _wu_kernel's O_loc; with NOQE
     o = scale e^g Q S + Aqk Vn from the Q tile and _wu_kernel's (scaled) Aqk, no Qe. EVERY2: SAVE stores the
-    states of even chunks only (_fill_states_kernel forms the others in the backward)."""
+    states of even chunks only (_fill_states_kernel forms the others in the backward). BQP: rows of the query tile
+    (BQ padded); Q_EARLY: the query tiles loaded with the chunk's other tiles; STORE_LATE: the state store after
+    them (see H_O_Q_EARLY, H_O_QPAD, H_O_STORE_LATE)."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -710,7 +712,7 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off
         b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
         g_last = tl.load(gc + (re - 1) * H + i_h)
         rq = (t0 + o_q) * NH + NH - 1
-        m_q = (rq < re) & (o_q < BQ)
+        m_q = rq < re
         bq = (t0.to(tl.int64) * H + i_h) * K
         bo = (t0.to(tl.int64) * H + i_h) * V
         b_qt = tl.load(q + bq + off_kq, mask=mk[:, None] & m_q[None, :], other=0.0)
@@ -956,7 +958,8 @@ def _pick(switch, save: bool):
     return switch[0 if save else 1] if isinstance(switch, tuple) else switch
 
 
-def _bqp(BQ: int, intra: bool, save: bool) -> int:
+def _bqp(BQ: int, save: bool) -> int:
+    """Rows of the sequential forward's query tile: BQ padded to H_O_QPAD."""
     pad = _pick(H_O_QPAD, save)
     return max(BQ, pad) if pad else BQ
 
@@ -1020,7 +1023,7 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
             aqf if aqf is not None else gc, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
               SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra,
-              AQF=aqf is not None, NOQE=noqe, EVERY2=every2, BQP=_bqp(BQ, intra, save),
+              AQF=aqf is not None, NOQE=noqe, EVERY2=every2, BQP=_bqp(BQ, save),
               Q_EARLY=_pick(H_O_Q_EARLY, save), STORE_LATE=_pick(H_O_STORE_LATE, save))
     _launch(_fwd_h_o_v2_kernel, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
