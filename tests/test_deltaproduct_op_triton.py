@@ -215,3 +215,13 @@ def test_triton_chunk64_nh2_load_order_matches_reference(early, qpad, late, monk
     """The sequential forward's load / store orders (H_O_Q_EARLY, H_O_STORE_LATE) and the query tile padded to 64
     rows (H_O_QPAD) at the bench's tile shapes (64-row chunks, 32-token query tiles, nh=2), as above."""
     _check_chunk64(2, dict(H_O_Q_EARLY=early, H_O_QPAD=qpad, H_O_STORE_LATE=late), monkeypatch)
+
+
+def test_launch_refuses_narrow_sequential_blocks_at_one_stage(monkeypatch):
+    """The launch config that miscompiled on an H100 (triton 3.6): 32-wide V blocks of a sequential kernel at 4 warps
+    and 1 stage. _launch refuses it with a message naming the fix, before touching the kernel."""
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    monkeypatch.setattr(tc, "_INTERPRET", False)
+    monkeypatch.setattr(tc, "FIXED", {"dh": ({"BV": 32}, 4, 1)})
+    with pytest.raises(ValueError, match="BV 64, 2 warps or 2 stages"):
+        tc._launch(None, "dh", (1,), (), {})

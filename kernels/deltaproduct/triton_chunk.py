@@ -149,6 +149,9 @@ H_O_STORE_LATE = True
 FIXED: dict = {}
 
 
+_SEQUENTIAL = ("h_o", "h_o_save", "dh")  # the chunk-sequential kernels (see _launch)
+
+
 def _launch(kern, name, grid, args, kw, default=None):
     """kern[grid](*args, **kw), autotuned, or with the fixed config FIXED[name] (else `default`, when given;
     compiled GPU runs only): (meta, num_warps, num_stages) or (meta, num_warps, num_stages, maxnreg). grid is a
@@ -156,6 +159,10 @@ def _launch(kern, name, grid, args, kw, default=None):
     fixed = FIXED.get(name, default)
     if fixed is not None and not _INTERPRET:
         meta, nw, ns = fixed[:3]
+        if name in _SEQUENTIAL and meta.get("BV", 64) < 64 and nw >= 4 and ns == 1:
+            raise ValueError(
+                f"{name}: V blocks of {meta['BV']} at {nw} warps and 1 stage gave wrong results or illegal addresses on "
+                "an H100 with triton 3.6 (session 9, kernels/deltaproduct/BENCH.md); use BV 64, 2 warps or 2 stages")
         kw = {**kw, **meta}
         if len(fixed) > 3 and fixed[3]:  # a register cap (ptx .maxnreg): more programs per SM
             kw["maxnreg"] = fixed[3]
