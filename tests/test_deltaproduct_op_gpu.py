@@ -71,10 +71,15 @@ def test_gpu_bf16_vs_float64(nh):
     check(ins, B, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2)
 
 
-def test_gpu_bf16_varlen():
+def check_bf16_varlen(nh, K=128, V=128):
+    """bf16 vs float64 on a varlen batch of documents of 100, 1, 599 and 324 tokens with initial states."""
     cu = torch.tensor([0, 100, 101, 700, 1024], device="cuda")
-    ins = make(1, 1024, 4, 128, 128, 2, 4, torch.float32)
-    check(ins, 4, 2, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, cu=cu)
+    ins = make(1, 1024, 4, K, V, nh, 4, torch.float32)
+    check(ins, 4, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, cu=cu)
+
+
+def test_gpu_bf16_varlen():
+    check_bf16_varlen(2)
 
 
 def test_gpu_fp32_vs_float64():
@@ -109,9 +114,7 @@ def test_gpu_bf16_small_heads(nh, K, V):
     """bf16 with value heads under 64 (the synthetic-task presets use head_dim 32): the sequential backward then runs
     32- / 16-wide V blocks. (Launched at one stage with 4 warps such blocks give wrong gradients or illegal addresses
     on an H100 with triton 3.6, session 9; `_launch` refuses that config. The defaults run 2 stages.)"""
-    cu = torch.tensor([0, 100, 101, 700, 1024], device="cuda")
-    ins = make(1, 1024, 4, K, V, nh, 4, torch.float32)
-    check(ins, 4, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, cu=cu)
+    check_bf16_varlen(nh, K, V)
 
 
 @pytest.mark.parametrize("nh", [2, 3])
@@ -121,9 +124,7 @@ def test_gpu_bf16_forward_store_switches(nh, monkeypatch):
     import lm_kernels.deltaproduct.triton_chunk as tc
     for name in ("OLOC_IN_H_O", "OLOC_NO_QE", "STATES_EVERY2"):
         monkeypatch.setattr(tc, name, True)
-    cu = torch.tensor([0, 100, 101, 700, 1024], device="cuda")
-    ins = make(1, 1024, 4, 128, 128, nh, 4, torch.float32)
-    check(ins, 4, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, cu=cu)
+    check_bf16_varlen(nh)
 
 
 SEQ_SWITCHES = [dict(H_O_Q_EARLY=False, H_O_QPAD=None, H_O_STORE_LATE=False),
@@ -134,11 +135,8 @@ SEQ_SWITCHES = [dict(H_O_Q_EARLY=False, H_O_QPAD=None, H_O_STORE_LATE=False),
 @pytest.mark.parametrize("switch", SEQ_SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_gpu_bf16_sequential_kernel_switches(nh, switch, monkeypatch):
     """The sequential forward's other load / store orders (H_O_Q_EARLY, H_O_STORE_LATE) and query tile (H_O_QPAD)
-    than the defaults (which the tests above run) vs float64, bf16, with a varlen batch (documents of 100, 1,
-    599 and 324 tokens)."""
+    than the defaults (which the tests above run), bf16 on the varlen batch."""
     import lm_kernels.deltaproduct.triton_chunk as tc
     for name, value in switch.items():
         monkeypatch.setattr(tc, name, value)
-    cu = torch.tensor([0, 100, 101, 700, 1024], device="cuda")
-    ins = make(1, 1024, 4, 128, 128, nh, 4, torch.float32)
-    check(ins, 4, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, cu=cu)
+    check_bf16_varlen(nh)

@@ -419,33 +419,6 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row
 
 
 @triton.jit
-def _ho_tile_w(w, gc, c, bos, eos, i_h, off_tk, o_t, mk, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
-    """Gate cumsum rows, their last value and W of chunk c (the sequential forward's tiles, loaded by these
-    helpers at the point of the loop the switches choose)."""
-    r0 = bos + c * BT
-    re = tl.minimum(r0 + BT, eos)
-    m_t = o_t < re - r0
-    b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
-    g_last = tl.load(gc + (re - 1) * H + i_h)
-    b_w = tl.load(w + (r0.to(tl.int64) * H + i_h) * K + off_tk, mask=m_t[:, None] & mk[None, :], other=0.0)
-    return b_g, g_last, b_w
-
-
-@triton.jit
-def _ho_tile_u(u, c, bos, eos, i_h, off_tv, o_t, mv, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    r0 = bos + c * BT
-    m_t = o_t < tl.minimum(r0 + BT, eos) - r0
-    return tl.load(u + (r0.to(tl.int64) * H + i_h) * V + off_tv, mask=m_t[:, None] & mv[None, :], other=0.0)
-
-
-@triton.jit
-def _ho_tile_kt(k, c, bos, eos, i_h, off_kt, o_t, mk, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
-    r0 = bos + c * BT
-    m_t = o_t < tl.minimum(r0 + BT, eos) - r0
-    return tl.load(k + (r0.to(tl.int64) * H + i_h) * K + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
-
-
-@triton.jit
 def _ho_tiles_q(q, qe, gc, aqf, c0, c, bos, eos, i_h, off_qk, o_t, o_q, mk,
                 NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr,
                 BQP: tl.constexpr, INTRA: tl.constexpr, NOQE: tl.constexpr, AQF: tl.constexpr):
@@ -540,17 +513,20 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
         nt = re - r0
         if SAVE and not STORE_LATE:
             _ho_store_state(hs, b_S, c0, c, i_h, off_kv, m_kv, H, K, V, EVERY2)
-        b_g, g_last, b_w = _ho_tile_w(w, gc, c, bos, eos, i_h, off_tk, o_t, mk, H, K, BT)
-        b_u = _ho_tile_u(u, c, bos, eos, i_h, off_tv, o_t, mv, H, V, BT)
-        b_kt = _ho_tile_kt(k, c, bos, eos, i_h, off_kt, o_t, mk, H, K, BT)
+        bk = (r0.to(tl.int64) * H + i_h) * K
+        bv = (r0.to(tl.int64) * H + i_h) * V
+        m_t = o_t < nt
+        m_tv = m_t[:, None] & mv[None, :]
+        b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        g_last = tl.load(gc + (re - 1) * H + i_h)
+        b_w = tl.load(w + bk + off_tk, mask=m_t[:, None] & mk[None, :], other=0.0)
+        b_u = tl.load(u + bv + off_tv, mask=m_tv, other=0.0)
+        b_kt = tl.load(k + bk + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
         if Q_EARLY:
             b_q, b_gq, b_aq = _ho_tiles_q(q, qe, gc, aqf, c0, c, bos, eos, i_h, off_qk, o_t, o_q, mk,
                                           NH, H, K, BT, BQ, BQP, INTRA, NOQE, AQF)
         if SAVE and STORE_LATE:  # after the tile loads are issued: the store overlaps their latency
             _ho_store_state(hs, b_S, c0, c, i_h, off_kv, m_kv, H, K, V, EVERY2)
-        bv = (r0.to(tl.int64) * H + i_h) * V
-        m_t = o_t < nt
-        m_tv = m_t[:, None] & mv[None, :]
         b_Sk = b_S.to(kdt)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
         if SAVE and SAVE_VN:
