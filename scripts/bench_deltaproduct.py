@@ -107,6 +107,15 @@ VARIANTS = {
     # only W and U (as fla's recompute_w_u); with / without Aqk^T saved for the sequential backward
     "intra4": dict(INTRA_MIN_NH=4, AQK_SAVE=False),
     "intra4_aq": dict(INTRA_MIN_NH=4),
+    # session 10: U = T diag(beta) V formed in the sequential forward (U_IN_H_O_MIN_NH) instead of written by _wu_kernel
+    # and read back (U is used nowhere else): off, or from nh = 2 only
+    "u_off": dict(U_IN_H_O_MIN_NH=99),
+    "u_nh2": dict(U_IN_H_O_MIN_NH=2),
+    "u_grad": dict(U_IN_H_O_MIN_NH=(1, 99)),  # the forward with grad only
+    # _wu_kernel without its V loop: 3 programs per SM (162 registers, WU_CONFIG), 4 at 4 warps capped at 128 (the
+    # default since), or 3 at 8 warps capped at 80
+    "wu_nou_r168s3": dict(WU_CONFIG_NO_U=({"BV": 64}, 4, 3, 168)),
+    "wu_nou_w8r80": dict(WU_CONFIG_NO_U=({"BV": 64}, 8, 1, 80)),
 }
 
 

@@ -173,8 +173,10 @@ def _check_chunk64(nh, switch, monkeypatch):
 _COMPILE_WU_SM90 = """
 import sys
 from lm_kernels.deltaproduct import sm90_stats, triton_chunk as tc
-meta, nw, ns, maxnreg = tc.WU_CONFIG
-cx = dict(NH=2, H=16, K=128, V=256, BT=64, BK=128, BQ=32, INTRA=True, PREC="tf32", SCALE_T=True, SAVE_AQ=False, **meta)
+u_out = sys.argv[1] == "1"
+meta, nw, ns, maxnreg = tc.WU_CONFIG if u_out else tc.WU_CONFIG_NO_U
+cx = dict(NH=2, H=16, K=128, V=256, BT=64, BK=128, BQ=32, INTRA=True, PREC="tf32", SCALE_T=True, SAVE_AQ=False,
+          AQF=True, NOQE=True, U_OUT=u_out, **meta)
 try:
     r = sm90_stats.stats(tc._wu_kernel, cx, nw, ns, maxnreg=maxnreg)
 except RuntimeError as e:
@@ -186,15 +188,18 @@ print("OK", r["regs"], maxnreg)
 """
 
 
-def test_wu_kernel_register_cap_compiles_for_sm90():
-    """The default _wu_kernel launch caps registers (ptx maxnreg, FIXED/WU_CONFIG's 4th element; ignored by the
-    interpreter): compile it for Hopper in a process without TRITON_INTERPRET and check the cap holds."""
+@pytest.mark.parametrize("u_out", [True, False])
+def test_wu_kernel_register_cap_compiles_for_sm90(u_out):
+    """The default _wu_kernel launches cap registers (ptx maxnreg, the 4th element of WU_CONFIG, with the V loop, and of
+    WU_CONFIG_NO_U, without; ignored by the interpreter): compile each for Hopper in a process without TRITON_INTERPRET
+    and check the cap holds."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _COMPILE_WU_SM90], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", _COMPILE_WU_SM90, "1" if u_out else "0"], env=env, capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     if p.stdout.startswith("SKIP"):
         pytest.skip(p.stdout)
@@ -215,6 +220,16 @@ def test_triton_chunk64_nh2_load_order_matches_reference(early, qpad, late, monk
     """The sequential forward's load / store orders (H_O_Q_EARLY, H_O_STORE_LATE) and the query tile padded to 64
     rows (H_O_QPAD) at the bench's tile shapes (64-row chunks, 32-token query tiles, nh=2), as above."""
     _check_chunk64(2, dict(H_O_Q_EARLY=early, H_O_QPAD=qpad, H_O_STORE_LATE=late), monkeypatch)
+
+
+@pytest.mark.parametrize("nh", [1, 2])
+@pytest.mark.parametrize("switch", [dict(U_IN_H_O_MIN_NH=99), dict(U_IN_H_O_MIN_NH=(1, 99)), dict(OLOC_NO_QE=False)],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_triton_chunk64_u_in_h_o_matches_reference(nh, switch, monkeypatch):
+    """U = T diag(beta) V read from _wu_kernel (U_IN_H_O_MIN_NH=99) or formed in the sequential forward (the default),
+    in the forward with grad only, and with O_loc = Aqk U there (OLOC_NO_QE off at nh=2): 64-row chunks, gated, with
+    an initial state, as above."""
+    _check_chunk64(nh, switch, monkeypatch)
 
 
 def test_launch_refuses_narrow_sequential_blocks_at_one_stage(monkeypatch):

@@ -74,7 +74,7 @@ def _ho_cx(nh, BV, save, **extra):
     cx = dict(NH=nh, H=16, K=K, V=V, BT=BT, BK=128, BV=BV, BQ=BQ, USE_H0=False, STORE_FINAL=False, SAVE=save,
               INTRA=intra, PREC="tf32", SAVE_VN=save, SAVE_AQ=save and not intra, AQF=intra and tc.OLOC_IN_H_O,
               NOQE=noqe, EVERY2=False, BQP=tc._bqp(BQ, save), Q_EARLY=tc._pick(tc.H_O_Q_EARLY, save),
-              STORE_LATE=tc._pick(tc.H_O_STORE_LATE, save))
+              STORE_LATE=tc._pick(tc.H_O_STORE_LATE, save), U_IN=nh >= tc._pick(tc.U_IN_H_O_MIN_NH, save))
     cx.update(extra)
     return cx
 

@@ -8,11 +8,11 @@ length and varlen share every kernel.
 
 Forward:  _kkt_inv_kernel (parallel over chunks) gate cumsum, A = beta KK^T o Gam, T = (I+A)^-1 by
                                                   16x16 block inversion + merges
-          _wu_kernel     (parallel over chunks)  W = T beta e^g K, U = T beta V; for nh >= 2 also
-                                                  O_loc = Aqk U and Qe = e^g Q - Aqk W
+          _wu_kernel     (parallel over chunks)  W = T beta e^g K; for nh >= 2 also Aqk (the defaults; with the
+                                                  switches also U = T beta V, O_loc = Aqk U, Qe = e^g Q - Aqk W)
           _fwd_h_o_v2_kernel (parallel over V blocks x heads x sequences, sequential over chunks)
-                                                  Vn = U - W S, o (= O_loc + Qe S for nh >= 2), S <- e^gC S + Kd^T Vn
-                                                  (with grad: also saves S per chunk and Vn)
+                                                  U = T beta V (U_IN), Vn = U - W S, o = scale e^g Q S + Aqk Vn,
+                                                  S <- e^gC S + Kd^T Vn (with grad: also saves S per chunk and Vn)
 Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent part Aqk^T dO computed inline)
                                                   and the state gradient entering each chunk
           _fill_states_kernel (STATES_EVERY2 only) the odd chunks' states from the stored even ones
@@ -68,6 +68,10 @@ PREP_SCALE_T = None
 # nh=1 needs 128 anyway): forward with grad nh=2/3 1.548/2.230 vs 1.614/2.308 ms (H100 session 5 run 1).
 KKT_INV_CONFIG = ({}, 2, 1)
 WU_CONFIG = ({"BV": 64}, 4, 3, 168)
+# _wu_kernel without its V loop (U formed in the sequential forward, U_IN_H_O_MIN_NH): 1 stage, capped at 128
+# registers (no spills), four programs per SM: forward with grad nh=2/3 1.346/1.970 vs 1.363/1.996 ms at WU_CONFIG
+# (162 registers, three per SM) and 1.370/2.004 at 8 warps capped at 80 (H100 session 10 run 2).
+WU_CONFIG_NO_U = ({"BV": 64}, 4, 1, 128)
 # _kkt_inv_kernel computes all ten A blocks before the inversions, so the four K blocks die early (nh=1
 # forward 0.837 vs 0.886 ms, kkt kernel ~0.17 vs 0.21; run 2).
 KKT_EARLY_A = True
@@ -144,6 +148,15 @@ STATES_EVERY2 = False
 H_O_Q_EARLY = True
 H_O_QPAD = 64
 H_O_STORE_LATE = True
+# From which nh the sequential forward forms U = T diag(beta) V itself (one [BT, BT] x [BT, BV] product per chunk, off
+# the state recurrence, from the V tile and T) instead of reading U from _wu_kernel, which then has no V loop: U is
+# used nowhere else (the backward reads Vn), so its write and read (2 x 0.4 GB at nh = 3 on the bench shape) go. One
+# value or a (forward with grad, no-grad forward) pair. Not with VN_RECOMPUTE (the backward reads U there) nor with
+# INTRA without OLOC_IN_H_O (O_loc needs U in the prep). H100 session 10 (same process as fla 0.6.0): forward with grad
+# nh=1/2/3 0.777/1.363/1.996 vs 0.819/1.475/2.142 ms (sequential forward +0.07/+0.08/+0.13 ms, _wu_kernel -0.10/-0.19/
+# -0.28), f+b 2.422/3.937/5.703 vs 2.467/4.051/5.852; the no-grad forward is unchanged (1.746 vs 1.748 at nh=3: its
+# sequential kernel spills 24 B at nh >= 2 with U_IN). Forming U and W S in one accumulator was slower (2.061 at nh=3).
+U_IN_H_O_MIN_NH = 1
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
@@ -335,16 +348,18 @@ def _wu_configs():
     return [triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
 
 
-@autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ", "AQF", "NOQE"])
+@autotune(configs=_wu_configs(), key=["H", "K", "V", "BT", "NH", "INTRA", "SCALE_T", "SAVE_AQ", "AQF", "NOQE", "U_OUT"])
 @triton.jit
 def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row, cu_rows, scale,
                NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
-               SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr):
+               SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr,
+               U_OUT: tl.constexpr = True):
     """Second half of the forward prep (T and gc from _kkt_inv_kernel): W = T diag(beta e^g) K,
     U = T diag(beta) V over V blocks (software-pipelined by num_stages), and with INTRA the outputs' state-
     independent terms O_loc = Aqk U and Qe = e^g Q - Aqk W; AQF (OLOC_IN_H_O): Aqk itself is stored for the
-    sequential forward instead of O_loc; NOQE (OLOC_NO_QE): no Qe either."""
+    sequential forward instead of O_loc; NOQE (OLOC_NO_QE): no Qe either. Without U_OUT (U_IN_H_O_MIN_NH) U is not
+    formed here (the sequential forward forms it from V and T): no V loop."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -402,20 +417,21 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row
             b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
             tl.store(qe + o_q[:, None] * (H * K) + o_k[None, :], b_qe.to(qe.dtype.element_ty),
                      mask=m_q[:, None] & mk[None, :])
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mv = m_t[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=mv, other=0.0)
-        if SCALE_T:
-            b_u = tl.dot(b_T, b_v, input_precision=PREC).to(kdt)
-        else:
-            b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
-            b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
-        tl.store(u + o_t[:, None] * (H * V) + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
-        if INTRA and not AQF:
-            b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
-            tl.store(o + o_q[:, None] * (H * V) + o_v[None, :], b_ol.to(o.dtype.element_ty),
-                     mask=m_q[:, None] & (o_v < V)[None, :])
+    if U_OUT:
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mv = m_t[:, None] & (o_v < V)[None, :]
+            b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=mv, other=0.0)
+            if SCALE_T:
+                b_u = tl.dot(b_T, b_v, input_precision=PREC).to(kdt)
+            else:
+                b_vb = (b_v.to(tl.float32) * b_b[:, None]).to(kdt)
+                b_u = tl.dot(b_T, b_vb, input_precision=PREC).to(kdt)
+            tl.store(u + o_t[:, None] * (H * V) + o_v[None, :], b_u.to(u.dtype.element_ty), mask=mv)
+            if INTRA and not AQF:
+                b_ol = tl.dot(b_Ak, b_u, input_precision=PREC)
+                tl.store(o + o_q[:, None] * (H * V) + o_v[None, :], b_ol.to(o.dtype.element_ty),
+                         mask=m_q[:, None] & (o_v < V)[None, :])
 
 
 @triton.jit
@@ -464,15 +480,16 @@ def _h_o_v2_configs():
 
 
 @autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
-                                                 "AQF", "NOQE", "EVERY2"],
+                                                 "AQF", "NOQE", "EVERY2", "U_IN"],
                  restore_value=["o"])
 @triton.jit
-def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, chunk_off, scale,
+def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, v, Tm, beta, cu_rows, chunk_off, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_H0: tl.constexpr,
                     STORE_FINAL: tl.constexpr, SAVE: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
                     SAVE_VN: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr,
-                    EVERY2: tl.constexpr, BQP: tl.constexpr, Q_EARLY: tl.constexpr, STORE_LATE: tl.constexpr):
+                    EVERY2: tl.constexpr, BQP: tl.constexpr, Q_EARLY: tl.constexpr, STORE_LATE: tl.constexpr,
+                    U_IN: tl.constexpr = False):
     """Sequential over the chunks of one sequence (one V block of the state per program): Vn = U - W S,
     S <- e^gC S + Kd^T Vn, and the outputs: INTRA: o = O_loc + Qe S (O_loc, Qe from _wu_kernel); else
     o = scale (e^g Q S + (Q K^T o Gam o M) Vn). K^T is loaded directly (one tile serves Q K^T and K^T Vn), the
@@ -483,7 +500,8 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
     o = scale e^g Q S + Aqk Vn from the Q tile and _wu_kernel's (scaled) Aqk, no Qe. EVERY2: SAVE stores the
     states of even chunks only (_fill_states_kernel forms the others in the backward). BQP: rows of the query tile
     (BQ padded); Q_EARLY: the query tiles loaded with the chunk's other tiles; STORE_LATE: the state store after
-    them (see H_O_Q_EARLY, H_O_QPAD, H_O_STORE_LATE)."""
+    them (see H_O_Q_EARLY, H_O_QPAD, H_O_STORE_LATE). U_IN: U = T diag(beta) V is formed here from the V tile, T and
+    beta (off the state recurrence) instead of being read from _wu_kernel (see U_IN_H_O_MIN_NH)."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)
@@ -502,6 +520,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
     off_qk = o_q[:, None] * (H * K) + o_k[None, :]
     off_qv = o_q[:, None] * (H * V) + o_v[None, :]
     off_kv = o_k[:, None] * V + o_v[None, :]
+    off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
     m_kv = mk[:, None] & mv[None, :]
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -517,10 +536,17 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
         bv = (r0.to(tl.int64) * H + i_h) * V
         m_t = o_t < nt
         m_tv = m_t[:, None] & mv[None, :]
+        m_tt = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
         b_g = tl.load(gc + (r0 + o_t) * H + i_h, mask=m_t, other=0.0)
         g_last = tl.load(gc + (re - 1) * H + i_h)
         b_w = tl.load(w + bk + off_tk, mask=m_t[:, None] & mk[None, :], other=0.0)
-        b_u = tl.load(u + bv + off_tv, mask=m_tv, other=0.0)
+        if U_IN:  # U = (T diag(beta)) V; T is lower triangular (its upper blocks are never written)
+            b_vv = tl.load(v + bv + off_tv, mask=m_tv, other=0.0)
+            b_T = tl.load(Tm + (r0.to(tl.int64) * H + i_h) * BT + off_tt, mask=m_tt, other=0.0)
+            b_bt = tl.load(beta + (r0 + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_uf = tl.dot((b_T.to(tl.float32) * b_bt[None, :]).to(kdt), b_vv, input_precision=PREC)
+        else:
+            b_uf = tl.load(u + bv + off_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_kt = tl.load(k + bk + off_kt, mask=mk[:, None] & m_t[None, :], other=0.0)
         if Q_EARLY:
             b_q, b_gq, b_aq = _ho_tiles_q(q, qe, gc, aqf, c0, c, bos, eos, i_h, off_qk, o_t, o_q, mk,
@@ -528,7 +554,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
         if SAVE and STORE_LATE:  # after the tile loads are issued: the store overlaps their latency
             _ho_store_state(hs, b_S, c0, c, i_h, off_kv, m_kv, H, K, V, EVERY2)
         b_Sk = b_S.to(kdt)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sk, input_precision=PREC)
+        b_vn = b_uf - tl.dot(b_w, b_Sk, input_precision=PREC)
         if SAVE and SAVE_VN:
             tl.store(vn + bv + off_tv, b_vn.to(vn.dtype.element_ty), mask=m_tv)
         if not Q_EARLY:
@@ -543,7 +569,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, cu_rows, 
                 + tl.dot(b_aq, b_vn.to(kdt), input_precision=PREC)
         elif INTRA:  # b_q holds Qe here
             if AQF:
-                b_o = tl.dot(b_aq, b_u, input_precision=PREC) + tl.dot(b_q, b_Sk, input_precision=PREC)
+                b_o = tl.dot(b_aq, b_uf.to(kdt), input_precision=PREC) + tl.dot(b_q, b_Sk, input_precision=PREC)
             else:
                 b_ol = tl.load(o + bo + off_qv, mask=m_qv, other=0.0)
                 b_o = b_ol.to(tl.float32) + tl.dot(b_q, b_Sk, input_precision=PREC)
@@ -972,12 +998,13 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     # T = (I + A)^-1 is only ever used as a tensor-core operand in k's dtype: store it in that dtype
     Tm = torch.empty(1, L, H, BT, dtype=k.dtype if TM_IN_K_DTYPE else torch.float32, device=dev)
     w = torch.empty_like(k)
-    u = torch.empty_like(v)
     intra = nh >= INTRA_MIN_NH
     noqe = intra and OLOC_IN_H_O and OLOC_NO_QE
     qe = torch.empty_like(q) if intra and not noqe else gc
     o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
     scale_t = intra if PREP_SCALE_T is None else PREP_SCALE_T
+    recomp = save and nh >= VN_RECOMPUTE_MIN_NH
+    u_in = nh >= _pick(U_IN_H_O_MIN_NH, save) and not recomp and (not intra or OLOC_IN_H_O)
     _launch(_kkt_inv_kernel, "kkt_inv", (NT, H),
             (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows),
             dict(NH=nh, H=H, K=K, BT=BT, BK=BK, USE_G=g is not None, PREC=prec, EARLY_A=KKT_EARLY_A,
@@ -988,26 +1015,26 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     if save and (not intra if AQK_SAVE is None else AQK_SAVE) and DH_FUSE_DVL:
         aq = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev)
     aqf = torch.empty(NT, H, BQ, BT, dtype=k.dtype, device=dev) if intra and OLOC_IN_H_O else None
+    u = gc if u_in else torch.empty_like(v)
     _launch(_wu_kernel, "wu", (NT, H),
             (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, aqf if aqf is not None else gc, cseq,
              crow, cu_rows, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
-                 SAVE_AQ=aq is not None and intra, AQF=aqf is not None, NOQE=noqe),
-            default=WU_CONFIG)
+                 SAVE_AQ=aq is not None and intra, AQF=aqf is not None, NOQE=noqe, U_OUT=not u_in),
+            default=WU_CONFIG_NO_U if u_in else WU_CONFIG)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
-    recomp = save and nh >= VN_RECOMPUTE_MIN_NH
     vn = torch.empty_like(v) if save and not recomp else None
     meta["recomp_vn"] = recomp
     every2 = save and STATES_EVERY2 and not recomp
     meta["every2"] = every2
     args = (q, k, w, u, qe, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc,
             hs if hs is not None else gc, vn if vn is not None else gc, aq if aq is not None else gc,
-            aqf if aqf is not None else gc, cu_rows, coff, scale)
+            aqf if aqf is not None else gc, v, Tm, beta, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_H0=h0 is not None, STORE_FINAL=output_final,
               SAVE=save, INTRA=intra, PREC=prec, SAVE_VN=not recomp, SAVE_AQ=aq is not None and not intra,
               AQF=aqf is not None, NOQE=noqe, EVERY2=every2, BQP=_bqp(BQ, save),
-              Q_EARLY=_pick(H_O_Q_EARLY, save), STORE_LATE=_pick(H_O_STORE_LATE, save))
+              Q_EARLY=_pick(H_O_Q_EARLY, save), STORE_LATE=_pick(H_O_STORE_LATE, save), U_IN=u_in)
     _launch(_fwd_h_o_v2_kernel, "h_o_save" if save and "h_o_save" in FIXED else "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             args, kw, default=H_O_SAVE_CONFIG if save and "h_o" not in FIXED else None)
     # the backward reads Vn, or U when it recomputes Vn (RECOMP_VN), and Aqk^T when saved
