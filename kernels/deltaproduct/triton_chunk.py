@@ -155,7 +155,9 @@ H_O_STORE_LATE = True
 # INTRA without OLOC_IN_H_O (O_loc needs U in the prep). H100 session 10 (same process as fla 0.6.0): forward with grad
 # nh=1/2/3 0.777/1.363/1.996 vs 0.819/1.475/2.142 ms (sequential forward +0.07/+0.08/+0.13 ms, _wu_kernel -0.10/-0.19/
 # -0.28), f+b 2.422/3.937/5.703 vs 2.467/4.051/5.852; the no-grad forward is unchanged (1.746 vs 1.748 at nh=3: its
-# sequential kernel spills 24 B at nh >= 2 with U_IN). Forming U and W S in one accumulator was slower (2.061 at nh=3).
+# sequential kernel spills 24 B at nh >= 2 with U_IN). Slower and removed: U and W S in one accumulator (2.061 ms at
+# nh=3, run 2), the U product issued just before W S instead of after the V and T loads (run 3: 2.024 vs 1.964),
+# beta folded into the V rows or T taken as a shared-memory operand (more spills on sm_90: 32-56 B).
 U_IN_H_O_MIN_NH = 1
 # Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
