@@ -116,6 +116,9 @@ VARIANTS = {
     # default since), or 3 at 8 warps capped at 80
     "wu_nou_r168s3": dict(WU_CONFIG_NO_U=({"BV": 64}, 4, 3, 168)),
     "wu_nou_w8r80": dict(WU_CONFIG_NO_U=({"BV": 64}, 8, 1, 80)),
+    # W (and Aqk) at the end of _kkt_inv_kernel, one launch for the prep: at 2 or 4 warps
+    "kwu2": dict(KKT_FUSE_WU=True, KKT_WU_CONFIG=({}, 2, 1)),
+    "kwu4": dict(KKT_FUSE_WU=True, KKT_WU_CONFIG=({}, 4, 1)),
 }
 
 

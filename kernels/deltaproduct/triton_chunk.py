@@ -72,6 +72,10 @@ WU_CONFIG = ({"BV": 64}, 4, 3, 168)
 # registers (no spills), four programs per SM: forward with grad nh=2/3 1.346/1.970 vs 1.363/1.996 ms at WU_CONFIG
 # (162 registers, three per SM) and 1.370/2.004 at 8 warps capped at 80 (H100 session 10 run 2).
 WU_CONFIG_NO_U = ({"BV": 64}, 4, 1, 128)
+# With U formed in the sequential forward (U_IN): _wu_kernel's work (W, Aqk) done at the end of _kkt_inv_kernel, in
+# one launch with T still in L2 (KKT_FUSE_WU; its launch config then KKT_WU_CONFIG)
+KKT_FUSE_WU = False
+KKT_WU_CONFIG = ({}, 2, 1)
 # _kkt_inv_kernel computes all ten A blocks before the inversions, so the four K blocks die early (nh=1
 # forward 0.837 vs 0.886 ms, kkt kernel ~0.17 vs 0.21; run 2).
 KKT_EARLY_A = True
@@ -253,16 +257,20 @@ def _store_blk(T, r0, eos, i_h, i: tl.constexpr, j: tl.constexpr, X, H: tl.const
 # ----------------------------------------------------------------------------------------------------
 # One config per kernel, the fastest the autotuner found on an H100 at B8 T2048 H16 K128 V256 nh=1 bf16
 # (among those named beside each); a single config compiles once and is never re-timed at start.
-@autotune(configs=_configs([4], [1]), key=["H", "K", "BT", "NH", "EARLY_A", "MP"])
+@autotune(configs=_configs([4], [1]), key=["H", "K", "BT", "NH", "EARLY_A", "MP", "FUSE_WU", "INTRA", "SAVE_AQ"])
 @triton.jit
 def _kkt_inv_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows,
+                    q, v, w, u, qe, o, aq, aqf, scale,
                     NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                     USE_G: tl.constexpr, PREC: tl.constexpr, EARLY_A: tl.constexpr,
-                    MP: tl.constexpr):
+                    MP: tl.constexpr, FUSE_WU: tl.constexpr = False, V: tl.constexpr = 16, BV: tl.constexpr = 16,
+                    BQ: tl.constexpr = 16, INTRA: tl.constexpr = False, SCALE_T: tl.constexpr = False,
+                    SAVE_AQ: tl.constexpr = False, AQF: tl.constexpr = False, NOQE: tl.constexpr = False):
     """First half of the forward prep: within-chunk gate cumsum (gc) and T = (I + A)^-1,
     A = strict_lower(beta (K K^T o Gam)), by 16x16 block inversions and merges (the merge products at
     precision MP: "ieee", or "tf32" for bf16 inputs whose T is stored in bf16 anyway). Holds only the four 16-row
-    K blocks and 16x16 fp32 blocks, so many programs fit on an SM."""
+    K blocks and 16x16 fp32 blocks, so many programs fit on an SM. FUSE_WU (KKT_FUSE_WU): then, after a barrier,
+    _wu_kernel's work on the same chunk (W, and Aqk for INTRA; never U) from T as just stored, in the same launch."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -342,6 +350,11 @@ def _kkt_inv_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows,
         _store_blk(Tm, 0, eos, 0, 3, 1, T42, H, BT)
         _store_blk(Tm, 0, eos, 0, 3, 2, T43, H, BT)
         _store_blk(Tm, 0, eos, 0, 3, 3, T44, H, BT)
+    if FUSE_WU:  # T is in global memory now (visible to the whole program after the barrier)
+        tl.debug_barrier()
+        _wu_tile(q + (t0 * H + i_h) * K, k, v, beta, gc, Tm, w + (r0 * H + i_h) * K, u, qe, o, aq, aqf, i_c, i_h, ph,
+                 tl.minimum(eos, BT), scale, NH, H, K, V, BT, BK, BV, BQ, INTRA, PREC, SCALE_T, SAVE_AQ, AQF, NOQE,
+                 False)
 
 
 def _wu_configs():
@@ -368,17 +381,21 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row
     eos = tl.load(cu_rows + n + 1).to(tl.int64)
     ph = (r0 % NH).to(tl.int32)
     t0 = r0 // NH
-    k += (r0 * H + i_h) * K
-    w += (r0 * H + i_h) * K
-    v += (r0 * H + i_h) * V
-    u += (r0 * H + i_h) * V
-    beta += r0 * H + i_h
-    gc += r0 * H + i_h
-    Tm += (r0 * H + i_h) * BT
-    q += (t0 * H + i_h) * K
-    qe += (t0 * H + i_h) * K
-    o += (t0 * H + i_h) * V
-    nt = (tl.minimum(eos - r0, BT)).to(tl.int32)
+    _wu_tile(q + (t0 * H + i_h) * K, k + (r0 * H + i_h) * K, v + (r0 * H + i_h) * V, beta + r0 * H + i_h,
+             gc + r0 * H + i_h, Tm + (r0 * H + i_h) * BT, w + (r0 * H + i_h) * K, u + (r0 * H + i_h) * V,
+             qe + (t0 * H + i_h) * K, o + (t0 * H + i_h) * V, aq, aqf, i_c, i_h, ph,
+             (tl.minimum(eos - r0, BT)).to(tl.int32), scale, NH, H, K, V, BT, BK, BV, BQ, INTRA, PREC, SCALE_T,
+             SAVE_AQ, AQF, NOQE, U_OUT)
+
+
+@triton.jit
+def _wu_tile(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, i_c, i_h, ph, nt, scale,
+             NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr,
+             SCALE_T: tl.constexpr, SAVE_AQ: tl.constexpr, AQF: tl.constexpr, NOQE: tl.constexpr,
+             U_OUT: tl.constexpr):
+    """_wu_kernel's work on one (chunk, head): the row pointers already at the chunk's first row (q, qe, o at its
+    first token), nt rows (<= BT), ph the sub-step of the first row; also run by _kkt_inv_kernel with FUSE_WU."""
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
     o_k = tl.arange(0, BK)
@@ -410,10 +427,10 @@ def _wu_kernel(q, k, v, beta, gc, Tm, w, u, qe, o, aq, aqf, chunk_seq, chunk_row
         b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - gcs[None, :], 0.0))), 0.0)
         b_Ak = b_A.to(kdt)
         if SAVE_AQ:  # Aqk^T for the sequential backward (i_c is the global chunk index)
-            tl.store(aq + (i_c.to(tl.int64) * H + tl.program_id(1)) * (BT * BQ) + o_t[None, :] * BQ + o_q[:, None],
+            tl.store(aq + (i_c.to(tl.int64) * H + i_h) * (BT * BQ) + o_t[None, :] * BQ + o_q[:, None],
                      b_Ak.to(aq.dtype.element_ty))
         if AQF:  # Aqk for the sequential forward, which forms O_loc = Aqk U itself
-            tl.store(aqf + (i_c.to(tl.int64) * H + tl.program_id(1)) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :],
+            tl.store(aqf + (i_c.to(tl.int64) * H + i_h) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :],
                      b_Ak.to(aqf.dtype.element_ty))
         if not NOQE:
             b_qe = b_q.to(tl.float32) * (scale * tl.exp(b_gq))[:, None] - tl.dot(b_Ak, b_w, input_precision=PREC)
@@ -1007,23 +1024,28 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     scale_t = intra if PREP_SCALE_T is None else PREP_SCALE_T
     recomp = save and nh >= VN_RECOMPUTE_MIN_NH
     u_in = nh >= _pick(U_IN_H_O_MIN_NH, save) and not recomp and (not intra or OLOC_IN_H_O)
-    _launch(_kkt_inv_kernel, "kkt_inv", (NT, H),
-            (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows),
-            dict(NH=nh, H=H, K=K, BT=BT, BK=BK, USE_G=g is not None, PREC=prec, EARLY_A=KKT_EARLY_A,
-                 MP="tf32" if (KKT_MERGE_TF32 and prec == "tf32") else "ieee"),
-            default=KKT_INV_CONFIG)
     # Aqk^T saved for the sequential backward (AQK_SAVE): written by _wu_kernel (INTRA) or the sequential forward
     aq = None
     if save and (not intra if AQK_SAVE is None else AQK_SAVE) and DH_FUSE_DVL:
         aq = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev)
     aqf = torch.empty(NT, H, BQ, BT, dtype=k.dtype, device=dev) if intra and OLOC_IN_H_O else None
     u = gc if u_in else torch.empty_like(v)
-    _launch(_wu_kernel, "wu", (NT, H),
-            (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, aqf if aqf is not None else gc, cseq,
-             crow, cu_rows, scale),
-            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, INTRA=intra, PREC=prec, SCALE_T=scale_t,
-                 SAVE_AQ=aq is not None and intra, AQF=aqf is not None, NOQE=noqe, U_OUT=not u_in),
-            default=WU_CONFIG_NO_U if u_in else WU_CONFIG)
+    fuse = u_in and KKT_FUSE_WU
+    wu_args = (q, v, w, u, qe, o, aq if aq is not None else gc, aqf if aqf is not None else gc, scale)
+    wu_kw = dict(V=V, BQ=BQ, INTRA=intra, SCALE_T=scale_t, SAVE_AQ=aq is not None and intra, AQF=aqf is not None,
+                 NOQE=noqe)
+    _launch(_kkt_inv_kernel, "kkt_inv", (NT, H),
+            (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows, *wu_args),
+            dict(NH=nh, H=H, K=K, BT=BT, BK=BK, USE_G=g is not None, PREC=prec, EARLY_A=KKT_EARLY_A,
+                 MP="tf32" if (KKT_MERGE_TF32 and prec == "tf32") else "ieee", FUSE_WU=fuse,
+                 **(dict(wu_kw, BV=BV) if fuse else {})),
+            default=KKT_WU_CONFIG if fuse else KKT_INV_CONFIG)
+    if not fuse:
+        _launch(_wu_kernel, "wu", (NT, H),
+                (q, k, v, beta, gc, Tm, w, u, qe, o, aq if aq is not None else gc, aqf if aqf is not None else gc,
+                 cseq, crow, cu_rows, scale),
+                dict(NH=nh, H=H, K=K, BT=BT, BK=BK, PREC=prec, U_OUT=not u_in, **wu_kw),
+                default=WU_CONFIG_NO_U if u_in else WU_CONFIG)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
     vn = torch.empty_like(v) if save and not recomp else None
