@@ -144,6 +144,7 @@ def test_triton_kernel_variants_match_reference(switch, monkeypatch):
 
 
 @pytest.mark.parametrize("switch", [dict(), dict(KKT_EARLY_A=False), dict(MAIN_LATE_LOADS=False),
+                                    dict(MAIN_DB_EPI=False, MAIN_DPG_SYM=False),
                                     dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True),
                                     dict(VN_RECOMPUTE_MIN_NH=99, AQK_SAVE=False)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")
@@ -224,12 +225,12 @@ def test_triton_chunk64_nh2_load_order_matches_reference(early, qpad, late, monk
 
 @pytest.mark.parametrize("nh", [1, 2])
 @pytest.mark.parametrize("switch", [dict(U_IN_H_O_MIN_NH=99), dict(U_IN_H_O_MIN_NH=(1, 99)), dict(OLOC_NO_QE=False),
-                                    dict(KKT_FUSE_WU=True)],
+                                    dict(KKT_FUSE_WU=False)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_triton_chunk64_u_in_h_o_matches_reference(nh, switch, monkeypatch):
     """U = T diag(beta) V read from _wu_kernel (U_IN_H_O_MIN_NH=99) or formed in the sequential forward (the default),
-    in the forward with grad only, and with O_loc = Aqk U there (OLOC_NO_QE off at nh=2): 64-row chunks, gated, with
-    an initial state, as above."""
+    in the forward with grad only, with O_loc = Aqk U there (OLOC_NO_QE off at nh=2), and with W / Aqk from their own
+    launch instead of the end of _kkt_inv_kernel (KKT_FUSE_WU off): 64-row chunks, gated, with an initial state."""
     _check_chunk64(nh, switch, monkeypatch)
 
 

@@ -74,7 +74,7 @@ WU_CONFIG = ({"BV": 64}, 4, 3, 168)
 WU_CONFIG_NO_U = ({"BV": 64}, 4, 1, 128)
 # With U formed in the sequential forward (U_IN): _wu_kernel's work (W, Aqk) done at the end of _kkt_inv_kernel, in
 # one launch with T still in L2 (KKT_FUSE_WU; its launch config then KKT_WU_CONFIG)
-KKT_FUSE_WU = False
+KKT_FUSE_WU = True
 KKT_WU_CONFIG = ({}, 2, 1)
 # _kkt_inv_kernel computes all ten A blocks before the inversions, so the four K blocks die early (nh=1
 # forward 0.837 vs 0.886 ms, kkt kernel ~0.17 vs 0.21; run 2).
@@ -100,6 +100,10 @@ MAIN_REBASE = True
 # Main backward kernel: load the K and Q tiles after the V loop (they are only used after it): main kernel
 # nh=1/2/3 1.328/2.019/2.885 vs 1.370/2.139/2.938 ms (run 2).
 MAIN_LATE_LOADS = True
+# Main backward: beta's gradient through U from the dVn V^T accumulator after the V loop (MAIN_DB_EPI), dK's two
+# A-terms as one product (MAIN_DPG_SYM); see _bwd_main_kernel.
+MAIN_DB_EPI = False
+MAIN_DPG_SYM = False
 # Main backward launch config (meta, num_warps, num_stages) or None (the autotune list below).
 MAIN_CONFIG = None
 # The main backward at nh = 1 (unless MAIN_CONFIG is set): 5 pipeline stages. H100 session 5 run 3 (lead): f+b
@@ -352,7 +356,8 @@ def _kkt_inv_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows,
         _store_blk(Tm, 0, eos, 0, 3, 3, T44, H, BT)
     if FUSE_WU:  # T is in global memory now (visible to the whole program after the barrier)
         tl.debug_barrier()
-        _wu_tile(q + (t0 * H + i_h) * K, k, v, beta, gc, Tm, w + (r0 * H + i_h) * K, u, qe, o, aq, aqf, i_c, i_h, ph,
+        _wu_tile(q + (t0 * H + i_h) * K, k, v + (r0 * H + i_h) * V, beta, gc, Tm, w + (r0 * H + i_h) * K,
+                 u + (r0 * H + i_h) * V, qe + (t0 * H + i_h) * K, o + (t0 * H + i_h) * V, aq, aqf, i_c, i_h, ph,
                  tl.minimum(eos, BT), scale, NH, H, K, V, BT, BK, BV, BQ, INTRA, PREC, SCALE_T, SAVE_AQ, AQF, NOQE,
                  False)
 
@@ -780,17 +785,21 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=4)]
 
 
-@autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
+@autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN", "DB_EPI", "DPG_SYM"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr):
+                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr,
+                     DB_EPI: tl.constexpr = False, DPG_SYM: tl.constexpr = False):
     """dq, dk, dv, dbeta, dg of one chunk: one loop over V blocks with five fp32 accumulators (dO S^T,
     dO Vn^T, Vn dS^T, dVn S^T, dVn V^T), then the intra-chunk, state and WY terms. LATE: the K and Q tiles
     (used only after the V loop) are loaded after it, so that they do not hold registers across it.
-    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state."""
+    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state.
+    DB_EPI: beta's gradient through U = T diag(beta) V, sum_v (T^T dVn) o V = colsum(T o dVn V^T), once after the V
+    loop from the dVn V^T accumulator instead of a row reduction per V block; DPG_SYM: dK's two terms of A = beta (K
+    K^T o Gam) as one product, (dP + dP^T) K."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -879,7 +888,8 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
         b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
         tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
                  (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
-        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+        if not DB_EPI:
+            b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
     if LATE:
         b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
                       other=0.0)
@@ -909,6 +919,8 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_eb = b_b * tl.exp(b_g)
     b_kb = b_k.to(tl.float32) * b_eb[:, None]
     b_dT = tl.dot(b_dw.to(kdt), tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb * b_b[None, :]
+    if DB_EPI:
+        b_db += tl.sum(b_Tk.to(tl.float32) * b_dvnvb, 0)
     b_dkb = tl.dot(tl.trans(b_Tk), b_dw.to(kdt), input_precision=PREC)
     b_dk += b_dkb * b_eb[:, None]
     b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
@@ -924,8 +936,11 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_dA = tl.where(m_s, b_dA, 0.0)
     b_db += tl.sum(b_dA * b_p, 1)
     b_dpg = b_dA * b_b[:, None] * b_gam
-    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
-                                                                        input_precision=PREC)
+    if DPG_SYM:
+        b_dk += tl.dot((b_dpg + tl.trans(b_dpg)).to(kdt), b_k, input_precision=PREC)
+    else:
+        b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
+                                                                            input_precision=PREC)
     b_e = b_dA * b_p * b_b[:, None]
     b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
     tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
@@ -1102,7 +1117,7 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp),
+                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp, DB_EPI=MAIN_DB_EPI, DPG_SYM=MAIN_DPG_SYM),
             default=MAIN_CONFIG if MAIN_CONFIG is not None else (MAIN_CONFIG_NH1 if nh == 1 else None))
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
