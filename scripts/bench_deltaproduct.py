@@ -120,9 +120,6 @@ VARIANTS = {
     "kwu2": dict(KKT_FUSE_WU=True, KKT_WU_CONFIG=({}, 2, 1)),
     "kwu4": dict(KKT_FUSE_WU=True, KKT_WU_CONFIG=({}, 4, 1)),
     "kwu_off": dict(KKT_FUSE_WU=False),
-    # the main backward: beta's U-gradient after the V loop, dK's two A-terms as one product
-    "db_epi": dict(MAIN_DB_EPI=True),
-    "dpg_sym": dict(MAIN_DPG_SYM=True),
 }
 
 

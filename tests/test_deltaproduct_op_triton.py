@@ -144,7 +144,6 @@ def test_triton_kernel_variants_match_reference(switch, monkeypatch):
 
 
 @pytest.mark.parametrize("switch", [dict(), dict(KKT_EARLY_A=False), dict(MAIN_LATE_LOADS=False),
-                                    dict(MAIN_DB_EPI=False, MAIN_DPG_SYM=False),
                                     dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True),
                                     dict(VN_RECOMPUTE_MIN_NH=99, AQK_SAVE=False)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")

@@ -53,7 +53,7 @@ def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None):
 def _main_cx(nh, BV, **extra):
     BT, K, V = 64, 128, 256
     cx = dict(NH=nh, H=16, K=K, V=V, BT=BT, BK=128, BV=BV, BQ=tc._bq(BT, nh), USE_G=True, PREC="tf32",
-              REBASE=True, LATE=True, RECOMP_VN=False, DB_EPI=tc.MAIN_DB_EPI, DPG_SYM=tc.MAIN_DPG_SYM)
+              REBASE=True, LATE=True, RECOMP_VN=False)
     cx.update(extra)
     return cx
 

@@ -7,9 +7,10 @@ rows. Batches are handled as packed sequences (a batch of B equal sequences is B
 length and varlen share every kernel.
 
 Forward:  _kkt_inv_kernel (parallel over chunks) gate cumsum, A = beta KK^T o Gam, T = (I+A)^-1 by
-                                                  16x16 block inversion + merges
-          _wu_kernel     (parallel over chunks)  W = T beta e^g K; for nh >= 2 also Aqk (the defaults; with the
-                                                  switches also U = T beta V, O_loc = Aqk U, Qe = e^g Q - Aqk W)
+                                                  16x16 block inversion + merges; then (KKT_FUSE_WU, the default)
+                                                  _wu_kernel's work on the same chunk (_wu_tile):
+          _wu_kernel     (parallel over chunks)  W = T beta e^g K; for nh >= 2 also Aqk (with other switches also
+                                                  U = T beta V, O_loc = Aqk U, Qe = e^g Q - Aqk W)
           _fwd_h_o_v2_kernel (parallel over V blocks x heads x sequences, sequential over chunks)
                                                   U = T beta V (U_IN), Vn = U - W S, o = scale e^g Q S + Aqk Vn,
                                                   S <- e^gC S + Kd^T Vn (with grad: also saves S per chunk and Vn)
@@ -58,9 +59,10 @@ TM_IN_K_DTYPE = True
 # in the one-kernel prep of session 2: on for nh>=2, nh=3 no-grad 1.988 vs 2.022; off for nh=1, 1.027 vs
 # 1.074). None: that choice; True/False force it.
 PREP_SCALE_T = None
-# The forward prep is two launches: _kkt_inv_kernel (gate cumsum, A and T = (I+A)^-1) and _wu_kernel (W, U and
+# The forward prep was two launches: _kkt_inv_kernel (gate cumsum, A and T = (I+A)^-1) and _wu_kernel (W, U and
 # with INTRA the intra-chunk output terms, pipelined over V); one kernel for both (255 registers, 2 programs per
-# SM) was slower at every nh (BENCH.md, sessions 3 and 4), and was removed.
+# SM) was slower at every nh (BENCH.md, sessions 3 and 4), and was removed. Since session 10 U is formed in the
+# sequential forward, and the rest of _wu_kernel's work runs at the end of _kkt_inv_kernel (KKT_FUSE_WU below).
 # Launch configs (meta, num_warps, num_stages) of the two split kernels (compiled GPU runs; FIXED overrides).
 # _kkt_inv_kernel at 2 warps: nh=1 forward 0.912 ms (4 warps 1.091, 1 warp 0.925; run 1); _wu_kernel at 3
 # stages (nh=1 1.075 vs 1.091 at 2 stages, run 1) and capped at 168 registers (ptx maxnreg), so that three
@@ -73,7 +75,10 @@ WU_CONFIG = ({"BV": 64}, 4, 3, 168)
 # (162 registers, three per SM) and 1.370/2.004 at 8 warps capped at 80 (H100 session 10 run 2).
 WU_CONFIG_NO_U = ({"BV": 64}, 4, 1, 128)
 # With U formed in the sequential forward (U_IN): _wu_kernel's work (W, Aqk) done at the end of _kkt_inv_kernel, in
-# one launch with T still in L2 (KKT_FUSE_WU; its launch config then KKT_WU_CONFIG)
+# one launch with T still in L2 (KKT_FUSE_WU; its launch config then KKT_WU_CONFIG). H100 session 10 runs 4-5: the
+# fused launch at 2 warps 0.158/0.377/0.539 ms vs 0.143+0.059/0.278+0.177/0.405+0.269 for the two (nh=1/2/3),
+# forward with grad 0.726/1.258/1.835 vs 0.774/1.342/1.961, f+b 2.371/3.824/5.536 vs 2.420/3.909/5.655; at 4 warps
+# (201-255 registers, 2 programs per SM) it is much slower (0.298/0.629/0.904).
 KKT_FUSE_WU = True
 KKT_WU_CONFIG = ({}, 2, 1)
 # _kkt_inv_kernel computes all ten A blocks before the inversions, so the four K blocks die early (nh=1
@@ -100,10 +105,9 @@ MAIN_REBASE = True
 # Main backward kernel: load the K and Q tiles after the V loop (they are only used after it): main kernel
 # nh=1/2/3 1.328/2.019/2.885 vs 1.370/2.139/2.938 ms (run 2).
 MAIN_LATE_LOADS = True
-# Main backward: beta's gradient through U from the dVn V^T accumulator after the V loop (MAIN_DB_EPI), dK's two
-# A-terms as one product (MAIN_DPG_SYM); see _bwd_main_kernel.
-MAIN_DB_EPI = False
-MAIN_DPG_SYM = False
+# Measured and removed (H100 session 10 run 5): beta's gradient through U as colsum(T o dVn V^T) once after the V loop
+# instead of a row reduction per V block (main kernel nh=1/2/3 1.374/2.218/3.102 vs 1.249/1.995/2.807 ms: 90/60/58
+# spills vs 76/40/40), dK's two A-terms as one product (dP + dP^T) K (1.573/2.394/3.420: the register transpose spills).
 # Main backward launch config (meta, num_warps, num_stages) or None (the autotune list below).
 MAIN_CONFIG = None
 # The main backward at nh = 1 (unless MAIN_CONFIG is set): 5 pipeline stages. H100 session 5 run 3 (lead): f+b
@@ -785,21 +789,17 @@ def _main_configs():
     return [triton.Config({"BV": 32}, num_warps=8, num_stages=4)]
 
 
-@autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN", "DB_EPI", "DPG_SYM"])
+@autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                      NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_G: tl.constexpr,
-                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr,
-                     DB_EPI: tl.constexpr = False, DPG_SYM: tl.constexpr = False):
+                     PREC: tl.constexpr, REBASE: tl.constexpr, LATE: tl.constexpr, RECOMP_VN: tl.constexpr):
     """dq, dk, dv, dbeta, dg of one chunk: one loop over V blocks with five fp32 accumulators (dO S^T,
     dO Vn^T, Vn dS^T, dVn S^T, dVn V^T), then the intra-chunk, state and WY terms. LATE: the K and Q tiles
     (used only after the V loop) are loaded after it, so that they do not hold registers across it.
-    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state.
-    DB_EPI: beta's gradient through U = T diag(beta) V, sum_v (T^T dVn) o V = colsum(T o dVn V^T), once after the V
-    loop from the dVn V^T accumulator instead of a row reduction per V block; DPG_SYM: dK's two terms of A = beta (K
-    K^T o Gam) as one product, (dP + dP^T) K."""
+    RECOMP_VN: `vn` holds U, and Vn = U - W S is formed per V block from the W tile and the loaded state."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     r0 = tl.load(chunk_row + i_c).to(tl.int64)
@@ -888,8 +888,7 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
         b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
         tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
                  (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
-        if not DB_EPI:
-            b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
     if LATE:
         b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
                       other=0.0)
@@ -919,8 +918,6 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_eb = b_b * tl.exp(b_g)
     b_kb = b_k.to(tl.float32) * b_eb[:, None]
     b_dT = tl.dot(b_dw.to(kdt), tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb * b_b[None, :]
-    if DB_EPI:
-        b_db += tl.sum(b_Tk.to(tl.float32) * b_dvnvb, 0)
     b_dkb = tl.dot(tl.trans(b_Tk), b_dw.to(kdt), input_precision=PREC)
     b_dk += b_dkb * b_eb[:, None]
     b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
@@ -936,11 +933,8 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
     b_dA = tl.where(m_s, b_dA, 0.0)
     b_db += tl.sum(b_dA * b_p, 1)
     b_dpg = b_dA * b_b[:, None] * b_gam
-    if DPG_SYM:
-        b_dk += tl.dot((b_dpg + tl.trans(b_dpg)).to(kdt), b_k, input_precision=PREC)
-    else:
-        b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
-                                                                            input_precision=PREC)
+    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
+                                                                        input_precision=PREC)
     b_e = b_dA * b_p * b_b[:, None]
     b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
     tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
@@ -1117,7 +1111,7 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp, DB_EPI=MAIN_DB_EPI, DPG_SYM=MAIN_DPG_SYM),
+                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp),
             default=MAIN_CONFIG if MAIN_CONFIG is not None else (MAIN_CONFIG_NH1 if nh == 1 else None))
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
