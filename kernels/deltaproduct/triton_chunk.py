@@ -1033,7 +1033,8 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     scale_t = intra if PREP_SCALE_T is None else PREP_SCALE_T
     recomp = save and nh >= VN_RECOMPUTE_MIN_NH
     u_in = nh >= _pick(U_IN_H_O_MIN_NH, save) and not recomp and (not intra or OLOC_IN_H_O)
-    # Aqk^T saved for the sequential backward (AQK_SAVE): written by _wu_kernel (INTRA) or the sequential forward
+    # Aqk^T saved for the sequential backward (AQK_SAVE): written by the prep (_wu_tile, INTRA) or the sequential
+    # forward
     aq = None
     if save and (not intra if AQK_SAVE is None else AQK_SAVE) and DH_FUSE_DVL:
         aq = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev)
