@@ -120,6 +120,9 @@ VARIANTS = {
     "kwu2": dict(KKT_FUSE_WU=True, KKT_WU_CONFIG=({}, 2, 1)),
     "kwu4": dict(KKT_FUSE_WU=True, KKT_WU_CONFIG=({}, 4, 1)),
     "kwu_off": dict(KKT_FUSE_WU=False),
+    # nh = 1 with the prep forming Aqk (and Aqk^T for the sequential backward) like nh >= 2, instead of the sequential
+    # forward forming it from its Q and K^T tiles
+    "intra1_aq": dict(INTRA_MIN_NH=1, AQK_SAVE=True),
 }
 
 

@@ -224,7 +224,7 @@ def test_triton_chunk64_nh2_load_order_matches_reference(early, qpad, late, monk
 
 @pytest.mark.parametrize("nh", [1, 2])
 @pytest.mark.parametrize("switch", [dict(U_IN_H_O_MIN_NH=99), dict(U_IN_H_O_MIN_NH=(1, 99)), dict(OLOC_NO_QE=False),
-                                    dict(KKT_FUSE_WU=False)],
+                                    dict(KKT_FUSE_WU=False), dict(INTRA_MIN_NH=1, AQK_SAVE=True)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_triton_chunk64_u_in_h_o_matches_reference(nh, switch, monkeypatch):
     """U = T diag(beta) V read from _wu_kernel (U_IN_H_O_MIN_NH=99) or formed in the sequential forward (the default),
