@@ -229,7 +229,8 @@ def test_triton_chunk64_nh2_load_order_matches_reference(early, qpad, late, monk
 def test_triton_chunk64_u_in_h_o_matches_reference(nh, switch, monkeypatch):
     """U = T diag(beta) V read from _wu_kernel (U_IN_H_O_MIN_NH=99) or formed in the sequential forward (the default),
     in the forward with grad only, with O_loc = Aqk U there (OLOC_NO_QE off at nh=2), and with W / Aqk from their own
-    launch instead of the end of _kkt_inv_kernel (KKT_FUSE_WU off): 64-row chunks, gated, with an initial state."""
+    launch instead of the end of _kkt_inv_kernel (KKT_FUSE_WU off), and nh = 1 through the prep-formed Aqk (INTRA_MIN_NH
+    = 1, with Aqk^T saved for the sequential backward): 64-row chunks, gated, with an initial state."""
     _check_chunk64(nh, switch, monkeypatch)
 
 
