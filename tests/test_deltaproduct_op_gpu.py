@@ -117,6 +117,37 @@ def test_gpu_bf16_small_heads(nh, K, V):
     check_bf16_varlen(nh, K, V)
 
 
+@pytest.mark.parametrize("nh", [1, 2])
+@pytest.mark.parametrize("K,V", [(256, 128), (192, 64)])
+def test_gpu_bf16_wide_key_heads(nh, K, V):
+    """bf16 with the widest key heads the op takes (K = 256) and a K that is not a power of two (192: 256-wide tiles,
+    the padding masked), on the varlen batch: the kernels' shared memory and registers grow with K."""
+    check_bf16_varlen(nh, K, V)
+
+
+@pytest.mark.parametrize("nh", [1, 2])
+@pytest.mark.parametrize("K,V", [(128, 128), (256, 64)])
+def test_gpu_fp32_wide_key_varlen(nh, K, V):
+    """float32 inputs with key heads over 64 on the varlen batch: float32 tiles take twice the shared memory (the main
+    backward at 64-row chunks would need 360-720 KB), so the op runs 32-row chunks for them (_fitting_chunk)."""
+    cu = torch.tensor([0, 100, 101, 700, 1024], device="cuda")
+    ins = make(1, 1024, 4, K, V, nh, 4, torch.float32)
+    with pytest.warns(UserWarning, match="32-row chunks"):
+        check(ins, 4, nh, torch.float32, tol_o=1e-4, tol_g=1e-4, cu=cu)
+
+
+@pytest.mark.parametrize("nh", [1, 2])
+@pytest.mark.parametrize("switch", [dict(KKT_FUSE_WU=False), dict(U_IN_H_O_MIN_NH=99)],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_gpu_bf16_prep_switches(nh, switch, monkeypatch):
+    """The forward prep's other forms than the defaults: W / Aqk in their own launch (KKT_FUSE_WU off), and U written
+    by the prep and read by the sequential forward (U_IN_H_O_MIN_NH = 99), bf16 on the varlen batch."""
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    for name, value in switch.items():
+        monkeypatch.setattr(tc, name, value)
+    check_bf16_varlen(nh)
+
+
 @pytest.mark.parametrize("nh", [2, 3])
 def test_gpu_bf16_forward_store_switches(nh, monkeypatch):
     """OLOC_IN_H_O + OLOC_NO_QE + STATES_EVERY2 (the forward stores Aqk instead of O_loc and Qe, and every second

@@ -234,6 +234,64 @@ def test_triton_chunk64_u_in_h_o_matches_reference(nh, switch, monkeypatch):
     _check_chunk64(nh, switch, monkeypatch)
 
 
+def test_launch_retries_smaller_configs_when_shared_memory_runs_out(monkeypatch):
+    """A launch that needs more shared memory than the GPU has (triton raises OutOfResources before running it; seen
+    on an H100 for the sequential backward at K = 256) is retried with fewer stages, then narrower V blocks (2 warps
+    where 4 warps at 1 stage would be refused), with one warning; the config that fit is reused without retrying, and
+    when nothing fits the first error is raised."""
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    monkeypatch.setattr(tc, "_INTERPRET", False)
+    monkeypatch.setattr(tc, "FIXED", {})
+    monkeypatch.setattr(tc, "_FIT", {})
+    calls, budget = [], [32]
+
+    class Fn:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append((grid, kw["BV"], kw["num_warps"], kw["num_stages"]))
+                if kw["num_stages"] * kw["BV"] > budget[0]:
+                    raise OutOfResources(kw["num_stages"] * kw["BV"], budget[0], "shared memory")
+            return run
+
+    class Kern:
+        fn = Fn()
+
+    x = torch.zeros(1)
+    grid = lambda m: (256 // m["BV"],)  # noqa: E731
+    with pytest.warns(UserWarning, match="shared memory"):
+        tc._launch(Kern, "dh", grid, (x,), {"BV": 64})  # _BASE: 4 warps, 2 stages
+    assert calls == [((4,), 64, 4, 2), ((4,), 64, 4, 1), ((8,), 32, 4, 2), ((8,), 32, 2, 1)]
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tc._launch(Kern, "dh", grid, (x,), {"BV": 64})
+    assert calls == [((8,), 32, 2, 1)]
+    budget[0] = 8
+    with pytest.raises(OutOfResources):
+        tc._launch(Kern, "main", (1,), (x,), {})  # BV 32 at 8 warps, 4 stages: nothing down to BV 8 fits
+    assert calls[-1] == ((1,), 16, 8, 1)
+
+
+def test_float32_wide_key_heads_run_32_row_chunks_on_gpu():
+    """The GPU kernels run 32-row chunks for float32 inputs with key heads over 64 (their 64-row backward does not fit
+    in shared memory), with a warning; bf16 inputs, small heads, smaller chunks and CPU runs keep the chunk asked for."""
+    import warnings
+
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    with pytest.warns(UserWarning, match="32-row chunks"):
+        assert tc._fitting_chunk(64, torch.float32, 128, True) == 32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tc._fitting_chunk(64, torch.bfloat16, 256, True) == 64
+        assert tc._fitting_chunk(64, torch.float32, 64, True) == 64
+        assert tc._fitting_chunk(16, torch.float32, 128, True) == 16
+        assert tc._fitting_chunk(64, torch.float32, 128, False) == 64
+
+
 def test_launch_refuses_narrow_sequential_blocks_at_one_stage(monkeypatch):
     """The launch config that miscompiled on an H100 (triton 3.6): 32-wide V blocks of a sequential kernel at 4 warps
     and 1 stage. _launch refuses it with a message naming the fix, before touching the kernel."""

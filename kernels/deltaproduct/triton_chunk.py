@@ -37,10 +37,12 @@ reverse cumsum maps back to the per-row (per-token) log gate.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ..autotune import autotune
 from ._common import check_inputs, l2norm
@@ -177,25 +179,66 @@ FIXED: dict = {}
 
 
 _SEQUENTIAL = ("h_o", "h_o_save", "dh")  # the chunk-sequential kernels (see _launch)
+# Compiled GPU runs launch every kernel at a fixed config: `default` where the call gives one, else this (the single
+# entry of each kernel's autotune list, which the interpreter uses)
+_BASE = {"h_o": ({"BV": 64}, 4, 1), "dh": ({}, 4, 2), "main": ({"BV": 32}, 8, 4), "fill": ({}, 4, 1)}
+_FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in shared memory
+
+
+def _refused(name, bv, nw, ns):
+    return name in _SEQUENTIAL and bv is not None and bv < 64 and nw >= 4 and ns == 1
+
+
+def _smaller(name, meta, nw, ns, kw, vary_bv=True):
+    """Configs to try after an out-of-shared-memory launch, in order: fewer pipeline stages, then (vary_bv: where the
+    grid follows BV or does not depend on it) narrower V blocks, at 2 warps for the sequential kernels where 4 would hit
+    the refused config. Same results, less shared memory."""
+    bv0 = meta.get("BV", kw.get("BV"))
+    for bv in ([bv0] if bv0 is None or not vary_bv else [b for b in (bv0, bv0 // 2, bv0 // 4) if b >= 16]):
+        for st in range(ns, 0, -1):
+            if (bv, st) != (bv0, ns):
+                yield ({**meta, "BV": bv} if bv is not None else dict(meta)), \
+                    (2 if _refused(name, bv, nw, st) else nw), st
 
 
 def _launch(kern, name, grid, args, kw, default=None):
-    """kern[grid](*args, **kw), autotuned, or with the fixed config FIXED[name] (else `default`, when given;
-    compiled GPU runs only): (meta, num_warps, num_stages) or (meta, num_warps, num_stages, maxnreg). grid is a
-    tuple or a function of the meta-parameters."""
-    fixed = FIXED.get(name, default)
-    if fixed is not None and not _INTERPRET:
-        meta, nw, ns = fixed[:3]
-        if name in _SEQUENTIAL and meta.get("BV", 64) < 64 and nw >= 4 and ns == 1:
-            raise ValueError(
-                f"{name}: V blocks of {meta['BV']} at {nw} warps and 1 stage gave wrong results or illegal addresses on "
-                "an H100 with triton 3.6 (session 9, kernels/deltaproduct/BENCH.md); use BV 64, 2 warps or 2 stages")
-        kw = {**kw, **meta}
-        if len(fixed) > 3 and fixed[3]:  # a register cap (ptx .maxnreg): more programs per SM
-            kw["maxnreg"] = fixed[3]
-        kern.fn[grid(kw) if callable(grid) else grid](*args, **kw, num_warps=nw, num_stages=ns)
-    else:
+    """kern[grid](*args, **kw) at the fixed config FIXED[name], else `default`, else _BASE[name] (compiled GPU runs;
+    the interpreter runs the autotune list): (meta, num_warps, num_stages) or (meta, num_warps, num_stages, maxnreg).
+    grid is a tuple or a function of the meta-parameters. A config that needs more shared memory than the GPU has
+    (wide key heads, float32 inputs) is retried with fewer stages, then narrower V blocks (_smaller), with a warning;
+    the config that fit is remembered for these constexprs and dtype."""
+    fixed = FIXED.get(name, default if default is not None else _BASE.get(name))
+    if fixed is None or _INTERPRET:
         kern[grid](*args, **kw)
+        return
+    meta, nw, ns = fixed[:3]
+    if _refused(name, meta.get("BV", 64), nw, ns):
+        raise ValueError(
+            f"{name}: V blocks of {meta['BV']} at {nw} warps and 1 stage gave wrong results or illegal addresses on "
+            "an H100 with triton 3.6 (session 9, kernels/deltaproduct/BENCH.md); use BV 64, 2 warps or 2 stages")
+    cap = fixed[3] if len(fixed) > 3 else None  # a register cap (ptx .maxnreg): more programs per SM
+    key = (name, repr(fixed), str(args[0].dtype), tuple(sorted((k, v) for k, v in kw.items()
+                                                             if isinstance(v, (bool, int, float, str)))))
+    tries = [_FIT[key]] if key in _FIT else \
+        [(meta, nw, ns), *_smaller(name, meta, nw, ns, kw, vary_bv=callable(grid) or "BV" in meta)]
+    err = None
+    for m, w, st in tries:
+        kwm = {**kw, **m}
+        if cap:
+            kwm["maxnreg"] = cap
+        try:
+            kern.fn[grid(kwm) if callable(grid) else grid](*args, **kwm, num_warps=w, num_stages=st)
+        except OutOfResources as e:
+            err = err or e
+            continue
+        if key not in _FIT:
+            _FIT[key] = (m, w, st)
+            if err is not None:
+                warnings.warn(f"lm_kernels.deltaproduct: {name} at {meta}, {nw} warps, {ns} stages needs more shared "
+                              f"memory than this GPU has ({err}); running {m}, {w} warps, {st} stages (same results, "
+                              "slower)", stacklevel=3)
+        return
+    raise err
 
 
 def _configs(warps, stages):
@@ -1133,6 +1176,18 @@ class _ChunkDeltaProductFn(torch.autograd.Function):
         return dq, dk, dv, db, dg, dh0, None
 
 
+def _fitting_chunk(chunk_size: int, dtype, K: int, on_gpu: bool) -> int:
+    """The chunk length the GPU kernels run: float32 inputs with key heads over 64 at 64-row chunks need more shared
+    memory than an H100 has in the main backward (360 KB at K = 128, nh = 1; 393-720 KB at K = 256; sm_90 compiles,
+    H100 session 10), so they run 32-row chunks (the same chunkwise algebra, 65-131 KB), with a warning."""
+    if on_gpu and dtype == torch.float32 and K > 64 and chunk_size > 32:
+        warnings.warn(f"chunk_deltaproduct: float32 inputs with head_k_dim {K} run 32-row chunks instead of "
+                      f"{chunk_size} on the GPU (the 64-row backward needs more shared memory than the GPU has); "
+                      "bf16 / fp16 inputs (torch.autocast) keep 64", stacklevel=3)
+        return 32
+    return chunk_size
+
+
 def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
                               output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64):
     """Triton path of `chunk_deltaproduct` (same contract). Computes in float32 inside the kernels;
@@ -1148,6 +1203,7 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
     if not (q.dtype == k.dtype == dt):
         raise ValueError(f"q, k and v must share one dtype for the triton backend, got {q.dtype}, {k.dtype}, {dt}")
     nh = num_householder
+    chunk_size = _fitting_chunk(chunk_size, q.dtype, K, q.is_cuda and not _INTERPRET)
     scale = K ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
