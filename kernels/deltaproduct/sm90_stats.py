@@ -1,10 +1,13 @@
 """Registers / spills / shared memory of the DeltaProduct kernels compiled for sm_90 on a machine without a GPU.
 
-    python -m lm_kernels.deltaproduct.sm90_stats [--nh 1 2 3] [--configs BV/warps/stages ..]
+    python -m lm_kernels.deltaproduct.sm90_stats [--nh 1 2 3] [--configs BV/warps/stages ..] [--kernels main dh ..]
+        [--K 128] [--V 256] [--chunk 64] [--dtype bf16|fp16|fp32]
 
 Run it in a process without TRITON_INTERPRET (triton ships ptxas and cuobjdump). The numbers come from the CPU's
 triton (3.9 here), whose code generation can differ from the GPU image's (3.6): use them to compare variants,
-and the bench's compile_stats (triton's metadata on the H100) for the record. Bench shape: K 128, V 256, chunk 64.
+and the bench's compile_stats (triton's metadata on the H100) for the record. Defaults: the bench shape (K 128, V 256,
+chunk 64, bf16); --K / --V / --chunk / --dtype check other shapes, e.g. that a launch fits in the 232448 bytes of
+shared memory an H100 gives a program (session 10 found two that did not: bf16 K 256 in dh, float32 K 128 in main).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ _FP32_PTRS = {"gc", "db", "dg", "ht", "h0", "dh0", "dht", "dkp"}
 _INT_PTRS = {"chunk_seq", "chunk_row", "cu_rows", "chunk_off"}
 
 
-def _signature(fn, constexprs):
+def _signature(fn, constexprs, dtype="bf16"):
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -31,17 +34,18 @@ def _signature(fn, constexprs):
         elif name in _FP32_PTRS:
             sig[name] = "*fp32"
         else:
-            sig[name] = "*bf16"
+            sig[name] = "*" + dtype  # the op's inputs and the tensors stored in their dtype
     return sig
 
 
-def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None):
+def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16"):
     """Registers, spill store / load bytes, stack bytes (triton's n_spills on the GPU is stack / 4) and shared
-    memory of `kernel` compiled for sm_90 with these constexprs and launch options (lm_kernels.sm90.resources)."""
+    memory of `kernel` compiled for sm_90 with these constexprs and launch options (lm_kernels.sm90.resources);
+    dtype: of the inputs (bf16, fp16, fp32). An H100 gives a program at most 232448 bytes of shared memory."""
     fn = kernel
     while not isinstance(fn, triton.runtime.jit.JITFunction):
         fn = fn.fn
-    sig = _signature(fn, constexprs)
+    sig = _signature(fn, constexprs, dtype)
     # pointers 16-byte aligned, as torch allocates them (the launcher specializes on that)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -79,25 +83,47 @@ def _ho_cx(nh, BV, save, **extra):
     return cx
 
 
+def _kkt_cx(nh, BV, **extra):
+    """The forward prep as the op launches it by default (the T inversion, then W and Aqk: KKT_FUSE_WU)."""
+    BT, K, V = extra.get("BT", 64), extra.get("K", 128), extra.get("V", 256)
+    intra = nh >= tc.INTRA_MIN_NH
+    cx = dict(NH=nh, H=16, K=K, BT=BT, BK=128, USE_G=True, PREC="tf32", EARLY_A=True, MP="tf32", FUSE_WU=True, V=V,
+              BV=BV, BQ=tc._bq(BT, nh), INTRA=intra, SCALE_T=intra, SAVE_AQ=False, AQF=intra, NOQE=intra)
+    cx.update(extra)
+    return cx
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--nh", type=int, nargs="+", default=[1])
     p.add_argument("--configs", nargs="+", default=["32/8/3"], help="BV/warps/stages of the main backward")
-    p.add_argument("--kernels", nargs="+", default=["main"], help="main, dh, h_o, h_o_save")
+    p.add_argument("--kernels", nargs="+", default=["main"], help="main, dh, h_o, h_o_save, kkt (the fused prep)")
+    p.add_argument("--K", type=int, default=128, help="key head size")
+    p.add_argument("--V", type=int, default=256, help="value head size")
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="of the op's inputs")
     a = p.parse_args(argv)
     for nh in a.nh:
+        BQ = tc._bq(a.chunk, nh)
+        shape = dict(K=a.K, BK=max(16, triton.next_power_of_2(a.K)), V=a.V, BT=a.chunk, BQ=BQ,
+                     PREC="tf32x3" if a.dtype == "fp32" else "tf32")
         for kname in a.kernels:
             for c in a.configs:
                 bv, w, s = (int(x) for x in c.split("/"))
                 if kname == "main":
-                    r = stats(tc._bwd_main_kernel, _main_cx(nh, bv), w, s)
+                    r = stats(tc._bwd_main_kernel, _main_cx(nh, bv, **shape), w, s, dtype=a.dtype)
                 elif kname == "dh":  # the sequential backward
-                    r = stats(tc._bwd_dh_v2_kernel, _dh_cx(nh, bv), w, s)
+                    r = stats(tc._bwd_dh_v2_kernel, _dh_cx(nh, bv, **shape), w, s, dtype=a.dtype)
                 elif kname in ("h_o", "h_o_save"):  # the sequential forward (no-grad / with grad)
-                    r = stats(tc._fwd_h_o_v2_kernel, _ho_cx(nh, bv, kname == "h_o_save"), w, s)
+                    save = kname == "h_o_save"
+                    r = stats(tc._fwd_h_o_v2_kernel, _ho_cx(nh, bv, save, **shape, BQP=tc._bqp(BQ, save)), w, s,
+                              dtype=a.dtype)
+                elif kname == "kkt":
+                    mp = "ieee" if a.dtype == "fp32" else "tf32"
+                    r = stats(tc._kkt_inv_kernel, _kkt_cx(nh, bv, **shape, MP=mp), w, s, dtype=a.dtype)
                 else:
                     raise SystemExit(f"unknown kernel {kname}")
-                print(f"nh={nh} {kname} BV{bv} w{w} s{s}: {r}", flush=True)
+                print(f"nh={nh} {kname} BV{bv} w{w} s{s} K{a.K} V{a.V} chunk{a.chunk} {a.dtype}: {r}", flush=True)
 
 
 if __name__ == "__main__":
