@@ -110,7 +110,7 @@ MAIN_LATE_LOADS = True
 # Measured and removed (H100 session 10 run 5): beta's gradient through U as colsum(T o dVn V^T) once after the V loop
 # instead of a row reduction per V block (main kernel nh=1/2/3 1.374/2.218/3.102 vs 1.249/1.995/2.807 ms: 90/60/58
 # spills vs 76/40/40), dK's two A-terms as one product (dP + dP^T) K (1.573/2.394/3.420: the register transpose spills).
-# Main backward launch config (meta, num_warps, num_stages) or None (the autotune list below).
+# Main backward launch config (meta, num_warps, num_stages) or None (_BASE["main"]).
 MAIN_CONFIG = None
 # The main backward at nh = 1 (unless MAIN_CONFIG is set): 5 pipeline stages. H100 session 5 run 3 (lead): f+b
 # 2.508 vs 2.534 ms at 4 stages (nh=2/3: 4.143/5.933 vs 4.126/5.961, so the autotuned 4 stays there).
@@ -173,14 +173,14 @@ H_O_STORE_LATE = True
 # nh=3, run 2), the U product issued just before W S instead of after the V and T loads (run 3: 2.024 vs 1.964),
 # beta folded into the V rows or T taken as a shared-memory operand (more spills on sm_90: 32-56 B).
 U_IN_H_O_MIN_NH = 1
-# Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of autotuned,
+# Benchmarks only: kernel name -> (meta dict, num_warps, num_stages) launched as given instead of the defaults,
 # e.g. {"main": ({"BV": 64}, 8, 1)}; names: kkt_inv, wu, h_o, h_o_save (the SAVE launch), dh, main.
 FIXED: dict = {}
 
 
 _SEQUENTIAL = ("h_o", "h_o_save", "dh")  # the chunk-sequential kernels (see _launch)
-# Compiled GPU runs launch every kernel at a fixed config: `default` where the call gives one, else this (the single
-# entry of each kernel's autotune list, which the interpreter uses)
+# Compiled GPU runs launch every kernel at a fixed config: `default` where the call gives one, else this (also the
+# one-entry autotune lists of these kernels, _base_configs; the interpreter runs its own small config)
 _BASE = {"h_o": ({"BV": 64}, 4, 1), "dh": ({}, 4, 2), "main": ({"BV": 32}, 8, 4), "fill": ({}, 4, 1)}
 _FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in shared memory
 
@@ -239,6 +239,15 @@ def _launch(kern, name, grid, args, kw, default=None):
                               "slower)", stacklevel=3)
         return
     raise err
+
+
+def _base_configs(name, interpret_meta=None):
+    """The autotune list of a kernel that compiled runs launch at _BASE[name] (see _launch): that config, or the
+    interpreter's (4 warps, 1 stage, interpret_meta)."""
+    if _INTERPRET:
+        return [triton.Config(interpret_meta or {}, num_warps=4, num_stages=1)]
+    meta, nw, ns = _BASE[name]
+    return [triton.Config(meta, num_warps=nw, num_stages=ns)]
 
 
 def _configs(warps, stages):
@@ -541,16 +550,11 @@ def _ho_store_state(hs, b_S, c0, c, i_h, off_kv, m_kv, H: tl.constexpr, K: tl.co
         tl.store(hs + ((c0 + c) * H + i_h) * K * V + off_kv, b_S.to(hs.dtype.element_ty), mask=m_kv)
 
 
-def _h_o_v2_configs():
-    # among BV 32/2 warps, 32/4, 64/4, 64/8 (all 2 stages; session 2), then 64/4 at 1 stage (session 6: 73 instead of
-    # 119 KB of shared memory, so two programs per SM instead of one for the 512 chunk chains of the bench shape; H100
-    # no-grad forward nh=1/2/3 0.739/1.236/1.800 vs 0.817/1.304/1.903 ms, the forward with grad already ran 1 stage)
-    if _INTERPRET:
-        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": 64}, num_warps=4, num_stages=1)]
-
-
-@autotune(configs=_h_o_v2_configs(), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
+# _BASE["h_o"]: among BV 32/2 warps, 32/4, 64/4, 64/8 (all 2 stages; session 2), then 64/4 at 1 stage (session 6: 73
+# instead of 119 KB of shared memory, so two programs per SM instead of one for the 512 chunk chains of the bench
+# shape; H100 no-grad forward nh=1/2/3 0.739/1.236/1.800 vs 0.817/1.304/1.903 ms, the forward with grad already ran 1
+# stage)
+@autotune(configs=_base_configs("h_o", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "SAVE", "INTRA", "SAVE_VN", "SAVE_AQ",
                                                  "AQF", "NOQE", "EVERY2", "U_IN"],
                  restore_value=["o"])
 @triton.jit
@@ -666,7 +670,7 @@ def _fwd_h_o_v2_kernel(q, k, w, u, qe, gc, h0, o, ht, hs, vn, aq, aqf, v, Tm, be
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
-@autotune(configs=_configs([4], [1]), key=["H", "K", "V", "BT", "NH"])
+@autotune(configs=_base_configs("fill"), key=["H", "K", "V", "BT", "NH"])
 @triton.jit
 def _fill_states_kernel(k, gc, vn, hs, chunk_seq, chunk_row, cu_rows,
                         NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -743,7 +747,7 @@ def _bwd_dvloc_kernel(q, k, gc, do, dvn, chunk_seq, chunk_row, cu_rows, scale,
 
 
 # among 4/2, 8/2
-@autotune(configs=_configs([4], [2]), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL", "LOAD_AQ"],
+@autotune(configs=_base_configs("dh"), key=["H", "K", "V", "BT", "NH", "BV", "FUSE_DVL", "LOAD_AQ"],
                  restore_value=["dvn"])
 @triton.jit
 def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off, scale,
@@ -822,17 +826,11 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_dS, mask=m_kv)
 
 
-def _main_configs():
-    # among BV/warps/stages 64/8/1, 64/8/2, 32/8/2, 32/8/3, 32/8/4: stages >= 2 pipeline the V loop's loads (one
-    # program per SM at 8 warps: nothing else hides them; the V loop itself does not spill on sm_90, the 40-76
-    # spilled registers are after it). 4 stages: f+b nh=1/2/3 2.539/4.186/6.012 vs 2.571/4.222/6.072 ms at 3
-    # (H100 session 5 run 1; 123 / 109 KB of shared memory, still one program per SM)
-    if _INTERPRET:
-        return [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BV": 32}, num_warps=8, num_stages=4)]
-
-
-@autotune(configs=_main_configs(), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
+# _BASE["main"]: among BV/warps/stages 64/8/1, 64/8/2, 32/8/2, 32/8/3, 32/8/4: stages >= 2 pipeline the V loop's
+# loads (one program per SM at 8 warps: nothing else hides them; the V loop itself does not spill on sm_90, the 40-76
+# spilled registers are after it). 4 stages: f+b nh=1/2/3 2.539/4.186/6.012 vs 2.571/4.222/6.072 ms at 3 (H100
+# session 5 run 1; 123 / 109 KB of shared memory, still one program per SM)
+@autotune(configs=_base_configs("main", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "REBASE", "LATE", "RECOMP_VN"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
