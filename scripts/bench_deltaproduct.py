@@ -123,6 +123,12 @@ VARIANTS = {
     # nh = 1 with the prep forming Aqk (and Aqk^T for the sequential backward) like nh >= 2, instead of the sequential
     # forward forming it from its Q and K^T tiles
     "intra1_aq": dict(INTRA_MIN_NH=1, AQK_SAVE=True),
+    # session 11: the main backward at 16-wide V blocks (fewer spills at nh = 2, 3 on sm_90, half the shared memory);
+    # dbeta stored in float32 and cast after the kernel at every nh (session 10), or in beta's dtype at every nh
+    "main16": dict(MAIN_CONFIG=({"BV": 16}, 8, 5)),
+    "main16s4": dict(MAIN_CONFIG=({"BV": 16}, 8, 4)),
+    "db32": dict(MAIN_DB_FP32_MAX_NH=99),
+    "db16": dict(MAIN_DB_FP32_MAX_NH=0),
 }
 
 

@@ -110,6 +110,14 @@ MAIN_LATE_LOADS = True
 # Measured and removed (H100 session 10 run 5): beta's gradient through U as colsum(T o dVn V^T) once after the V loop
 # instead of a row reduction per V block (main kernel nh=1/2/3 1.374/2.218/3.102 vs 1.249/1.995/2.807 ms: 90/60/58
 # spills vs 76/40/40), dK's two A-terms as one product (dP + dP^T) K (1.573/2.394/3.420: the register transpose spills).
+# Up to which nh the main backward stores dbeta in float32 (then a cast kernel follows) instead of in beta's dtype.
+# H100 session 11 run 2 (B8 T2048 H16 K128 V256 bf16, f+b ms): nh=2/3 3.820/5.503 stored in bf16 vs 3.840/5.553
+# with the cast; nh=1 2.493 vs 2.378: the bf16 store costs the nh = 1 kernel spills (sm_90: 344 vs 304 B of stack).
+# Measured and removed (session 11 runs 1-2): the main backward reading the forward's Aqk (the prep's, or the nh = 1
+# sequential forward's Aqk^T) for dAqk o Aqk instead of forming Q K^T again: nh=2/3 3.870/5.570 (the load's latency
+# is exposed after the V loop, once per program, 93 waves at nh = 3), nh=1 2.371 (no gain); 16-wide V blocks for
+# the main backward (fewer spills at nh = 2, 3 but f+b 4.47/6.58 at 5 stages).
+MAIN_DB_FP32_MAX_NH = 1
 # Main backward launch config (meta, num_warps, num_stages) or None (_BASE["main"]).
 MAIN_CONFIG = None
 # The main backward at nh = 1 (unless MAIN_CONFIG is set): 5 pipeline stages. H100 session 5 run 3 (lead): f+b
@@ -1144,7 +1152,8 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    db = torch.empty(beta.shape, dtype=torch.float32, device=dev)
+    # one writer per row: stored in beta's dtype, or in float32 and cast after the kernel up to MAIN_DB_FP32_MAX_NH
+    db = torch.empty(beta.shape, dtype=torch.float32 if nh <= MAIN_DB_FP32_MAX_NH else beta.dtype, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
     if meta.get("every2", False):  # the odd chunks' states, which the forward did not store
         _launch(_fill_states_kernel, "fill", (NT, H, triton.cdiv(V, BV)), (k, gc, vn, hs, cseq, crow, cu_rows),
