@@ -129,6 +129,7 @@ VARIANTS = {
     "main16s4": dict(MAIN_CONFIG=({"BV": 16}, 8, 4)),
     "db32": dict(MAIN_DB_FP32_MAX_NH=99),
     "db16": dict(MAIN_DB_FP32_MAX_NH=0),
+    "nh1_s4": dict(MAIN_CONFIG_NH1=({"BV": 32}, 8, 4)),  # the nh = 1 main backward at 4 stages (5: session 5)
 }
 
 

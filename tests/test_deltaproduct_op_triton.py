@@ -300,3 +300,25 @@ def test_launch_refuses_narrow_sequential_blocks_at_one_stage(monkeypatch):
     monkeypatch.setattr(tc, "FIXED", {"dh": ({"BV": 32}, 4, 1)})
     with pytest.raises(ValueError, match="BV 64, 2 warps or 2 stages"):
         tc._launch(None, "dh", (1,), (), {})
+
+
+@pytest.mark.parametrize("nh", [1, 2])
+def test_triton_bf16_under_the_interpreter(nh):
+    """bf16 inputs on CPU: the interpreter's bf16 tl.dot is wrong (triton 3.6 - 3.9), so the op computes in float32
+    there; outputs and gradients come back in their inputs' dtypes and match the float64 reference in the bf16 band
+    (before the fix, o was off by ~1e10)."""
+    ins = make(1, 40, 2, 32, 32, nh, True, True, 1)
+    wo = torch.randn(1, 40, 2, 32, dtype=torch.float64)
+    ws = torch.randn(1, 2, 32, 32, dtype=torch.float64)
+    ref = run("reference", ins, wo, ws, torch.float64, num_householder=nh, chunk_size=32)
+    leaves = [x.clone().to(torch.bfloat16).requires_grad_(True) for x in ins[:4]]
+    g = ins[4].clone().requires_grad_(True)
+    s0 = ins[5].clone().requires_grad_(True)
+    o, s = chunk_deltaproduct(*leaves, g, initial_state=s0, output_final_state=True, num_householder=nh,
+                              chunk_size=32, backend="triton")
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    ((o.double() * wo).sum() + (s.double() * ws).sum()).backward()
+    tri = [o, s] + [x.grad for x in leaves] + [g.grad, s0.grad]
+    for name, a, b in zip(NAMES, tri, ref):
+        assert a.dtype == (torch.bfloat16 if name in ("o", "dq", "dk", "dv", "dbeta") else torch.float32), name
+        assert rel(a.detach(), b) < 2e-2, f"{name}: relative error {rel(a.detach(), b):.3e}"

@@ -1210,6 +1210,14 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
     if not (q.dtype == k.dtype == dt):
         raise ValueError(f"q, k and v must share one dtype for the triton backend, got {q.dtype}, {k.dtype}, {dt}")
     nh = num_householder
+    if _INTERPRET and dt == torch.bfloat16:
+        # the interpreter's bf16 tl.dot returns garbage (triton 3.6 - 3.9; float16 is right): compute in float32 there,
+        # as the SSD kernels do; autograd casts the gradients back to bf16
+        o, ht = chunk_deltaproduct_triton(
+            q.float(), k.float(), v.float(), beta.float(), g, num_householder=nh, scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        return o.to(dt), ht
     chunk_size = _fitting_chunk(chunk_size, q.dtype, K, q.is_cuda and not _INTERPRET)
     scale = K ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm:
