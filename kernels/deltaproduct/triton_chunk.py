@@ -111,8 +111,9 @@ MAIN_LATE_LOADS = True
 # instead of a row reduction per V block (main kernel nh=1/2/3 1.374/2.218/3.102 vs 1.249/1.995/2.807 ms: 90/60/58
 # spills vs 76/40/40), dK's two A-terms as one product (dP + dP^T) K (1.573/2.394/3.420: the register transpose spills).
 # Up to which nh the main backward stores dbeta in float32 (then a cast kernel follows) instead of in beta's dtype.
-# H100 session 11 run 2 (B8 T2048 H16 K128 V256 bf16, f+b ms): nh=2/3 3.820/5.503 stored in bf16 vs 3.840/5.553
-# with the cast; nh=1 2.493 vs 2.378: the bf16 store costs the nh = 1 kernel spills (sm_90: 344 vs 304 B of stack).
+# H100 session 11 (B8 T2048 H16 K128 V256 bf16, f+b ms): nh=2/3 3.820/5.503 stored in bf16 vs 3.840/5.553 with the
+# cast (run 2), 3.813/5.505 vs 3.839/5.553 (run 3); nh=1 2.493 vs 2.378 (run 2): the bf16 store costs the nh = 1
+# kernel spills (sm_90: 344 vs 304 B of stack).
 # Measured and removed (session 11 runs 1-2): the main backward reading the forward's Aqk (the prep's, or the nh = 1
 # sequential forward's Aqk^T) for dAqk o Aqk instead of forming Q K^T again: nh=2/3 3.870/5.570 (the load's latency
 # is exposed after the V loop, once per program, 93 waves at nh = 3), nh=1 2.371 (no gain); 16-wide V blocks for
