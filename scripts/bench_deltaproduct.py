@@ -130,6 +130,11 @@ VARIANTS = {
     "db32": dict(MAIN_DB_FP32_MAX_NH=99),
     "db16": dict(MAIN_DB_FP32_MAX_NH=0),
     "nh1_s4": dict(MAIN_CONFIG_NH1=({"BV": 32}, 8, 4)),  # the nh = 1 main backward at 4 stages (5: session 5)
+    # the main backward as one kernel (session 10) instead of the K-sliced state loop + WY kernel, and the state-loop
+    # kernel at 8 warps (one program per SM), or at 8 warps capped at 128 registers (two per SM)
+    "fused": dict(MAIN_SPLIT_MAX_NH=0),
+    "split_w8": dict(FIXED={"qk": ({"BV": 32}, 8, 3)}),
+    "split_r128": dict(FIXED={"qk": ({"BV": 32}, 8, 3, 128)}),
 }
 
 

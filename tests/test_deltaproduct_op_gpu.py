@@ -171,3 +171,11 @@ def test_gpu_bf16_sequential_kernel_switches(nh, switch, monkeypatch):
     for name, value in switch.items():
         monkeypatch.setattr(tc, name, value)
     check_varlen(nh)
+
+
+def test_gpu_bf16_varlen_nh1_split():
+    """nh = 1 runs the main backward as two kernels (MAIN_SPLIT_MAX_NH) at K = 128: packed documents of 100, 1, 599 and
+    324 tokens with initial states against float64."""
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    assert tc.MAIN_SPLIT_MAX_NH >= 1 and 128 >= 2 * tc.MAIN_SPLIT_BK
+    check_varlen(1)

@@ -322,3 +322,23 @@ def test_triton_bf16_under_the_interpreter(nh):
     for name, a, b in zip(NAMES, tri, ref):
         assert a.dtype == (torch.bfloat16 if name in ("o", "dq", "dk", "dv", "dbeta") else torch.float32), name
         assert rel(a.detach(), b) < 2e-2, f"{name}: relative error {rel(a.detach(), b):.3e}"
+
+
+@pytest.mark.parametrize("nh,split,cu", [(1, 9, None), (2, 9, [0, 13, 45]), (3, 9, None), (2, 0, [0, 13, 45])],
+                         ids=["nh1", "nh2-varlen", "nh3", "nh2-fused-varlen"])
+def test_triton_main_backward_split_matches_reference(nh, split, cu, monkeypatch):
+    """The main backward as two kernels (MAIN_SPLIT_MAX_NH: the V loop over the states on K slices, then the WY
+    terms) with two 16-wide K slices of 32-wide key heads, so that dk, dW and the gate gradient are assembled from
+    both slices; and the fused kernel: 64-row chunks, gated, with initial states, packed sequences at nh = 2."""
+    import lm_kernels.deltaproduct.triton_chunk as tc
+    monkeypatch.setattr(tc, "MAIN_SPLIT_MAX_NH", split)
+    monkeypatch.setattr(tc, "MAIN_SPLIT_BK", 16)
+    N = 2 if cu else 1
+    ins = make(1, 45, 2, 32, 16, nh, True, True, N)
+    wo = torch.randn(1, 45, 2, 16, dtype=torch.float64)
+    ws = torch.randn(N, 2, 32, 16, dtype=torch.float64)
+    kw = dict(num_householder=nh, chunk_size=64, cu_seqlens=torch.tensor(cu) if cu else None)
+    ref = run("reference", ins, wo, ws, torch.float64, **kw)
+    tri = run("triton", ins, wo, ws, torch.float32, **kw)
+    for name, a, b in zip(NAMES, tri, ref):
+        assert rel(a, b) < 1e-5, f"{name}: relative error {rel(a, b):.3e}"

@@ -18,7 +18,7 @@ import triton
 from ..sm90 import TARGET, resources
 from . import triton_chunk as tc
 
-_FP32_PTRS = {"gc", "db", "dg", "ht", "h0", "dh0", "dht", "dkp"}
+_FP32_PTRS = {"gc", "db", "dg", "ht", "h0", "dh0", "dht", "dgp"}
 _INT_PTRS = {"chunk_seq", "chunk_row", "cu_rows", "chunk_off"}
 
 
@@ -29,6 +29,8 @@ def _signature(fn, constexprs, dtype="bf16"):
             sig[name] = "constexpr"
         elif name == "scale":
             sig[name] = "fp32"
+        elif name == "LH":
+            sig[name] = "i32"
         elif name in _INT_PTRS:
             sig[name] = "*i32"
         elif name in _FP32_PTRS:
@@ -97,7 +99,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--nh", type=int, nargs="+", default=[1])
     p.add_argument("--configs", nargs="+", default=["32/8/3"], help="BV/warps/stages of the main backward")
-    p.add_argument("--kernels", nargs="+", default=["main"], help="main, dh, h_o, h_o_save, kkt (the fused prep)")
+    p.add_argument("--kernels", nargs="+", default=["main"], help="main, dh, h_o, h_o_save, kkt (the fused prep), qk, wy (the split "
+                   "main backward)")
     p.add_argument("--K", type=int, default=128, help="key head size")
     p.add_argument("--V", type=int, default=256, help="value head size")
     p.add_argument("--chunk", type=int, default=64)
@@ -118,6 +121,15 @@ def main(argv=None):
                     save = kname == "h_o_save"
                     r = stats(tc._fwd_h_o_v2_kernel, _ho_cx(nh, bv, save, **shape, BQP=tc._bqp(BQ, save)), w, s,
                               dtype=a.dtype)
+                elif kname == "qk":  # the split main backward's state loop (MAIN_SPLIT_MAX_NH), one K slice
+                    bk = min(shape["BK"], tc.MAIN_SPLIT_BK)
+                    cx = dict(NH=nh, H=16, K=a.K, V=a.V, BT=a.chunk, BK=bk, BV=bv, BQ=BQ, PREC=shape["PREC"])
+                    r = stats(tc._bwd_qk_kernel, cx, w, s, dtype=a.dtype)
+                elif kname == "wy":  # the split main backward's WY kernel
+                    nk = triton.cdiv(a.K, min(shape["BK"], tc.MAIN_SPLIT_BK))
+                    cx = dict(NH=nh, H=16, K=a.K, V=a.V, BT=a.chunk, BK=shape["BK"], BV=bv, NK=nk, USE_G=True,
+                              PREC=shape["PREC"])
+                    r = stats(tc._bwd_wy_kernel, cx, w, s, dtype=a.dtype)
                 elif kname == "kkt":
                     mp = "ieee" if a.dtype == "fp32" else "tf32"
                     r = stats(tc._kkt_inv_kernel, _kkt_cx(nh, bv, **shape, MP=mp), w, s, dtype=a.dtype)

@@ -119,6 +119,19 @@ MAIN_LATE_LOADS = True
 # is exposed after the V loop, once per program, 93 waves at nh = 3), nh=1 2.371 (no gain); 16-wide V blocks for
 # the main backward (fewer spills at nh = 2, 3 but f+b 4.47/6.58 at 5 stages).
 MAIN_DB_FP32_MAX_NH = 1
+# Up to which nh the main backward runs as two kernels (_bwd_qk_kernel on K slices of MAIN_SPLIT_BK, then
+# _bwd_wy_kernel) instead of _bwd_main_kernel, for key heads of at least two slices. The state loop on 64-wide K
+# slices has half the accumulators: 4 warps, 255 registers, 0 spills, two programs per SM, so one program's loads
+# overlap the other's epilogue; it costs a second read of Vn, dVn and dO (through L2: a chunk's slices run side by
+# side) and dW / dk written by the first kernel and read by the second. H100 session 11 run 4 (B8 T2048 H16 K128 V256
+# bf16, f+b ms): nh=1 2.241 vs 2.378 fused (state loop 0.593 + WY 0.518 vs 1.246), but nh=2/3 3.943/5.783 vs
+# 3.805/5.499 (at 21-32 tokens per chunk the extra traffic outweighs the overlap); the state loop at 8 warps (1 per
+# SM) 2.451 / capped at 128 registers 2.374 at nh=1; run 5 (final): nh=1 2.239 vs 2.376. The split with a single
+# slice (key heads of 32) gave NaN dk and wrong dbeta / dg on the H100 in run 4 (test_gpu_bf16_small_heads; the
+# interpreter runs it right), while two-slice splits passed there (BK 32 at K = 64 in run 5's probe, BK 64 at K = 128 -
+# 256 in the op tests): one-slice heads keep the fused kernel, which has no accumulators to halve there anyway.
+MAIN_SPLIT_MAX_NH = 1
+MAIN_SPLIT_BK = 64
 # Main backward launch config (meta, num_warps, num_stages) or None (_BASE["main"]).
 MAIN_CONFIG = None
 # The main backward at nh = 1 (unless MAIN_CONFIG is set): 5 pipeline stages. H100 session 5 run 3 (lead): f+b
@@ -190,7 +203,8 @@ FIXED: dict = {}
 _SEQUENTIAL = ("h_o", "h_o_save", "dh")  # the chunk-sequential kernels (see _launch)
 # Compiled GPU runs launch every kernel at a fixed config: `default` where the call gives one, else this (also the
 # one-entry autotune lists of these kernels, _base_configs; the interpreter runs its own small config)
-_BASE = {"h_o": ({"BV": 64}, 4, 1), "dh": ({}, 4, 2), "main": ({"BV": 32}, 8, 4), "fill": ({}, 4, 1)}
+_BASE = {"h_o": ({"BV": 64}, 4, 1), "dh": ({}, 4, 2), "main": ({"BV": 32}, 8, 4), "fill": ({}, 4, 1),
+         "qk": ({"BV": 32}, 4, 3), "wy": ({"BV": 64}, 8, 2)}
 _FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in shared memory
 
 
@@ -996,6 +1010,181 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
                  mask=m_t & ((rows + ph) % NH == 0))
 
 
+# The main backward split in two (MAIN_SPLIT_MAX_NH), as flash-linear-attention splits its gated delta rule backward:
+# _bwd_qk_kernel runs the V loop over the chunk states on one K slice per program (the fp32 accumulators halve at
+# K = 128) and forms dq, the state and query parts of dk (stored in k's dtype), dW and each slice's share of dg;
+# _bwd_wy_kernel then forms dv, dbeta and the WY / (I + A)^-1 terms of dk and dg from dVn, V, T, K and that dW.
+@autotune(configs=_base_configs("qk", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "BK"])
+@triton.jit
+def _bwd_qk_kernel(q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, chunk_seq, chunk_row, cu_rows, chunk_off, scale,
+                   LH, NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, PREC: tl.constexpr):
+    """One chunk, one BK-wide K slice (program_id 0, so that a chunk's slices run side by side and share its Vn, dVn
+    and dO tiles through L2): V loop with dO S^T, dO Vn^T, Vn dS^T, dVn S^T, then dq (complete), dk's query and state
+    terms (dkp), dW (dwp) and the slice's terms of d(gate cumsum) (dgp[i_k])."""
+    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    bos = tl.load(cu_rows + n).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
+    ph = (r0 % NH).to(tl.int32)
+    t0 = r0 // NH
+    k0 = i_k * BK
+    k += (r0 * H + i_h) * K + k0
+    dkp += (r0 * H + i_h) * K + k0
+    dwp += (r0 * H + i_h) * K + k0
+    vn += (r0 * H + i_h) * V
+    dvn += (r0 * H + i_h) * V
+    gc += r0 * H + i_h
+    dgp += i_k.to(tl.int64) * LH + r0 * H + i_h
+    q += (t0 * H + i_h) * K + k0
+    dq += (t0 * H + i_h) * K + k0
+    do += (t0 * H + i_h) * V
+    hs += (c_glob * H + i_h) * K * V + k0 * V
+    dh += (c_glob * H + i_h) * K * V + k0 * V
+    nt = (tl.minimum(eos, r0 + BT) - r0).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    o_q = tl.arange(0, BQ)
+    o_k = tl.arange(0, BK)
+    mk = o_k < K - k0
+    m_t = o_t < nt
+    kdt = k.dtype.element_ty
+    b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
+    g_last = tl.load(gc + (nt - 1) * H)
+    rq = o_q * NH + NH - 1 - ph
+    m_q = rq < nt
+    b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
+    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
+    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dgc = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        mtv = m_t[:, None] & mv[None, :]
+        p_h = o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+        b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+        b_vn = tl.load(vn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
+        b_dvn = tl.load(dvn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
+        b_do = tl.load(do + o_q[:, None] * (H * V) + o_v[None, :], mask=m_q[:, None] & mv[None, :], other=0.0)
+        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
+        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
+        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
+        b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
+    mtk = m_t[:, None] & mk[None, :]
+    tl.store(dwp + o_t[:, None] * (H * K) + o_k[None, :], b_dw.to(dwp.dtype.element_ty), mask=mtk)
+    b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=mtk, other=0.0)
+    b_qs = b_q.to(tl.float32) * scale
+    m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
+    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)  # this slice's share of scale Q K^T
+    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
+    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
+    tl.store(dq + o_q[:, None] * (H * K) + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_q[:, None] & mk[None, :])
+    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
+    b_e2 = b_daq * b_qk
+    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
+    b_dg = -tl.sum(b_e2, 0)
+    b_dg += tl.sum(tl.where((rq[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
+    b_ed = tl.exp(g_last - b_g)
+    b_dk += b_dkd * b_ed[:, None]
+    b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
+    b_dg -= b_f
+    b_dglast = tl.sum(b_f, 0) + tl.exp(g_last) * tl.sum(b_dgc, 0)
+    b_dg += tl.where(o_t == nt - 1, b_dglast, 0.0)
+    tl.store(dkp + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dkp.dtype.element_ty), mask=mtk)
+    tl.store(dgp + o_t * H, b_dg, mask=m_t)
+
+
+@autotune(configs=_base_configs("wy", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "NK"])
+@triton.jit
+def _bwd_wy_kernel(k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg, chunk_seq, chunk_row, cu_rows, LH,
+                   NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
+    """One chunk: dv and beta's U-gradient (V loop over dVn, V), then the WY terms (W = T Kb, U = T Vb) and the
+    (I + A)^-1 terms of dk, dbeta and dg from _bwd_qk_kernel's dW, added to its dk and dg shares."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    ph = (r0 % NH).to(tl.int32)
+    k += (r0 * H + i_h) * K
+    dk += (r0 * H + i_h) * K
+    dkp += (r0 * H + i_h) * K
+    dwp += (r0 * H + i_h) * K
+    v += (r0 * H + i_h) * V
+    dv += (r0 * H + i_h) * V
+    dvn += (r0 * H + i_h) * V
+    beta += r0 * H + i_h
+    db += r0 * H + i_h
+    gc += r0 * H + i_h
+    dgp += r0 * H + i_h
+    Tm += (r0 * H + i_h) * BT
+    dg += (r0 // NH) * H + i_h
+    nt = (tl.minimum(eos, r0 + BT) - r0).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    mk = o_k < K
+    m_t = o_t < nt
+    mkv = m_t[:, None] & mk[None, :]
+    kdt = k.dtype.element_ty
+    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
+    tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_Tk = tl.load(Tm + o_t[:, None] * (H * BT) + o_t[None, :], mask=tri, other=0.0).to(kdt)
+    b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mtv = m_t[:, None] & (o_v < V)[None, :]
+        b_dvn = tl.load(dvn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
+        b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
+        b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
+        b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
+        tl.store(dv + o_t[:, None] * (H * V) + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0)
+    b_dw = tl.load(dwp + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0).to(kdt)
+    b_dk = tl.load(dkp + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0).to(tl.float32)
+    b_dg = tl.zeros([BT], dtype=tl.float32)
+    for i_k in tl.static_range(NK):
+        b_dg += tl.load(dgp + i_k * LH + o_t * H, mask=m_t, other=0.0)
+    b_eb = b_b * tl.exp(b_g)
+    b_kb = b_k.to(tl.float32) * b_eb[:, None]
+    b_dT = tl.dot(b_dw, tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb * b_b[None, :]
+    b_dkb = tl.dot(tl.trans(b_Tk), b_dw, input_precision=PREC)
+    b_dk += b_dkb * b_eb[:, None]
+    b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
+    b_db += b_t * tl.exp(b_g)
+    b_dg += b_t * b_eb
+    # T = (I + A)^-1: dA = -T^T dT T^T on the strictly lower part
+    b_dA = tl.dot(b_dT.to(kdt), tl.trans(b_Tk), input_precision=PREC)
+    b_dA = -tl.dot(tl.trans(b_Tk), b_dA.to(kdt), input_precision=PREC)
+    m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_gam = tl.exp(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    b_p = tl.where(m_s, b_kk * b_gam, 0.0)
+    b_dA = tl.where(m_s, b_dA, 0.0)
+    b_db += tl.sum(b_dA * b_p, 1)
+    b_dpg = b_dA * b_b[:, None] * b_gam
+    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
+                                                                        input_precision=PREC)
+    b_e = b_dA * b_p * b_b[:, None]
+    b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
+    tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
+    if USE_G:
+        b_dg = tl.where(m_t, b_dg, 0.0)
+        b_dgl = tl.sum(b_dg, 0) - tl.cumsum(b_dg, 0) + b_dg  # reverse cumsum
+        tl.store(dg + ((o_t + ph) // NH) * H, b_dgl.to(dg.dtype.element_ty), mask=m_t & ((o_t + ph) % NH == 0))
+
+
 # ----------------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------------
@@ -1159,6 +1348,20 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     if meta.get("every2", False):  # the odd chunks' states, which the forward did not store
         _launch(_fill_states_kernel, "fill", (NT, H, triton.cdiv(V, BV)), (k, gc, vn, hs, cseq, crow, cu_rows),
                 dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec))
+    if nh <= MAIN_SPLIT_MAX_NH and K >= 2 * MAIN_SPLIT_BK and not recomp:
+        BK1 = min(BK, MAIN_SPLIT_BK)
+        NK = triton.cdiv(K, BK1)
+        dkp, dwp = torch.empty_like(k), torch.empty_like(k)
+        dgp = torch.empty(NK, L, H, dtype=torch.float32, device=dev)
+        _launch(_bwd_qk_kernel, "qk", (NK, NT, H),
+                (q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, cseq, crow, cu_rows, coff, scale, L * H),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK1, BQ=BQ, PREC=prec))
+        _launch(_bwd_wy_kernel, "wy", (NT, H),
+                (k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg if dg is not None else gc, cseq, crow,
+                 cu_rows, L * H),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, NK=NK, USE_G=g is not None, PREC=prec))
+        return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
+            (dh0.to(h0.dtype) if h0 is not None else None)
     _launch(_bwd_main_kernel, "main", (NT, H),
             (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
              cseq, crow, cu_rows, coff, scale),
