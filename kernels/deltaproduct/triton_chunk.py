@@ -17,14 +17,18 @@ Forward:  _kkt_inv_kernel (parallel over chunks) gate cumsum, A = beta KK^T o Ga
 Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent part Aqk^T dO computed inline)
                                                   and the state gradient entering each chunk
           _fill_states_kernel (STATES_EVERY2 only) the odd chunks' states from the stored even ones
-          _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg
+          _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg; at nh = 1 (MAIN_SPLIT_MAX_NH) two kernels:
+          _bwd_qk_kernel (parallel over K slices x chunks) the loop over the states: dq, dk's query and state
+                                                  terms, dW, the slices' gate terms
+          _bwd_wy_kernel (parallel over chunks)  dv, dbeta and the WY / (I+A)^-1 terms of dk and dg
 Kept selectable as a measured alternative (module constants below, H100 timings in BENCH.md):
 _bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Removed after measuring slower in every
 H100 run (session 4, BENCH.md keeps their numbers): the one-kernel forward prep (_prep_kernel), the first
 versions of the sequential kernels (_fwd_h_o_kernel, _bwd_dh_kernel), the main backward in two V passes and
 its output side in a kernel of its own (_bwd_out_kernel), the main backward reading the saved Aqk^T (MAIN_AQ)
 and the prep's W/U half spread over V-block programs (_wu_v_kernel, WU_SPLIT_V); session 5: the main backward in
-two V passes, one per half of the K columns (_bwd_main_ks_kernel, MAIN_KSPLIT: 1.98 vs 1.33 ms at nh=1).
+two V passes, one per half of the K columns (_bwd_main_ks_kernel, MAIN_KSPLIT: 1.98 vs 1.33 ms at nh=1); the K
+halves as separate programs with the WY terms in a kernel of their own won at nh = 1 in session 11 (MAIN_SPLIT_MAX_NH).
 
 The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
     dVn = (Q K^T o Gam o M)^T dO + Kd dS'                 dS = e^gC dS' + (e^g Q)^T dO - W^T dVn
