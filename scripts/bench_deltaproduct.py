@@ -135,6 +135,14 @@ VARIANTS = {
     "fused": dict(MAIN_SPLIT_MAX_NH=0),
     "split_w8": dict(FIXED={"qk": ({"BV": 32}, 8, 3)}),
     "split_r128": dict(FIXED={"qk": ({"BV": 32}, 8, 3, 128)}),
+    # launch choices of the split: the state loop at 4 stages, the WY kernel at 3, 32-wide K slices (212 registers at
+    # 4 warps), also capped at 168 registers (three programs per SM)
+    "qk_s4": dict(FIXED={"qk": ({"BV": 32}, 4, 4)}),
+    "wy_s2": dict(FIXED={"wy": ({"BV": 64}, 8, 2)}),
+    "wy_s3": dict(FIXED={"wy": ({"BV": 64}, 8, 3)}),
+    "wy_s4": dict(FIXED={"wy": ({"BV": 64}, 8, 4)}),
+    "bk32": dict(MAIN_SPLIT_BK=32),
+    "bk32_r168": dict(MAIN_SPLIT_BK=32, FIXED={"qk": ({"BV": 32}, 4, 3, 168)}),
 }
 
 

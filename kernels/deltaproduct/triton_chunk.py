@@ -130,7 +130,9 @@ MAIN_DB_FP32_MAX_NH = 1
 # side) and dW / dk written by the first kernel and read by the second. H100 session 11 run 4 (B8 T2048 H16 K128 V256
 # bf16, f+b ms): nh=1 2.241 vs 2.378 fused (state loop 0.593 + WY 0.518 vs 1.246), but nh=2/3 3.943/5.783 vs
 # 3.805/5.499 (at 21-32 tokens per chunk the extra traffic outweighs the overlap); the state loop at 8 warps (1 per
-# SM) 2.451 / capped at 128 registers 2.374 at nh=1; run 5 (final): nh=1 2.239 vs 2.376. The split with a single
+# SM) 2.451 / capped at 128 registers 2.374 at nh=1; run 5: nh=1 2.239 vs 2.376. The WY kernel at 3 stages instead of
+# 2 (_BASE["wy"]; runs 6-7): 2.191 / 2.182 vs 2.241 / 2.250 (the kernel 0.463 vs 0.526 ms); 4 stages 2.186; the state
+# loop at 4 stages 2.182 (no change); 32-wide K slices 2.458 (capped at 168 registers for 3 per SM: 2.328). The split with a single
 # slice (key heads of 32) gave NaN dk and wrong dbeta / dg on the H100 in run 4 (test_gpu_bf16_small_heads; the
 # interpreter runs it right), while two-slice splits passed there (BK 32 at K = 64 in run 5's probe, BK 64 at K = 128 -
 # 256 in the op tests): one-slice heads keep the fused kernel, which has no accumulators to halve there anyway.
@@ -208,7 +210,7 @@ _SEQUENTIAL = ("h_o", "h_o_save", "dh")  # the chunk-sequential kernels (see _la
 # Compiled GPU runs launch every kernel at a fixed config: `default` where the call gives one, else this (also the
 # one-entry autotune lists of these kernels, _base_configs; the interpreter runs its own small config)
 _BASE = {"h_o": ({"BV": 64}, 4, 1), "dh": ({}, 4, 2), "main": ({"BV": 32}, 8, 4), "fill": ({}, 4, 1),
-         "qk": ({"BV": 32}, 4, 3), "wy": ({"BV": 64}, 8, 2)}
+         "qk": ({"BV": 32}, 4, 3), "wy": ({"BV": 64}, 8, 3)}
 _FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in shared memory
 
 
