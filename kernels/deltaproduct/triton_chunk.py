@@ -855,6 +855,66 @@ def _bwd_dh_v2_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aq, cu_rows, chunk_off
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + off_kv, b_dS, mask=m_kv)
 
 
+@triton.jit
+def _qs_terms(b_q, b_k, b_dqi, b_dovn, b_dkd, b_dgc, b_g, b_gq, g_last, rq, m_q, m_t, o_t, nt, scale, dq, dq_rows, o_k,
+              mk, PREC: tl.constexpr):
+    """The intra-chunk output and state-passing terms of one chunk (or of one K slice of it) from the main backward's V
+    loop (dO S^T, dO Vn^T, Vn dS'^T, rowsum(dS' o S)): stores dq (complete; at dq + dq_rows + o_k, as soon as it is
+    formed, so that it does not hold registers through the rest) and returns dk's query and state terms and
+    d(gate cumsum); rq: each token's last row, relative to the chunk's first row, nt: the chunk's rows."""
+    kdt = b_k.dtype
+    b_qs = b_q.to(tl.float32) * scale
+    m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
+    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
+    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
+    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
+    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
+    tl.store(dq + dq_rows[:, None] + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_q[:, None] & mk[None, :])
+    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
+    b_e2 = b_daq * b_qk
+    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
+    b_dg = -tl.sum(b_e2, 0)
+    b_dg += tl.sum(tl.where((rq[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
+    # state passing terms
+    b_ed = tl.exp(g_last - b_g)
+    b_dk += b_dkd * b_ed[:, None]
+    b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
+    b_dg -= b_f
+    b_dglast = tl.sum(b_f, 0) + tl.exp(g_last) * tl.sum(b_dgc, 0)
+    b_dg += tl.where(o_t == nt - 1, b_dglast, 0.0)
+    return b_dk, b_dg
+
+
+@triton.jit
+def _wy_terms(b_k, b_dwk, b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, PREC: tl.constexpr):
+    """The WY (W = T Kb, U = T Vb) and T = (I + A)^-1 terms of one chunk's dk, dbeta and d(gate cumsum), added to
+    b_dk, b_db, b_dg; b_dwk: dW in k's dtype, b_dvnvb: dVn V^T."""
+    kdt = b_k.dtype
+    b_eb = b_b * tl.exp(b_g)
+    b_kb = b_k.to(tl.float32) * b_eb[:, None]
+    b_dT = tl.dot(b_dwk, tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb * b_b[None, :]
+    b_dkb = tl.dot(tl.trans(b_Tk), b_dwk, input_precision=PREC)
+    b_dk += b_dkb * b_eb[:, None]
+    b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
+    b_db += b_t * tl.exp(b_g)
+    b_dg += b_t * b_eb
+    # T = (I + A)^-1: dA = -T^T dT T^T on the strictly lower part
+    b_dA = tl.dot(b_dT.to(kdt), tl.trans(b_Tk), input_precision=PREC)
+    b_dA = -tl.dot(tl.trans(b_Tk), b_dA.to(kdt), input_precision=PREC)
+    m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_gam = tl.exp(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    b_p = tl.where(m_s, b_kk * b_gam, 0.0)
+    b_dA = tl.where(m_s, b_dA, 0.0)
+    b_db += tl.sum(b_dA * b_p, 1)
+    b_dpg = b_dA * b_b[:, None] * b_gam
+    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
+                                                                        input_precision=PREC)
+    b_e = b_dA * b_p * b_b[:, None]
+    b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    return b_dk, b_db, b_dg
+
+
 # _BASE["main"]: among BV/warps/stages 64/8/1, 64/8/2, 32/8/2, 32/8/3, 32/8/4: stages >= 2 pipeline the V loop's
 # loads (one program per SM at 8 warps: nothing else hides them; the V loop itself does not spill on sm_90, the 40-76
 # spilled registers are after it). 4 stages: f+b nh=1/2/3 2.539/4.186/6.012 vs 2.571/4.222/6.072 ms at 3 (H100
@@ -963,50 +1023,9 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, 
         b_q = tl.load(q + (toks[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & mk[None, :],
                       other=0.0)
         b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mkv, other=0.0)
-    # intra-chunk output terms
-    b_qs = b_q.to(tl.float32) * scale
-    m_qk = ((rq - r0)[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
-    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)
-    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
-    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
-    tl.store(dq + (toks[:, None] * H + i_h) * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_q[:, None] & mk[None, :])
-    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
-    b_e2 = b_daq * b_qk
-    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
-    b_dg = -tl.sum(b_e2, 0)
-    b_dg += tl.sum(tl.where(((rq - r0)[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
-    # state passing terms
-    b_ed = tl.exp(g_last - b_g)
-    b_dk += b_dkd * b_ed[:, None]
-    b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
-    b_dg -= b_f
-    b_dglast = tl.sum(b_f, 0) + tl.exp(g_last) * tl.sum(b_dgc, 0)
-    b_dg += tl.where(rows == re - 1, b_dglast, 0.0)
-    # WY representation: W = T Kb, U = T Vb
-    b_eb = b_b * tl.exp(b_g)
-    b_kb = b_k.to(tl.float32) * b_eb[:, None]
-    b_dT = tl.dot(b_dw.to(kdt), tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb * b_b[None, :]
-    b_dkb = tl.dot(tl.trans(b_Tk), b_dw.to(kdt), input_precision=PREC)
-    b_dk += b_dkb * b_eb[:, None]
-    b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
-    b_db += b_t * tl.exp(b_g)
-    b_dg += b_t * b_eb
-    # T = (I + A)^-1: dA = -T^T dT T^T on the strictly lower part
-    b_dA = tl.dot(b_dT.to(kdt), tl.trans(b_Tk), input_precision=PREC)
-    b_dA = -tl.dot(tl.trans(b_Tk), b_dA.to(kdt), input_precision=PREC)
-    m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_gam = tl.exp(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
-    b_p = tl.where(m_s, b_kk * b_gam, 0.0)
-    b_dA = tl.where(m_s, b_dA, 0.0)
-    b_db += tl.sum(b_dA * b_p, 1)
-    b_dpg = b_dA * b_b[:, None] * b_gam
-    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
-                                                                        input_precision=PREC)
-    b_e = b_dA * b_p * b_b[:, None]
-    b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    b_dk, b_dg = _qs_terms(b_q, b_k, b_dqi, b_dovn, b_dkd, b_dgc, b_g, b_gq, g_last, rq - r0, m_q, m_t, o_t, re - r0,
+                           scale, dq, (toks * H + i_h) * K, o_k, mk, PREC)
+    b_dk, b_db, b_dg = _wy_terms(b_k, b_dw.to(kdt), b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, PREC)
     tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
     tl.store(db + rows * H + i_h, b_db.to(db.dtype.element_ty), mask=m_t)
     if USE_G:
@@ -1055,7 +1074,6 @@ def _bwd_qk_kernel(q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, chunk_seq, 
     o_k = tl.arange(0, BK)
     mk = o_k < K - k0
     m_t = o_t < nt
-    kdt = k.dtype.element_ty
     b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
     g_last = tl.load(gc + (nt - 1) * H)
     rq = o_q * NH + NH - 1 - ph
@@ -1085,25 +1103,9 @@ def _bwd_qk_kernel(q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, chunk_seq, 
     tl.store(dwp + o_t[:, None] * (H * K) + o_k[None, :], b_dw.to(dwp.dtype.element_ty), mask=mtk)
     b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=mtk, other=0.0)
-    b_qs = b_q.to(tl.float32) * scale
-    m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
-    b_gamq = tl.exp(tl.where(m_qk, b_gq[:, None] - b_g[None, :], float("-inf")))
-    b_qk = tl.dot(b_qs.to(kdt), tl.trans(b_k), input_precision=PREC)  # this slice's share of scale Q K^T
-    b_daq = tl.where(m_qk, b_dovn * b_gamq, 0.0)
-    b_dq = b_dqi * tl.exp(b_gq)[:, None] + tl.dot(b_daq.to(kdt), b_k, input_precision=PREC)
-    tl.store(dq + o_q[:, None] * (H * K) + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_q[:, None] & mk[None, :])
-    b_dk = tl.dot(tl.trans(b_daq.to(kdt)), b_qs.to(kdt), input_precision=PREC)
-    b_e2 = b_daq * b_qk
-    b_dgq = tl.sum(b_e2, 1) + tl.exp(b_gq) * tl.sum(b_qs * b_dqi, 1)
-    b_dg = -tl.sum(b_e2, 0)
-    b_dg += tl.sum(tl.where((rq[:, None] == o_t[None, :]) & m_q[:, None], b_dgq[:, None], 0.0), 0)
-    b_ed = tl.exp(g_last - b_g)
-    b_dk += b_dkd * b_ed[:, None]
-    b_f = tl.sum(b_dkd * b_k.to(tl.float32), 1) * b_ed
-    b_dg -= b_f
-    b_dglast = tl.sum(b_f, 0) + tl.exp(g_last) * tl.sum(b_dgc, 0)
-    b_dg += tl.where(o_t == nt - 1, b_dglast, 0.0)
+    # every term is linear in the slice's columns (Q K^T, rowsum(Q o dQ), rowsum(dK o K), sum(dS o S) are sums over them)
+    b_dk, b_dg = _qs_terms(b_q, b_k, b_dqi, b_dovn, b_dkd, b_dgc, b_g, b_gq, g_last, rq, m_q, m_t, o_t, nt, scale,
+                           dq, o_q * (H * K), o_k, mk, PREC)
     tl.store(dkp + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dkp.dtype.element_ty), mask=mtk)
     tl.store(dgp + o_t * H, b_dg, mask=m_t)
 
@@ -1161,28 +1163,7 @@ def _bwd_wy_kernel(k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg, chunk
     b_dg = tl.zeros([BT], dtype=tl.float32)
     for i_k in tl.static_range(NK):
         b_dg += tl.load(dgp + i_k * LH + o_t * H, mask=m_t, other=0.0)
-    b_eb = b_b * tl.exp(b_g)
-    b_kb = b_k.to(tl.float32) * b_eb[:, None]
-    b_dT = tl.dot(b_dw, tl.trans(b_kb.to(kdt)), input_precision=PREC) + b_dvnvb * b_b[None, :]
-    b_dkb = tl.dot(tl.trans(b_Tk), b_dw, input_precision=PREC)
-    b_dk += b_dkb * b_eb[:, None]
-    b_t = tl.sum(b_dkb * b_k.to(tl.float32), 1)
-    b_db += b_t * tl.exp(b_g)
-    b_dg += b_t * b_eb
-    # T = (I + A)^-1: dA = -T^T dT T^T on the strictly lower part
-    b_dA = tl.dot(b_dT.to(kdt), tl.trans(b_Tk), input_precision=PREC)
-    b_dA = -tl.dot(tl.trans(b_Tk), b_dA.to(kdt), input_precision=PREC)
-    m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_gam = tl.exp(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
-    b_p = tl.where(m_s, b_kk * b_gam, 0.0)
-    b_dA = tl.where(m_s, b_dA, 0.0)
-    b_db += tl.sum(b_dA * b_p, 1)
-    b_dpg = b_dA * b_b[:, None] * b_gam
-    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
-                                                                        input_precision=PREC)
-    b_e = b_dA * b_p * b_b[:, None]
-    b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    b_dk, b_db, b_dg = _wy_terms(b_k, b_dw, b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, PREC)
     tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
     tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
     if USE_G:
@@ -1366,14 +1347,13 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
                 (k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg if dg is not None else gc, cseq, crow,
                  cu_rows, L * H),
                 dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, NK=NK, USE_G=g is not None, PREC=prec))
-        return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
-            (dh0.to(h0.dtype) if h0 is not None else None)
-    _launch(_bwd_main_kernel, "main", (NT, H),
-            (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
-             cseq, crow, cu_rows, coff, scale),
-            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
-                 LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp),
-            default=MAIN_CONFIG if MAIN_CONFIG is not None else (MAIN_CONFIG_NH1 if nh == 1 else None))
+    else:
+        _launch(_bwd_main_kernel, "main", (NT, H),
+                (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
+                 cseq, crow, cu_rows, coff, scale),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec, REBASE=MAIN_REBASE,
+                     LATE=MAIN_LATE_LOADS, RECOMP_VN=recomp),
+                default=MAIN_CONFIG if MAIN_CONFIG is not None else (MAIN_CONFIG_NH1 if nh == 1 else None))
     return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
         (dh0.to(h0.dtype) if h0 is not None else None)
 
