@@ -143,6 +143,15 @@ VARIANTS = {
     "wy_s4": dict(FIXED={"wy": ({"BV": 64}, 8, 4)}),
     "bk32": dict(MAIN_SPLIT_BK=32),
     "bk32_r168": dict(MAIN_SPLIT_BK=32, FIXED={"qk": ({"BV": 32}, 4, 3, 168)}),
+    # session 12: the WY kernel at 4 warps (0 spills since _wy_terms forms dg's dA terms before the dk products: two
+    # programs per SM; adopted, and with it the split at every nh), dbeta stored in bf16, the state loop at nh >= 2 at
+    # 8 warps capped at 128 registers (2 per SM, 4-8 B of spills) or at 4 warps capped at 168 (3 per SM, 84-92 B)
+    "wy_w8": dict(FIXED={"wy": ({"BV": 64}, 8, 3)}),  # the WY kernel's config of session 11
+    "wy_w4b32": dict(FIXED={"wy": ({"BV": 32}, 4, 3)}),
+    "wy_db16": dict(SPLIT_DB_FP32=False),
+    "split_nh1": dict(MAIN_SPLIT_MAX_NH=1, FIXED={"wy": ({"BV": 64}, 8, 3)}),  # session 11's backward
+    "qk2_w8r128": dict(QK_CONFIG_NH2=({"BV": 32}, 8, 3, 128)),
+    "qk2_r168": dict(QK_CONFIG_NH2=({"BV": 32}, 4, 3, 168)),
 }
 
 

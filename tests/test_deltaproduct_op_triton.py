@@ -324,15 +324,18 @@ def test_triton_bf16_under_the_interpreter(nh):
         assert rel(a.detach(), b) < 2e-2, f"{name}: relative error {rel(a.detach(), b):.3e}"
 
 
-@pytest.mark.parametrize("nh,split,cu", [(1, 9, None), (2, 9, [0, 13, 45]), (3, 9, None), (2, 0, [0, 13, 45])],
-                         ids=["nh1", "nh2-varlen", "nh3", "nh2-fused-varlen"])
-def test_triton_main_backward_split_matches_reference(nh, split, cu, monkeypatch):
+@pytest.mark.parametrize("nh,split,cu,db16", [(1, 9, None, False), (2, 9, [0, 13, 45], False), (3, 9, None, False),
+                                              (2, 0, [0, 13, 45], False), (2, 9, [0, 13, 45], True)],
+                         ids=["nh1", "nh2-varlen", "nh3", "nh2-fused-varlen", "nh2-varlen-db-in-beta-dtype"])
+def test_triton_main_backward_split_matches_reference(nh, split, cu, db16, monkeypatch):
     """The main backward as two kernels (MAIN_SPLIT_MAX_NH: the V loop over the states on K slices, then the WY
     terms) with two 16-wide K slices of 32-wide key heads, so that dk, dW and the gate gradient are assembled from
-    both slices; and the fused kernel: 64-row chunks, gated, with initial states, packed sequences at nh = 2."""
+    both slices; and the fused kernel: 64-row chunks, gated, with initial states, packed sequences at nh = 2.
+    db16: the WY kernel stores dbeta in beta's dtype (SPLIT_DB_FP32 off)."""
     import lm_kernels.deltaproduct.triton_chunk as tc
     monkeypatch.setattr(tc, "MAIN_SPLIT_MAX_NH", split)
     monkeypatch.setattr(tc, "MAIN_SPLIT_BK", 16)
+    monkeypatch.setattr(tc, "SPLIT_DB_FP32", not db16)
     N = 2 if cu else 1
     ins = make(1, 45, 2, 32, 16, nh, True, True, N)
     wo = torch.randn(1, 45, 2, 16, dtype=torch.float64)

@@ -17,10 +17,11 @@ Forward:  _kkt_inv_kernel (parallel over chunks) gate cumsum, A = beta KK^T o Ga
 Backward: _bwd_dh_v2_kernel (sequential, reverse) dVn (its state-independent part Aqk^T dO computed inline)
                                                   and the state gradient entering each chunk
           _fill_states_kernel (STATES_EVERY2 only) the odd chunks' states from the stored even ones
-          _bwd_main_kernel (parallel over chunks) dq, dk, dv, dbeta, dg; at nh = 1 (MAIN_SPLIT_MAX_NH) two kernels:
           _bwd_qk_kernel (parallel over K slices x chunks) the loop over the states: dq, dk's query and state
                                                   terms, dW, the slices' gate terms
           _bwd_wy_kernel (parallel over chunks)  dv, dbeta and the WY / (I+A)^-1 terms of dk and dg
+          _bwd_main_kernel (parallel over chunks) the two in one kernel: dq, dk, dv, dbeta, dg for key heads of one
+                                                  K slice (K <= 64), and with VN_RECOMPUTE_MIN_NH
 Kept selectable as a measured alternative (module constants below, H100 timings in BENCH.md):
 _bwd_dvloc_kernel (Aqk^T dO as its own launch, DH_FUSE_DVL=False). Removed after measuring slower in every
 H100 run (session 4, BENCH.md keeps their numbers): the one-kernel forward prep (_prep_kernel), the first
@@ -28,7 +29,8 @@ versions of the sequential kernels (_fwd_h_o_kernel, _bwd_dh_kernel), the main b
 its output side in a kernel of its own (_bwd_out_kernel), the main backward reading the saved Aqk^T (MAIN_AQ)
 and the prep's W/U half spread over V-block programs (_wu_v_kernel, WU_SPLIT_V); session 5: the main backward in
 two V passes, one per half of the K columns (_bwd_main_ks_kernel, MAIN_KSPLIT: 1.98 vs 1.33 ms at nh=1); the K
-halves as separate programs with the WY terms in a kernel of their own won at nh = 1 in session 11 (MAIN_SPLIT_MAX_NH).
+halves as separate programs with the WY terms in a kernel of their own won at nh = 1 in session 11, and at every nh
+once the WY kernel ran at 4 warps in session 12 (MAIN_SPLIT_MAX_NH).
 
 The backward derivation (per chunk; S state entering, dS' gradient of the state leaving):
     dVn = (Q K^T o Gam o M)^T dO + Kd dS'                 dS = e^gC dS' + (e^g Q)^T dO - W^T dVn
@@ -136,8 +138,22 @@ MAIN_DB_FP32_MAX_NH = 1
 # slice (key heads of 32) gave NaN dk and wrong dbeta / dg on the H100 in run 4 (test_gpu_bf16_small_heads; the
 # interpreter runs it right), while two-slice splits passed there (BK 32 at K = 64 in run 5's probe, BK 64 at K = 128 -
 # 256 in the op tests): one-slice heads keep the fused kernel, which has no accumulators to halve there anyway.
-MAIN_SPLIT_MAX_NH = 1
+# Session 12: with dg's dA terms formed before the dk products in _wy_terms, the WY kernel runs at 4 warps without
+# spills (two programs per SM instead of one at 8 warps): run 2, f+b nh=1/2/3 2.047/3.555/5.199 vs 2.187/3.846/5.641
+# with the WY kernel at 8 warps, 2.506/3.757/5.451 fused (the WY kernel 0.313 vs 0.463 ms at nh = 1, run 1), so the
+# split now runs at every nh. The state loop at nh >= 2 at 8 warps capped at 128 registers (2 per SM) 3.669/5.382, at
+# 4 warps capped at 168 (3 per SM) 3.647/5.326 (QK_CONFIG_NH2).
+MAIN_SPLIT_MAX_NH = 99
 MAIN_SPLIT_BK = 64
+# The split's WY kernel stores dbeta in float32 and casts after (True) or in beta's dtype (False). H100 session 12 run 2
+# (WY kernel at 4 warps): nh=1/2/3 2.043/3.541/5.186 in bf16 vs 2.047/3.555/5.199 (at 8 warps in run 1: 2.217 vs 2.199
+# at nh = 1).
+SPLIT_DB_FP32 = False
+# The WY kernel for key heads over 128 (_BASE["wy"] below is for K <= 128): 8 warps (at 4 its [BT, K] tiles spill
+# 2.6 KB on sm_90 at K = 256, 392 B at 8).
+WY_CONFIG_WIDE_K = ({"BV": 64}, 8, 3)
+# The state loop at nh >= 2 (None: _BASE["qk"], as at nh = 1).
+QK_CONFIG_NH2 = None
 # Main backward launch config (meta, num_warps, num_stages) or None (_BASE["main"]).
 MAIN_CONFIG = None
 # The main backward at nh = 1 (unless MAIN_CONFIG is set): 5 pipeline stages. H100 session 5 run 3 (lead): f+b
@@ -210,7 +226,7 @@ _SEQUENTIAL = ("h_o", "h_o_save", "dh")  # the chunk-sequential kernels (see _la
 # Compiled GPU runs launch every kernel at a fixed config: `default` where the call gives one, else this (also the
 # one-entry autotune lists of these kernels, _base_configs; the interpreter runs its own small config)
 _BASE = {"h_o": ({"BV": 64}, 4, 1), "dh": ({}, 4, 2), "main": ({"BV": 32}, 8, 4), "fill": ({}, 4, 1),
-         "qk": ({"BV": 32}, 4, 3), "wy": ({"BV": 64}, 8, 3)}
+         "qk": ({"BV": 32}, 4, 3), "wy": ({"BV": 64}, 4, 3)}
 _FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in shared memory
 
 
@@ -888,7 +904,9 @@ def _qs_terms(b_q, b_k, b_dqi, b_dovn, b_dkd, b_dgc, b_g, b_gq, g_last, rq, m_q,
 @triton.jit
 def _wy_terms(b_k, b_dwk, b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, PREC: tl.constexpr):
     """The WY (W = T Kb, U = T Vb) and T = (I + A)^-1 terms of one chunk's dk, dbeta and d(gate cumsum), added to
-    b_dk, b_db, b_dg; b_dwk: dW in k's dtype, b_dvnvb: dVn V^T."""
+    b_dk, b_db, b_dg; b_dwk: dW in k's dtype, b_dvnvb: dVn V^T. dg's dA terms come before the two [BT, K] products
+    with K, so that b_e and b_p are dead by then: the split's WY kernel at 4 warps has no spills in this order (392 B
+    when the products came first; sm_90, triton 3.6)."""
     kdt = b_k.dtype
     b_eb = b_b * tl.exp(b_g)
     b_kb = b_k.to(tl.float32) * b_eb[:, None]
@@ -908,10 +926,10 @@ def _wy_terms(b_k, b_dwk, b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, P
     b_dA = tl.where(m_s, b_dA, 0.0)
     b_db += tl.sum(b_dA * b_p, 1)
     b_dpg = b_dA * b_b[:, None] * b_gam
-    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
-                                                                        input_precision=PREC)
     b_e = b_dA * b_p * b_b[:, None]
     b_dg += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    b_dk += tl.dot(b_dpg.to(kdt), b_k, input_precision=PREC) + tl.dot(tl.trans(b_dpg.to(kdt)), b_k,
+                                                                        input_precision=PREC)
     return b_dk, b_db, b_dg
 
 
@@ -1159,10 +1177,10 @@ def _bwd_wy_kernel(k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg, chunk
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0)
     b_dw = tl.load(dwp + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0).to(kdt)
-    b_dk = tl.load(dkp + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0).to(tl.float32)
     b_dg = tl.zeros([BT], dtype=tl.float32)
     for i_k in tl.static_range(NK):
         b_dg += tl.load(dgp + i_k * LH + o_t * H, mask=m_t, other=0.0)
+    b_dk = tl.load(dkp + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0).to(tl.float32)
     b_dk, b_db, b_dg = _wy_terms(b_k, b_dw, b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, PREC)
     tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
     tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
@@ -1330,23 +1348,26 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     # one writer per row: stored in beta's dtype, or in float32 and cast after the kernel up to MAIN_DB_FP32_MAX_NH
-    db = torch.empty(beta.shape, dtype=torch.float32 if nh <= MAIN_DB_FP32_MAX_NH else beta.dtype, device=dev)
+    split = nh <= MAIN_SPLIT_MAX_NH and K >= 2 * MAIN_SPLIT_BK and not recomp
+    db_fp32 = SPLIT_DB_FP32 if split else nh <= MAIN_DB_FP32_MAX_NH
+    db = torch.empty(beta.shape, dtype=torch.float32 if db_fp32 else beta.dtype, device=dev)
     dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
     if meta.get("every2", False):  # the odd chunks' states, which the forward did not store
         _launch(_fill_states_kernel, "fill", (NT, H, triton.cdiv(V, BV)), (k, gc, vn, hs, cseq, crow, cu_rows),
                 dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=prec))
-    if nh <= MAIN_SPLIT_MAX_NH and K >= 2 * MAIN_SPLIT_BK and not recomp:
+    if split:
         BK1 = min(BK, MAIN_SPLIT_BK)
         NK = triton.cdiv(K, BK1)
         dkp, dwp = torch.empty_like(k), torch.empty_like(k)
         dgp = torch.empty(NK, L, H, dtype=torch.float32, device=dev)
         _launch(_bwd_qk_kernel, "qk", (NK, NT, H),
                 (q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, cseq, crow, cu_rows, coff, scale, L * H),
-                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK1, BQ=BQ, PREC=prec))
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK1, BQ=BQ, PREC=prec), default=QK_CONFIG_NH2 if nh >= 2 else None)
         _launch(_bwd_wy_kernel, "wy", (NT, H),
                 (k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg if dg is not None else gc, cseq, crow,
                  cu_rows, L * H),
-                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, NK=NK, USE_G=g is not None, PREC=prec))
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, NK=NK, USE_G=g is not None, PREC=prec),
+                default=WY_CONFIG_WIDE_K if K > 128 else None)
     else:
         _launch(_bwd_main_kernel, "main", (NT, H),
                 (q, k, v, beta, gc, Tm, hs, vn, w, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
