@@ -152,6 +152,9 @@ VARIANTS = {
     "split_nh1": dict(MAIN_SPLIT_MAX_NH=1, FIXED={"wy": ({"BV": 64}, 8, 3)}),  # session 11's backward
     "qk2_w8r128": dict(QK_CONFIG_NH2=({"BV": 32}, 8, 3, 128)),
     "qk2_r168": dict(QK_CONFIG_NH2=({"BV": 32}, 4, 3, 168)),
+    "wy4_s2": dict(FIXED={"wy": ({"BV": 64}, 4, 2)}),
+    "wy4_s4": dict(FIXED={"wy": ({"BV": 64}, 4, 4)}),
+    "qk_s3": dict(FIXED={"qk": ({"BV": 32}, 4, 3)}),  # the state loop at 3 stages (sessions 11-12 run 3)
 }
 
 

@@ -173,9 +173,12 @@ def test_gpu_bf16_sequential_kernel_switches(nh, switch, monkeypatch):
     check_varlen(nh)
 
 
-def test_gpu_bf16_varlen_nh1_split():
-    """nh = 1 runs the main backward as two kernels (MAIN_SPLIT_MAX_NH) at K = 128: packed documents of 100, 1, 599 and
-    324 tokens with initial states against float64."""
+@pytest.mark.parametrize("nh,split", [(1, True), (4, True), (2, False)], ids=["nh1-split", "nh4-split", "nh2-fused"])
+def test_gpu_bf16_varlen_main_backward_forms(nh, split, monkeypatch):
+    """The main backward as two kernels (MAIN_SPLIT_MAX_NH, the default at every nh for key heads of two K slices) at
+    nh = 1 and 4, and as the one fused kernel (which key heads of one slice run) at K = 128: packed documents of 100, 1,
+    599 and 324 tokens with initial states against float64."""
     import lm_kernels.deltaproduct.triton_chunk as tc
-    assert tc.MAIN_SPLIT_MAX_NH >= 1 and 128 >= 2 * tc.MAIN_SPLIT_BK
-    check_varlen(1)
+    assert 128 >= 2 * tc.MAIN_SPLIT_BK
+    monkeypatch.setattr(tc, "MAIN_SPLIT_MAX_NH", 99 if split else 0)
+    check_varlen(nh)

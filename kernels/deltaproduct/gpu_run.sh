@@ -3,7 +3,7 @@
 # process, since an illegal address kills the CUDA context; the model tests in a third), triton-cache warm-up processes beside them, then
 # scripts/bench_deltaproduct.py with the variants given in $VARS (ours vs fla 0.6.0, per-kernel profile).
 # Run from the repo root with .gpu carried:  VARS="new s3 ..." bash kernels/deltaproduct/gpu_run.sh
-# (TEST_TIMEOUT: seconds per test process, default 420; SMALL=0 skips the process of the 16-token-chunk, small-head and
+# (TEST_TIMEOUT: seconds per test process, default 420; MODELS=1 also runs scripts/gpu_check_models.py; SMALL=0 skips the process of the 16-token-chunk, small-head and
 # wide-key-head tests, whose many shapes compile for ~5 min)
 set -u
 OUT=${OUT:-/tmp/dp_out}; mkdir -p "$OUT"
@@ -22,6 +22,9 @@ t0=$(date +%s)
     > "$OUT/test_main.log" 2>&1; echo "exit $?" >> "$OUT/test_main.log" ) &
 ( timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu tests/test_models_deltaproduct_gpu.py -q -s -p no:cacheprovider \
     > "$OUT/test_models.log" 2>&1; echo "exit $?" >> "$OUT/test_models.log" ) &
+# MODELS=1: scripts/gpu_check_models.py (every family trains through its kernels vs the CPU loss) beside the tests
+[ "${MODELS:-0}" = 1 ] && ( timeout ${MODELS_TIMEOUT:-300} python3 scripts/gpu_check_models.py --json "$OUT/models.json" \
+    > "$OUT/models.log" 2>&1; echo "exit $?" >> "$OUT/models.log" ) &
 # compile in parallel: per nh, the variants split in two halves
 set -- $VARS; half=$(( ($# + 1) / 2 )); G1="${*:1:$half}"; G2="${*:$((half + 1))}"
 for nh in $NHS; do
@@ -42,5 +45,6 @@ timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_deltaproduct.py --nh $NHS --
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench exit $?, total $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
 grep -E "passed|failed|error|exit|Error" "$OUT/tests.log" | tail -20
+[ -f "$OUT/models.log" ] && tail -n 15 "$OUT/models.log"
 tail -n 60 "$OUT/bench.log"
 cat "$OUT/env.txt"

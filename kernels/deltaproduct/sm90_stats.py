@@ -22,7 +22,8 @@ _FP32_PTRS = {"gc", "db", "dg", "ht", "h0", "dh0", "dht", "dgp"}
 _INT_PTRS = {"chunk_seq", "chunk_row", "cu_rows", "chunk_off"}
 
 
-def _signature(fn, constexprs, dtype="bf16"):
+def _signature(fn, constexprs, dtype="bf16", fp32_ptrs=None):
+    fp32_ptrs = _FP32_PTRS if fp32_ptrs is None else fp32_ptrs
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -33,21 +34,22 @@ def _signature(fn, constexprs, dtype="bf16"):
             sig[name] = "i32"
         elif name in _INT_PTRS:
             sig[name] = "*i32"
-        elif name in _FP32_PTRS:
+        elif name in fp32_ptrs:
             sig[name] = "*fp32"
         else:
             sig[name] = "*" + dtype  # the op's inputs and the tensors stored in their dtype
     return sig
 
 
-def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16"):
+def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16", fp32_ptrs=None):
     """Registers, spill store / load bytes, stack bytes (triton's n_spills on the GPU is stack / 4) and shared
     memory of `kernel` compiled for sm_90 with these constexprs and launch options (lm_kernels.sm90.resources);
-    dtype: of the inputs (bf16, fp16, fp32). An H100 gives a program at most 232448 bytes of shared memory."""
+    dtype: of the inputs (bf16, fp16, fp32); fp32_ptrs: the float32 pointer arguments (default _FP32_PTRS). An H100
+    gives a program at most 232448 bytes of shared memory."""
     fn = kernel
     while not isinstance(fn, triton.runtime.jit.JITFunction):
         fn = fn.fn
-    sig = _signature(fn, constexprs, dtype)
+    sig = _signature(fn, constexprs, dtype, fp32_ptrs)
     # pointers 16-byte aligned, as torch allocates them (the launcher specializes on that)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -114,7 +116,9 @@ def main(argv=None):
             for c in a.configs:
                 bv, w, s = (int(x) for x in c.split("/"))
                 if kname == "main":
-                    r = stats(tc._bwd_main_kernel, _main_cx(nh, bv, **shape), w, s, dtype=a.dtype)
+                    db32 = nh <= tc.MAIN_DB_FP32_MAX_NH  # dbeta's dtype as _bwd allocates it
+                    r = stats(tc._bwd_main_kernel, _main_cx(nh, bv, **shape), w, s, dtype=a.dtype,
+                              fp32_ptrs=_FP32_PTRS if db32 else _FP32_PTRS - {"db"})
                 elif kname == "dh":  # the sequential backward
                     r = stats(tc._bwd_dh_v2_kernel, _dh_cx(nh, bv, **shape), w, s, dtype=a.dtype)
                 elif kname in ("h_o", "h_o_save"):  # the sequential forward (no-grad / with grad)
@@ -129,7 +133,8 @@ def main(argv=None):
                     nk = triton.cdiv(a.K, min(shape["BK"], tc.MAIN_SPLIT_BK))
                     cx = dict(NH=nh, H=16, K=a.K, V=a.V, BT=a.chunk, BK=shape["BK"], BV=bv, NK=nk, USE_G=True,
                               PREC=shape["PREC"])
-                    r = stats(tc._bwd_wy_kernel, cx, w, s, dtype=a.dtype)
+                    r = stats(tc._bwd_wy_kernel, cx, w, s, dtype=a.dtype,
+                              fp32_ptrs=_FP32_PTRS if tc.SPLIT_DB_FP32 else _FP32_PTRS - {"db"})
                 elif kname == "kkt":
                     mp = "ieee" if a.dtype == "fp32" else "tf32"
                     r = stats(tc._kkt_inv_kernel, _kkt_cx(nh, bv, **shape, MP=mp), w, s, dtype=a.dtype)

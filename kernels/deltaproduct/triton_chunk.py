@@ -142,7 +142,10 @@ MAIN_DB_FP32_MAX_NH = 1
 # spills (two programs per SM instead of one at 8 warps): run 2, f+b nh=1/2/3 2.047/3.555/5.199 vs 2.187/3.846/5.641
 # with the WY kernel at 8 warps, 2.506/3.757/5.451 fused (the WY kernel 0.313 vs 0.463 ms at nh = 1, run 1), so the
 # split now runs at every nh. The state loop at nh >= 2 at 8 warps capped at 128 registers (2 per SM) 3.669/5.382, at
-# 4 warps capped at 168 (3 per SM) 3.647/5.326 (QK_CONFIG_NH2).
+# 4 warps capped at 168 (3 per SM) 3.647/5.326 (QK_CONFIG_NH2). The state loop at 4 pipeline stages instead of 3
+# (_BASE["qk"]; 59 / 74 KB of shared memory, still two per SM): runs 3 / 4 2.044 / 2.039, 3.520 / 3.520, 5.141 / 5.136
+# vs 2.051 / 2.052, 3.549 / 3.543, 5.193 / 5.185; the WY kernel at 2 / 4 stages 2.076 / 2.041, 3.600 / 3.537, 5.272 /
+# 5.191 (run 3: 3 kept).
 MAIN_SPLIT_MAX_NH = 99
 MAIN_SPLIT_BK = 64
 # The split's WY kernel stores dbeta in float32 and casts after (True) or in beta's dtype (False). H100 session 12 run 2
@@ -226,7 +229,7 @@ _SEQUENTIAL = ("h_o", "h_o_save", "dh")  # the chunk-sequential kernels (see _la
 # Compiled GPU runs launch every kernel at a fixed config: `default` where the call gives one, else this (also the
 # one-entry autotune lists of these kernels, _base_configs; the interpreter runs its own small config)
 _BASE = {"h_o": ({"BV": 64}, 4, 1), "dh": ({}, 4, 2), "main": ({"BV": 32}, 8, 4), "fill": ({}, 4, 1),
-         "qk": ({"BV": 32}, 4, 3), "wy": ({"BV": 64}, 4, 3)}
+         "qk": ({"BV": 32}, 4, 4), "wy": ({"BV": 64}, 4, 3)}
 _FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in shared memory
 
 
