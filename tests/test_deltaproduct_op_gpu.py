@@ -33,12 +33,12 @@ def make(B, T, H, K, V, nh, n_states, dtype):
     return [q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), g, s0]
 
 
-def check(ins, N, nh, dtype, tol_o, tol_g, cu=None, chunk_size=64):
+def check(ins, N, nh, dtype, tol_o, tol_g, cu=None, chunk_size=64, l2=False):
     q, v = ins[0], ins[2]
     B, T, H, K = q.shape
     wo = torch.randn(B, T, H, v.shape[-1], dtype=torch.float64, device="cuda")
     ws = torch.randn(N, H, K, v.shape[-1], dtype=torch.float64, device="cuda")
-    kw = dict(num_householder=nh, cu_seqlens=cu, chunk_size=chunk_size)
+    kw = dict(num_householder=nh, cu_seqlens=cu, chunk_size=chunk_size, use_qk_l2norm=l2)
     ref = run("reference", ins, wo, ws, torch.float64, **kw)
     tri = run_mixed(ins, wo, ws, dtype, **kw)
     errs = {n: rel(a, b) for n, a, b in zip(NAMES, tri, ref)}
@@ -182,3 +182,27 @@ def test_gpu_bf16_varlen_main_backward_forms(nh, split, monkeypatch):
     assert 128 >= 2 * tc.MAIN_SPLIT_BK
     monkeypatch.setattr(tc, "MAIN_SPLIT_MAX_NH", 99 if split else 0)
     check_varlen(nh)
+
+
+@pytest.mark.parametrize("nh", [1, 2])
+def test_gpu_bf16_qk_l2norm(nh):
+    """use_qk_l2norm (the models' setting) through the Triton L2 norm kernels, bf16 vs float64, with keys of norm 3."""
+    ins = make(2, 512, 4, 128, 128, nh, 2, torch.float32)
+    ins[1] = ins[1] * 3
+    check(ins, 2, nh, torch.bfloat16, tol_o=1e-2, tol_g=2e-2, l2=True)
+
+
+def test_gpu_l2norm_kernels_bf16_vs_float64():
+    """The L2 norm kernels on a strided view of a fused projection (as the mixer's q), bf16 vs float64."""
+    from lm_kernels.deltaproduct._common import l2norm
+    from lm_kernels.deltaproduct.l2norm import l2norm_triton
+    proj = torch.randn(4, 1000, 4 * 128 + 96, device="cuda", dtype=torch.float64)
+    dy = torch.randn(4, 1000, 4, 128, device="cuda", dtype=torch.float64)
+    view = lambda p: p[..., 64:64 + 4 * 128].reshape(4, 1000, 4, 128)  # noqa: E731
+    ref_in = proj.clone().requires_grad_(True)
+    ref = l2norm(view(ref_in))
+    (ref * dy).sum().backward()
+    tri_in = proj.to(torch.bfloat16).requires_grad_(True)
+    out = l2norm_triton(view(tri_in))
+    (out.double() * dy).sum().backward()
+    assert rel(out, ref) < 1e-2 and rel(tri_in.grad, ref_in.grad) < 1e-2, (rel(out, ref), rel(tri_in.grad, ref_in.grad))

@@ -345,3 +345,37 @@ def test_triton_main_backward_split_matches_reference(nh, split, cu, db16, monke
     tri = run("triton", ins, wo, ws, torch.float32, **kw)
     for name, a, b in zip(NAMES, tri, ref):
         assert rel(a, b) < 1e-5, f"{name}: relative error {rel(a, b):.3e}"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "projection-view", "d48", "rows-only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_l2norm_matches_torch(layout, dtype):
+    """The op's q / k L2 norm kernels (l2norm.py) against the PyTorch form in float64, forward and backward: a
+    contiguous (B, T, H, D) tensor, a strided view of a fused projection (as the mixer's q), a head size that is not a
+    power of two, and a 2-d input (copied to rows)."""
+    from lm_kernels.deltaproduct._common import l2norm
+    from lm_kernels.deltaproduct.l2norm import l2norm_triton
+    torch.manual_seed(0)
+    if layout == "projection-view":
+        proj = torch.randn(2, 7, 3 * 32 + 10, dtype=torch.float64)
+        make_x = lambda p: p[..., 5:5 + 3 * 32].reshape(2, 7, 3, 32)  # noqa: E731
+        base = proj
+    else:
+        shape = {"contiguous": (2, 7, 3, 32), "d48": (3, 5, 2, 48), "rows-only": (9, 16)}[layout]
+        base = torch.randn(*shape, dtype=torch.float64) * 3
+        make_x = lambda p: p  # noqa: E731
+    dy = torch.randn(make_x(base).shape, dtype=torch.float64)
+    ref_in = base.clone().requires_grad_(True)
+    ref = l2norm(make_x(ref_in))
+    (ref * dy).sum().backward()
+    tri_in = base.to(dtype).requires_grad_(True)
+    x = make_x(tri_in)
+    assert layout != "projection-view" or not x.is_contiguous()
+    out = l2norm_triton(x)
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+    (out.double() * dy).sum().backward()
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert rel(out, ref) < tol
+    assert rel(tri_in.grad, ref_in.grad) < tol
+    with torch.no_grad():  # the no-grad path (no autograd node) gives the same output
+        assert torch.equal(l2norm_triton(make_x(base.to(dtype))), out.detach())

@@ -51,7 +51,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..autotune import autotune
-from ._common import check_inputs, l2norm
+from ._common import check_inputs
+from .l2norm import l2norm_triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_CHUNKS = (16, 32, 64)
@@ -1434,8 +1435,8 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
         return o.to(dt), ht
     chunk_size = _fitting_chunk(chunk_size, q.dtype, K, q.is_cuda and not _INTERPRET)
     scale = K ** -0.5 if scale is None else float(scale)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+    if use_qk_l2norm:  # one Triton kernel each way per tensor (l2norm.py), contiguous outputs
+        q, k = l2norm_triton(q), l2norm_triton(k)
     # a batch of B sequences is B packed documents
     q, k, v = (x.reshape(1, -1, H, x.shape[-1]).contiguous() for x in (q, k, v))
     beta = beta.reshape(1, -1, H).contiguous()
