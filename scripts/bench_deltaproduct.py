@@ -247,6 +247,42 @@ def check_vs_reference(q, k, v, beta, g, h0, nh, n_check):
     return out
 
 
+def bench_decode(a):
+    """Per nh: one decode step (B sequences, H heads, K, V; bf16 q / k / v, float32 gates and state, L2 norm, gated)
+    through the Triton kernel and through the PyTorch reference step (do_bench medians, or one host-timed call with
+    --quick), and the Triton step's relative error against the float64 reference."""
+    from lm_kernels.deltaproduct import deltaproduct_step
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = []
+    for nh in a.nh:
+        gen = torch.Generator(device="cpu").manual_seed(nh)
+        S = torch.randn(a.B, a.H, a.K, a.V, generator=gen) * 0.1
+        q = torch.randn(a.B, a.H, a.K, generator=gen)
+        k = torch.randn(a.B, nh, a.H, a.K, generator=gen)
+        v = torch.randn(a.B, nh, a.H, a.V, generator=gen)
+        beta = torch.rand(a.B, nh, a.H, generator=gen) * 2
+        g = -torch.rand(a.B, a.H, generator=gen) * 0.1
+        f32 = [x.to(device) for x in (S, q, k, v, beta, g)]
+        ins = [f32[0], *(x.to(dtype) for x in f32[1:4]), f32[4], f32[5]]
+        r = dict(nh=nh, B=a.B, H=a.H, K=a.K, V=a.V)
+        for be in ("triton", "reference"):
+            def call(be=be):
+                return deltaproduct_step(*ins, use_qk_l2norm=True, backend=be)
+            call()
+            r[f"{be}_us"] = bench(call, a.quick) * 1e3
+        o64, s64 = deltaproduct_step(*(x.double() for x in f32), use_qk_l2norm=True, backend="reference")
+        o, s = deltaproduct_step(*ins, use_qk_l2norm=True, backend="triton")
+        r["rel_err_o"], r["rel_err_state"] = rel(o, o64), rel(s, s64)
+        r["speedup"] = r["reference_us"] / r["triton_us"]
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(decode=rows), f, indent=1)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=8)
@@ -266,9 +302,14 @@ def main(argv=None):
     p.add_argument("--warm", choices=["ours", "fla"], default=None,
                    help="only compile (call each path once, no timing): run several such processes beside the "
                         "tests so that the timing process finds triton's disk cache filled")
+    p.add_argument("--decode", action="store_true",
+                   help="time the decode step instead (one token, batch B, gated, L2 norm): Triton kernel vs the "
+                        "PyTorch reference step, and check it against float64")
     a = p.parse_args(argv)
     if a.quick:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.decode:
+        return bench_decode(a)
     from lm_kernels.deltaproduct import chunk_deltaproduct
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

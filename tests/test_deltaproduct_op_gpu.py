@@ -206,3 +206,43 @@ def test_gpu_l2norm_kernels_bf16_vs_float64():
     out = l2norm_triton(view(tri_in))
     (out.double() * dy).sum().backward()
     assert rel(out, ref) < 1e-2 and rel(tri_in.grad, ref_in.grad) < 1e-2, (rel(out, ref), rel(tri_in.grad, ref_in.grad))
+
+
+@pytest.mark.parametrize("nh", [1, 2, 3])
+def test_gpu_decode_step_bf16_vs_float64(nh):
+    """The one-kernel decode step (triton_step.py), four chained steps at K 128, V 256, gated, with the L2 norm,
+    bf16 q / k / v against the float64 PyTorch step."""
+    from lm_kernels.deltaproduct import deltaproduct_step
+    b, h, K, V = 4, 8, 128, 256
+    S = torch.randn(b, h, K, V, device="cuda", dtype=torch.float64) * 0.1
+    S_ref, S_tri = S, S.float()
+    for _ in range(4):
+        q = torch.randn(b, h, K, device="cuda", dtype=torch.float64)
+        k = torch.randn(b, nh, h, K, device="cuda", dtype=torch.float64)
+        v = torch.randn(b, nh, h, V, device="cuda", dtype=torch.float64)
+        beta = torch.rand(b, nh, h, device="cuda", dtype=torch.float64) * 2
+        g = -torch.rand(b, h, device="cuda", dtype=torch.float64) * 0.1
+        o_ref, S_ref = deltaproduct_step(S_ref, q, k, v, beta, g, use_qk_l2norm=True, backend="reference")
+        o, S_tri = deltaproduct_step(S_tri, q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.float(), g.float(),
+                                     use_qk_l2norm=True)
+        assert o.dtype == torch.bfloat16 and S_tri.dtype == torch.float32
+        assert rel(o, o_ref) < 1e-2 and rel(S_tri, S_ref) < 1e-2, (rel(o, o_ref), rel(S_tri, S_ref))
+
+
+def test_gpu_prefill_then_decode_steps_equal_the_chunk_forward():
+    """Generation's path: the chunk kernels over a prefix (final state out), then Triton decode steps, give the
+    outputs and final state of the chunk kernels over the whole sequence (bf16, nh = 2, gated, L2 norm)."""
+    from lm_kernels.deltaproduct import deltaproduct_step
+    nh, B, T0, T1, H, K, V = 2, 2, 100, 4, 4, 128, 128
+    q, k, v, beta, g, _ = make(B, T0 + T1, H, K, V, nh, B, torch.bfloat16)
+    beta = beta.float()
+    o_all, s_all = chunk_deltaproduct(q, k, v, beta, g, num_householder=nh, use_qk_l2norm=True,
+                                      output_final_state=True)
+    _, s = chunk_deltaproduct(q[:, :T0], k[:, :T0 * nh], v[:, :T0 * nh], beta[:, :T0 * nh], g[:, :T0],
+                              num_householder=nh, use_qk_l2norm=True, output_final_state=True)
+    for t in range(T0, T0 + T1):
+        rows = slice(t * nh, (t + 1) * nh)
+        o, s = deltaproduct_step(s, q[:, t], k[:, rows], v[:, rows], beta[:, rows], g[:, t],
+                                 use_qk_l2norm=True)
+        assert rel(o, o_all[:, t]) < 2e-2, (t, rel(o, o_all[:, t]))
+    assert rel(s, s_all) < 2e-2

@@ -379,3 +379,46 @@ def test_triton_l2norm_matches_torch(layout, dtype):
     assert rel(tri_in.grad, ref_in.grad) < tol
     with torch.no_grad():  # the no-grad path (no autograd node) gives the same output
         assert torch.equal(l2norm_triton(make_x(base.to(dtype))), out.detach())
+
+
+@pytest.mark.parametrize("nh,K,V,gate,l2,dtype", [(1, 32, 16, False, False, torch.float32),
+                                                 (2, 32, 16, True, True, torch.float32),
+                                                 (3, 48, 20, True, False, torch.float32),
+                                                 (2, 64, 160, True, True, torch.float16)],
+                         ids=["nh1", "nh2-gated-l2", "nh3-K48-V20-gated", "nh2-fp16-l2-V160"])
+def test_triton_decode_step_matches_reference(nh, K, V, gate, l2, dtype):
+    """The one-kernel decode step (triton_step.py) against the PyTorch step in float64: several sub-steps, decay,
+    the in-kernel L2 norm, head sizes that are not powers of two (masked tiles over several V blocks), three steps
+    chained; the input state is left untouched and the new state is float32."""
+    from lm_kernels.deltaproduct import deltaproduct_step
+    torch.manual_seed(1)
+    b, h = 2, 3
+    S64 = torch.randn(b, h, K, V, dtype=torch.float64) * 0.3
+    S_tri = S64.float()
+    S_ref = S64
+    for _ in range(3):
+        q = torch.randn(b, h, K, dtype=torch.float64)
+        k = torch.randn(b, nh, h, K, dtype=torch.float64)
+        if not l2:
+            k = F.normalize(k, dim=-1)
+        v = torch.randn(b, nh, h, V, dtype=torch.float64)
+        beta = torch.rand(b, nh, h, dtype=torch.float64) * 2
+        g = -torch.rand(b, h, dtype=torch.float64) * 0.5 if gate else None
+        o_ref, S_ref = deltaproduct_step(S_ref, q, k, v, beta, g, use_qk_l2norm=l2, backend="reference")
+        before = S_tri.clone()
+        o_tri, S_new = deltaproduct_step(S_tri, q.to(dtype), k.to(dtype), v.to(dtype), beta.float(),
+                                         g.float() if g is not None else None, use_qk_l2norm=l2, backend="triton")
+        assert torch.equal(S_tri, before)
+        assert S_new.dtype == torch.float32 and o_tri.dtype == dtype
+        S_tri = S_new
+        tol = 1e-5 if dtype == torch.float32 else 5e-3
+        assert rel(o_tri, o_ref) < tol, rel(o_tri, o_ref)
+        assert rel(S_tri, S_ref) < tol, rel(S_tri, S_ref)
+
+
+def test_triton_decode_step_refuses_float64():
+    from lm_kernels.deltaproduct import deltaproduct_step
+    S = torch.zeros(1, 1, 16, 16, dtype=torch.float64)
+    x = torch.zeros(1, 1, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        deltaproduct_step(S, x, x[:, None], x[:, None], torch.zeros(1, 1, 1, dtype=torch.float64), backend="triton")

@@ -10,6 +10,10 @@ index i*nh + j); g (b,t,h) optional log decay (<= 0) applied before each token's
 State (b,h,dk,dv), or (num_seqs,h,dk,dv) with cu_seqlens (b == 1; the state resets at each document).
 final_state is float32 (float64 for float64 inputs) or None; o has v's dtype.
 
+    o, new_state = deltaproduct_step(state, q, k, v, beta, g=None, *, scale=None, use_qk_l2norm=False, backend=None)
+
+is one token of generation (k, v, beta: (b,nh,h,..)), on CUDA one Triton kernel (triton_step.py).
+
 backend: None = auto (Triton on CUDA when triton imports, else the reference; the environment variable
 LM_DELTAPRODUCT_BACKEND=reference|triton overrides auto), "reference", or "triton" (on CPU only under
 TRITON_INTERPRET=1).
@@ -20,11 +24,13 @@ import os
 
 import torch
 
-from .naive import deltaproduct_step, naive_deltaproduct
+from ._common import check_step_inputs
+from .naive import deltaproduct_step as deltaproduct_step_reference
+from .naive import naive_deltaproduct
 from .reference import chunk_deltaproduct_reference
 
-__all__ = ["chunk_deltaproduct", "naive_deltaproduct", "deltaproduct_step", "chunk_deltaproduct_reference",
-           "resolve_backend"]
+__all__ = ["chunk_deltaproduct", "naive_deltaproduct", "deltaproduct_step", "deltaproduct_step_reference",
+           "chunk_deltaproduct_reference", "resolve_backend"]
 
 _BACKENDS = ("reference", "triton")
 
@@ -72,3 +78,19 @@ def chunk_deltaproduct(q, k, v, beta, g=None, *, num_householder, scale=None, in
         return chunk_deltaproduct_reference(q, k, v, beta, g, **kwargs)
     from .triton_chunk import chunk_deltaproduct_triton
     return chunk_deltaproduct_triton(q, k, v, beta, g, **kwargs)
+
+
+@torch.compiler.disable
+def deltaproduct_step(state, q, k, v, beta, g=None, *, scale=None, use_qk_l2norm=False, backend=None):
+    """One token of generation: state (b,h,K,V); q (b,h,K); k (b,nh,h,K); v (b,nh,h,V); beta (b,nh,h); g (b,h) log
+    decay. Returns (o (b,h,V) in v's dtype, new_state float32, float64 for float64 inputs on the reference); the
+    input state is not modified. backend as for `chunk_deltaproduct`: on CUDA one Triton kernel (triton_step.py),
+    else the PyTorch reference (naive.deltaproduct_step)."""
+    which = resolve_backend(backend, q.device)
+    if which == "reference":
+        return deltaproduct_step_reference(state, q, k, v, beta, g, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    check_step_inputs(state, q, k, v, beta, g)
+    if torch.float64 in (state.dtype, q.dtype, k.dtype, v.dtype):
+        raise ValueError("the triton backend does not take float64 inputs; use backend='reference'")
+    from .triton_step import deltaproduct_step_triton
+    return deltaproduct_step_triton(state, q, k, v, beta, g, scale=scale, use_qk_l2norm=use_qk_l2norm)

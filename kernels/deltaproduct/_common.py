@@ -55,3 +55,24 @@ def check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens):
 def state_dtype(*tensors) -> torch.dtype:
     """Final states are float32 (float64 when the inputs are float64)."""
     return compute_dtype(*tensors)
+
+
+def check_step_inputs(state, q, k, v, beta, g):
+    """Validate the shapes of one decode step; returns (b, h, K, V, nh)."""
+    if state.dim() != 4:
+        raise ValueError(f"state must be (batch, heads, head_k_dim, head_v_dim), got {tuple(state.shape)}")
+    b, h, K, V = state.shape
+    if q.dim() != 3 or tuple(q.shape) != (b, h, K):
+        raise ValueError(f"q must be (batch, heads, head_k_dim) = {(b, h, K)}, got {tuple(q.shape)}")
+    if k.dim() != 4 or k.shape[0] != b or tuple(k.shape[2:]) != (h, K):
+        raise ValueError(f"k must be (batch, num_householder, heads, head_k_dim) with batch {b}, heads {h}, "
+                         f"head_k_dim {K}, got {tuple(k.shape)}")
+    nh = k.shape[1]
+    if tuple(v.shape) != (b, nh, h, V):
+        raise ValueError(f"v must be (batch, num_householder, heads, head_v_dim) = {(b, nh, h, V)}, "
+                         f"got {tuple(v.shape)}")
+    if tuple(beta.shape) != (b, nh, h):
+        raise ValueError(f"beta must be (batch, num_householder, heads) = {(b, nh, h)}, got {tuple(beta.shape)}")
+    if g is not None and tuple(g.shape) != (b, h):
+        raise ValueError(f"g must be (batch, heads) = {(b, h)}, got {tuple(g.shape)}")
+    return b, h, K, V, nh

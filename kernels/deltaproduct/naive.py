@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_inputs, compute_dtype, l2norm
+from ._common import check_inputs, check_step_inputs, compute_dtype, l2norm
 
 
 def _step_rows(H, k, v, beta):
@@ -59,25 +59,10 @@ def naive_deltaproduct(q, k, v, beta, g=None, *, num_householder, scale=None, in
 
 
 def deltaproduct_step(state, q, k, v, beta, g=None, *, scale=None, use_qk_l2norm=False):
-    """One token of generation. state (b,h,K,V); q (b,h,K); k (b,nh,h,K); v (b,nh,h,V); beta (b,nh,h);
-    g (b,h) log decay. Returns (o (b,h,V) in v's dtype, new_state float32 (float64 for float64 inputs)).
-    The input state is not modified."""
-    if state.dim() != 4:
-        raise ValueError(f"state must be (batch, heads, head_k_dim, head_v_dim), got {tuple(state.shape)}")
-    b, h, K, V = state.shape
-    if q.dim() != 3 or tuple(q.shape) != (b, h, K):
-        raise ValueError(f"q must be (batch, heads, head_k_dim) = {(b, h, K)}, got {tuple(q.shape)}")
-    if k.dim() != 4 or k.shape[0] != b or tuple(k.shape[2:]) != (h, K):
-        raise ValueError(f"k must be (batch, num_householder, heads, head_k_dim) with batch {b}, heads {h}, "
-                         f"head_k_dim {K}, got {tuple(k.shape)}")
-    nh = k.shape[1]
-    if tuple(v.shape) != (b, nh, h, V):
-        raise ValueError(f"v must be (batch, num_householder, heads, head_v_dim) = {(b, nh, h, V)}, "
-                         f"got {tuple(v.shape)}")
-    if tuple(beta.shape) != (b, nh, h):
-        raise ValueError(f"beta must be (batch, num_householder, heads) = {(b, nh, h)}, got {tuple(beta.shape)}")
-    if g is not None and tuple(g.shape) != (b, h):
-        raise ValueError(f"g must be (batch, heads) = {(b, h)}, got {tuple(g.shape)}")
+    """One token of generation (the PyTorch reference; `lm_kernels.deltaproduct.deltaproduct_step` dispatches).
+    state (b,h,K,V); q (b,h,K); k (b,nh,h,K); v (b,nh,h,V); beta (b,nh,h); g (b,h) log decay. Returns
+    (o (b,h,V) in v's dtype, new_state float32 (float64 for float64 inputs)). The input state is not modified."""
+    b, h, K, V, nh = check_step_inputs(state, q, k, v, beta, g)
     cd = compute_dtype(state, q, k, v, beta, g)
     scale = K ** -0.5 if scale is None else scale
     if use_qk_l2norm:
