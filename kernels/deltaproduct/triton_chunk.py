@@ -1351,7 +1351,8 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    # one writer per row: stored in beta's dtype, or in float32 and cast after the kernel up to MAIN_DB_FP32_MAX_NH
+    # one writer per row: stored in beta's dtype, or in float32 and cast after the kernel (SPLIT_DB_FP32 for the split
+    # backward, MAIN_DB_FP32_MAX_NH for the fused kernel)
     split = nh <= MAIN_SPLIT_MAX_NH and K >= 2 * MAIN_SPLIT_BK and not recomp
     db_fp32 = SPLIT_DB_FP32 if split else nh <= MAIN_DB_FP32_MAX_NH
     db = torch.empty(beta.shape, dtype=torch.float32 if db_fp32 else beta.dtype, device=dev)
