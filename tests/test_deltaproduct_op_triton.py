@@ -422,3 +422,11 @@ def test_triton_decode_step_refuses_float64():
     x = torch.zeros(1, 1, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="float64"):
         deltaproduct_step(S, x, x[:, None], x[:, None], torch.zeros(1, 1, 1, dtype=torch.float64), backend="triton")
+
+
+def test_triton_decode_step_empty_batch():
+    from lm_kernels.deltaproduct import deltaproduct_step
+    S = torch.zeros(0, 2, 16, 8)
+    o, S_new = deltaproduct_step(S, torch.zeros(0, 2, 16), torch.zeros(0, 2, 2, 16), torch.zeros(0, 2, 2, 8),
+                                 torch.zeros(0, 2, 2), backend="triton")
+    assert o.shape == (0, 2, 8) and S_new.shape == (0, 2, 16, 8)

@@ -56,6 +56,8 @@ def deltaproduct_step_triton(state, q, k, v, beta, g=None, *, scale=None, use_qk
     scale = K ** -0.5 if scale is None else float(scale)
     s_out = torch.empty(b, h, K, V, dtype=torch.float32, device=state.device)
     o = torch.empty(b, h, V, dtype=v.dtype, device=v.device)
+    if b * h == 0 or V == 0:
+        return o, s_out
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), max(16, 4096 // BK))  # [BK, BV] fp32 state tile: 32 regs / thread
     _step_kernel[(triton.cdiv(V, BV), b * h)](
