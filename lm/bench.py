@@ -2,7 +2,9 @@
 the per-kernel device-time breakdown those scripts share."""
 from __future__ import annotations
 
+import os
 import runpy
+import subprocess
 import sys
 
 from .models.presets import repo_root
@@ -17,8 +19,12 @@ def main(argv: list[str]) -> int:
     if name not in scripts:
         print(f"lm bench: unknown benchmark {name!r}; available: {', '.join(scripts)}", file=sys.stderr)
         return 2
+    script = repo_root() / "scripts" / f"bench_{name}.py"
+    if "--quick" in argv[1:] and os.environ.get("TRITON_INTERPRET") != "1":
+        # the CPU-interpreter mode must be set before triton is first imported, which `lm` has done by now
+        return subprocess.call([sys.executable, str(script), *argv[1:]], env={**os.environ, "TRITON_INTERPRET": "1"})
     sys.argv = [f"bench_{name}.py", *argv[1:]]
-    runpy.run_path(str(repo_root() / "scripts" / f"bench_{name}.py"), run_name="__main__")
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
