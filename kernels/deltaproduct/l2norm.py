@@ -21,37 +21,32 @@ _BR = 16  # rows per program
 
 
 @triton.jit
-def _rows(rows, R, T, Hn, sb, st, sh, cols, D: tl.constexpr):
-    """Offsets of rows (b, t, h) = divmod(row) of a [B, T, H, D] tensor with strides (sb, st, sh, 1), and the mask."""
+def _load_rows(x, R, T, Hn, sb, st, sh, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """This program's BR rows (b, t, h) = divmod(row) of x, a [B, T, H, D] tensor with strides (sb, st, sh, 1), in
+    float32; with the row indices, the offsets of the same rows in a contiguous [R, D] tensor, and the mask."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
     r64 = rows.to(tl.int64)
     h = r64 % Hn
     t = (r64 // Hn) % T
     b = r64 // (Hn * T)
-    off = b * sb + t * st + h * sh
     m = (rows < R)[:, None] & (cols < D)[None, :]
-    return off[:, None] + cols[None, :], m
+    xv = tl.load(x + (b * sb + t * st + h * sh)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return xv, rows, r64[:, None] * D + cols[None, :], m
 
 
 @triton.jit
 def _l2norm_fwd_kernel(x, y, r, R, T, Hn, sb, st, sh, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.arange(0, BD)
-    off, m = _rows(rows, R, T, Hn, sb, st, sh, cols, D)
-    xv = tl.load(x + off, mask=m, other=0.0).to(tl.float32)
+    xv, rows, out, m = _load_rows(x, R, T, Hn, sb, st, sh, D, BD, BR)
     rr = tl.rsqrt(tl.sum(xv * xv, 1) + eps)
-    out = rows.to(tl.int64)[:, None] * D + cols[None, :]
     tl.store(y + out, (xv * rr[:, None]).to(y.dtype.element_ty), mask=m)
     tl.store(r + rows, rr, mask=rows < R)
 
 
 @triton.jit
 def _l2norm_bwd_kernel(x, r, dy, dx, R, T, Hn, sb, st, sh, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.arange(0, BD)
-    off, m = _rows(rows, R, T, Hn, sb, st, sh, cols, D)
-    xv = tl.load(x + off, mask=m, other=0.0).to(tl.float32)
+    xv, rows, out, m = _load_rows(x, R, T, Hn, sb, st, sh, D, BD, BR)
     rr = tl.load(r + rows, mask=rows < R, other=0.0)
-    out = rows.to(tl.int64)[:, None] * D + cols[None, :]
     dyv = tl.load(dy + out, mask=m, other=0.0).to(tl.float32)
     yv = xv * rr[:, None]
     s = tl.sum(yv * dyv, 1)
@@ -59,9 +54,8 @@ def _l2norm_bwd_kernel(x, r, dy, dx, R, T, Hn, sb, st, sh, D: tl.constexpr, BD: 
 
 
 def _geometry(x):
-    if x.dim() != 4 or x.stride(-1) != 1:
-        x = x.reshape(-1, 1, 1, x.shape[-1]) if x.stride(-1) == 1 and x.is_contiguous() else \
-            x.contiguous().reshape(-1, 1, 1, x.shape[-1])
+    if x.dim() != 4 or x.stride(-1) != 1:  # as rows of a contiguous copy (no copy when x is contiguous)
+        x = x.contiguous().reshape(-1, 1, 1, x.shape[-1])
     B, T, Hn, D = x.shape
     return x, B * T * Hn, T, Hn, x.stride(0), x.stride(1), x.stride(2), D
 
