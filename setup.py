@@ -1,16 +1,12 @@
-"""Package discovery only (metadata lives in pyproject.toml).
-
-`kernels/` is installed under the import name `lm_kernels` so that it cannot shadow Hugging Face's
-`kernels` package, which transformers probes for at import time.
-"""
+"""Package discovery only (metadata lives in pyproject.toml): `lm` and `lm_kernels` (the Triton kernels,
+named so that they never shadow Hugging Face's `kernels` package, which transformers probes for)."""
 from setuptools import find_packages, setup
 
-packages = find_packages(include=["lm", "lm.*"])
-packages += ["lm_kernels"] + [f"lm_kernels.{p}" for p in find_packages(where="kernels")]
-
 setup(
-    packages=packages,
-    package_dir={"lm": "lm", "lm_kernels": "kernels"},
-    package_data={"lm": ["eval/tasks/**/*", "py.typed"]},
-    include_package_data=True,
+    packages=find_packages(include=["lm", "lm.*", "lm_kernels", "lm_kernels.*"]),
+    package_data={
+        "lm": ["py.typed", "configs/*/*.json", "configs/*/*.yaml", "configs/*/*.txt", "eval/tasks/**/*",
+               "data/default_tokenizer/*"],
+    },
+    include_package_data=False,
 )

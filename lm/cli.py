@@ -19,7 +19,7 @@ COMMANDS = {
     "duality": ("lm.eval.duality:main", "sequential vs simultaneous agreement of an implicit model"),
     "generate": ("lm.eval.generate:main", "generate text from a checkpoint"),
     "synth": ("lm.data.synthetic.run:main", "train/evaluate on a synthetic state-tracking task"),
-    "bench": ("lm.bench:main", "kernel and training benchmarks (GPU)"),
+    "bench": ("lm.benchmarks:main", "kernel and training benchmarks (GPU)"),
     "info": ("lm.models.presets:info_main", "parameter count and training FLOPs of a preset"),
 }
 

@@ -1,4 +1,4 @@
-"""GPU check of the autotuners' disk cache (kernels/autotune.py): run this in several processes that share one
+"""GPU check of the autotuners' disk cache (lm_kernels/autotune.py): run this in several processes that share one
 TRITON_CACHE_DIR; each prints the first SSD forward + backward's wall time (compile + autotune + run), the config
 every SSD autotuner chose and a checksum of y and dx. The second process should be faster (no timing of configs),
 choose the same configs (maxnreg included) and give bitwise the same numbers.

@@ -4,7 +4,7 @@
 #      ours' accuracy against the float32 reference with the tuned configs); BENCH_SHAPES picks shapes
 #   2. tests/test_conv1d_gpu.py (real shapes vs float64, packed, odd shapes, determinism, tiny Mamba2)
 #      with LM_CONV1D_AUTOTUNE=0 (one config per kernel: saves compile time)
-# The repo need not be installed: lm_kernels is linked from kernels/. CONV1D_DRY=1: CPU smoke run
+# The repo need not be installed: lm_kernels is linked from lm_kernels/. CONV1D_DRY=1: CPU smoke run
 # (interpreter, tiny bench shapes, no compile). Usage: OUT=/tmp/out bash scripts/gpu_conv1d.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/conv1d_out}

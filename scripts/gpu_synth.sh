@@ -4,7 +4,7 @@
 # budget (train.max_minutes, the LR schedule follows it), sharing the GPU. Results (results.json +
 # accuracy_per_length.png per run, logs, a summary table) go to OUT_DIR and into one tarball.
 #
-#   scripts/gpu_synth.sh configs/synth/gpu_suite.txt 7.5 runs/synth_gpu
+#   scripts/gpu_synth.sh lm/configs/synth/gpu_suite.txt 7.5 runs/synth_gpu
 #
 # The small synthetic models leave an H100 mostly idle; 8 concurrent runs fit in memory and CPU.
 #

@@ -23,7 +23,7 @@ def greedy_by_full_forward(model, ids, n: int, sequential: bool = False):
     for _ in range(n):
         with torch.no_grad():
             if sequential:
-                logits = model(ids, past_key_values=LMCache(model.config.num_hidden_layers), use_cache=True).logits
+                logits = model(ids, cache=LMCache(model.config.num_hidden_layers), use_cache=True).logits
             else:
                 logits = model(ids).logits
         ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
@@ -38,9 +38,9 @@ def assert_incremental_equals_full(model, vocab: int = 64, split: int = 9, lengt
     with torch.no_grad():
         full = model(ids).logits
         cache = LMCache(model.config.num_hidden_layers)
-        parts = [model(ids[:, :split], past_key_values=cache, use_cache=True).logits]
+        parts = [model(ids[:, :split], cache=cache, use_cache=True).logits]
         for i in range(split, length):
-            parts.append(model(ids[:, i: i + 1], past_key_values=cache, use_cache=True).logits)
+            parts.append(model(ids[:, i: i + 1], cache=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
 
 

@@ -1,7 +1,6 @@
-"""scripts/bench_conv1d.py runs end to end (tiny shape; on CPU under the Triton interpreter, no compile)."""
-import importlib.util
+"""`lm bench conv1d` (lm.benchmarks.conv1d) runs end to end (tiny shape; on CPU under the Triton interpreter, no compile)."""
+import importlib
 import json
-from pathlib import Path
 
 import pytest
 
@@ -9,10 +8,7 @@ pytest.importorskip("triton")
 
 
 def test_bench_conv1d_tiny_writes_json(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_conv1d.py"
-    spec = importlib.util.spec_from_file_location("bench_conv1d", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("lm.benchmarks.conv1d")
     out = tmp_path / "bench.json"
     res = mod.main(["--tiny", "--shapes", "tiny_packed", "--no-compile", "--warmup", "1", "--rep", "1",
                     "--json", str(out)])

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_train_script():
-    spec = importlib.util.spec_from_file_location("train_tokenizer", ROOT / "tokenizer" / "train_tokenizer.py")
+    spec = importlib.util.spec_from_file_location("train_tokenizer", ROOT / "scripts" / "train_tokenizer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -21,7 +21,8 @@ def load_train_script():
 def test_default_tokenizer_files_and_loading():
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    folder = ROOT / "tokenizer" / "default"
+    folder = tk.default_tokenizer_dir()
+    assert folder.parent.parent == Path(tk.__file__).parent.parent  # package data of lm
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(os.listdir(folder))
     assert sum((folder / f).stat().st_size for f in os.listdir(folder)) < 400_000  # small enough to ship
     tok = load_tokenizer()
@@ -38,7 +39,9 @@ def test_default_tokenizer_files_and_loading():
 
 
 def test_missing_default_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(tk, "repo_root", lambda: tmp_path)
+    import lm.resources
+
+    monkeypatch.setattr(lm.resources, "package_dir", lambda *parts: tmp_path.joinpath(*parts))
     with pytest.raises(FileNotFoundError, match="train_tokenizer.py"):
         load_tokenizer()
 

@@ -87,8 +87,8 @@ def test_prefill_then_decode_matches_full_forward_logits(family):
     with torch.no_grad():
         full = model(ids).logits
         cache = LMCache()
-        a = model(ids[:, :13], past_key_values=cache, use_cache=True).logits
-        steps = [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(13, 21)]
+        a = model(ids[:, :13], cache=cache, use_cache=True).logits
+        steps = [model(ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(13, 21)]
     got = torch.cat([a] + steps, dim=1)
     torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
 
@@ -211,7 +211,7 @@ def test_duality_sequential_vs_simultaneous():
     test = _markov_corpus(4, 24, seed=1)
     with torch.no_grad():
         simultaneous = model(test).logits.argmax(-1)
-        sequential = model(test, past_key_values=LMCache(), use_cache=True).logits.argmax(-1)
+        sequential = model(test, cache=LMCache(), use_cache=True).logits.argmax(-1)
     rate = (simultaneous == sequential).float().mean().item()
     print(f"duality token match rate: {rate:.4f} (paper: 0.976), final train loss {loss.item():.3f}")
     assert rate >= 0.97

@@ -191,7 +191,7 @@ def test_cached_generation_equals_sequential_full_forward():
     ids = prompt
     with torch.no_grad():
         for step in range(6):
-            logits = model(ids, past_key_values=LMCache(2), use_cache=True).logits[:, -1]
+            logits = model(ids, cache=LMCache(2), use_cache=True).logits[:, -1]
             assert torch.allclose(gen.logits[step], logits, atol=1e-5)
             ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(gen.sequences, ids)
@@ -203,9 +203,9 @@ def test_parallel_prefill_equals_parallel_forward():
     ids = torch.randint(0, SIZES["vocab_size"], (2, 8))
     cache = LMCache(1)
     with torch.no_grad():
-        pre = model(ids[:, :6], past_key_values=cache, use_cache=True).logits
+        pre = model(ids[:, :6], cache=cache, use_cache=True).logits
         assert torch.allclose(pre, model(ids[:, :6]).logits, atol=1e-12)
-        dec = model(ids[:, 6:8], past_key_values=cache, use_cache=True).logits  # continues from the cache
+        dec = model(ids[:, 6:8], cache=cache, use_cache=True).logits  # continues from the cache
         ref8 = model(ids[:, :8]).logits
     assert torch.allclose(dec, ref8[:, 6:8], atol=1e-3)  # same fixed point, reached by other iterates
     assert len(cache.get(0)) == 3 and cache.get(0)["y"].shape == (2, 2 * SIZES["hidden_size"])

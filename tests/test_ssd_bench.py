@@ -1,7 +1,6 @@
-"""scripts/bench_ssd.py runs end to end (tiny shape; on CPU under the Triton interpreter, no peer)."""
-import importlib.util
+"""`lm bench ssd` (lm.benchmarks.ssd) runs end to end (tiny shape; on CPU under the Triton interpreter, no peer)."""
+import importlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +9,7 @@ pytest.importorskip("triton")
 
 
 def test_bench_ssd_tiny_writes_json(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_ssd.py"
-    spec = importlib.util.spec_from_file_location("bench_ssd", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("lm.benchmarks.ssd")
     out = tmp_path / "bench.json"
     res = mod.main(["--tiny", "--no-peer", "--no-profile", "--warmup", "1", "--rep", "1", "--json", str(out)])
     data = json.loads(out.read_text())

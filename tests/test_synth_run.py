@@ -10,12 +10,14 @@ import torch
 import torch.nn as nn
 
 import lm  # noqa: F401  registers the model types
+from lm.resources import configs_dir
 from lm.data.synthetic import build_task, monoid_by_name
 from lm.data.synthetic.run import (TrainingData, compare_runs, evaluate, load_recipe, lr_at, main, run,
                                    summarize)
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "configs" / "synth").glob("*.yaml"))
+SYNTH = configs_dir("synth")
+RECIPES = sorted((SYNTH).glob("*.yaml"))
 
 
 @pytest.fixture
@@ -28,7 +30,7 @@ def one_thread():
 
 
 def test_one_layer_model_learns_tiny_s3(tmp_path, one_thread):
-    cfg = load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", [f"output_dir={tmp_path}"])
+    cfg = load_recipe(SYNTH / "s3_tiny_cpu.yaml", [f"output_dir={tmp_path}"])
     assert cfg["model"]["num_hidden_layers"] == 1
     res = run(cfg, progress=False)
     acc = res["eval"]["3"]["token_accuracy"]
@@ -42,7 +44,7 @@ def test_one_layer_model_learns_tiny_s3(tmp_path, one_thread):
 
 def test_one_layer_deltaproduct_needs_two_householders_for_s3(tmp_path, one_thread):
     """DeltaProduct paper, Fig. 5: one layer with n_h = 2 tracks S3 and extrapolates; n_h = 1 cannot."""
-    recipe = ROOT / "configs" / "synth" / "s3_deltaproduct_cpu.yaml"
+    recipe = SYNTH / "s3_deltaproduct_cpu.yaml"
     two = run(load_recipe(recipe, [f"output_dir={tmp_path / 'nh2'}", "eval.lengths=[16,32]"]), progress=False)
     assert two["eval"]["16"]["token_accuracy"] > 0.95 and two["eval"]["32"]["token_accuracy"] > 0.9
     one = run(load_recipe(recipe, [f"output_dir={tmp_path / 'nh1'}", "eval.lengths=[16]",
@@ -191,7 +193,7 @@ def test_lr_schedules():
 
 
 def test_time_budget_stops_training_and_still_evaluates(tmp_path, one_thread):
-    cfg = load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml",
+    cfg = load_recipe(SYNTH / "s3_tiny_cpu.yaml",
                       [f"output_dir={tmp_path}", "train.steps=100000", "train.max_minutes=0.02", "train.log_every=1",
                        "train.target_accuracy=null"])
     res = run(cfg, progress=False)
@@ -200,7 +202,7 @@ def test_time_budget_stops_training_and_still_evaluates(tmp_path, one_thread):
     assert res["train_log"][-1]["lr"] < 0.5 * cfg["train"]["lr"]  # the cosine followed the time budget
     assert set(res["eval"]) == {str(n) for n in cfg["eval"]["lengths"]}
     with pytest.raises(ValueError, match="train.max_minutes"):
-        load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", ["train.max_minutes=0"])
+        load_recipe(SYNTH / "s3_tiny_cpu.yaml", ["train.max_minutes=0"])
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
@@ -244,7 +246,7 @@ def test_recipe_errors(tmp_path, capsys):
                    f"output_dir: {tmp_path}\n")
     assert main([str(bad), "--quiet"]) == 2
     assert "does not take ['group']" in capsys.readouterr().err
-    tiny = str(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml")
+    tiny = str(SYNTH / "s3_tiny_cpu.yaml")
     assert main([tiny, "--dry-run", "train.steps=3"]) == 0
     assert "model parameters" in capsys.readouterr().out
     assert main([tiny, "--dry-run", "model.model_type=lm_nope"]) == 2
@@ -260,13 +262,13 @@ def test_recipe_errors(tmp_path, capsys):
 def test_sliced_run_resumes_to_completion(tmp_path, one_thread):
     """A run cut by train.stop_after_minutes saves checkpoint.pt; resume= continues it to the step budget."""
     over = [f"output_dir={tmp_path}", "train.steps=60", "train.log_every=5", "train.target_accuracy=null"]
-    cfg = load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", over + ["train.stop_after_minutes=0.0005"])
+    cfg = load_recipe(SYNTH / "s3_tiny_cpu.yaml", over + ["train.stop_after_minutes=0.0005"])
     first = run(cfg, progress=False)
     ckpt = tmp_path / "checkpoint.pt"
     assert not first["complete"] and ckpt.is_file() and first["checkpoint"] == str(ckpt)
     k = first["steps_run"]
     assert 1 <= k < 60 and first["train_log"][-1]["step"] == k
-    second = run(load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", over + [f"resume={tmp_path}"]),
+    second = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", over + [f"resume={tmp_path}"]),
                  progress=False)
     assert second["complete"] and second["steps_run"] == 60 and second["resumed_from"]["step"] == k
     steps = [r["step"] for r in second["train_log"]]
@@ -277,9 +279,9 @@ def test_sliced_run_resumes_to_completion(tmp_path, one_thread):
 
 def test_resume_restores_the_model_exactly(tmp_path, one_thread):
     over = [f"output_dir={tmp_path}", "train.steps=25", "train.target_accuracy=null", "train.save_checkpoint=true"]
-    done = run(load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml", over), progress=False)
+    done = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", over), progress=False)
     assert done["complete"] and (tmp_path / "checkpoint.pt").is_file()
-    again = run(load_recipe(ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml",
+    again = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml",
                             over + [f"resume={tmp_path / 'checkpoint.pt'}", f"output_dir={tmp_path / 'b'}"]),
                 progress=False)
     assert again["steps_run"] == 25 and again["resumed_from"]["step"] == 25  # nothing left to train
@@ -287,7 +289,7 @@ def test_resume_restores_the_model_exactly(tmp_path, one_thread):
 
 
 def test_resume_errors(tmp_path, one_thread):
-    base = ROOT / "configs" / "synth" / "s3_tiny_cpu.yaml"
+    base = SYNTH / "s3_tiny_cpu.yaml"
     with pytest.raises(ValueError, match="not found"):
         run(load_recipe(base, [f"output_dir={tmp_path}", f"resume={tmp_path / 'nothing'}"]), progress=False)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")

@@ -58,7 +58,9 @@ def test_config_yaml_and_overrides(tmp_path):
 def test_shipped_train_configs_parse():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "configs" / "train"
+    from lm.resources import configs_dir
+
+    root = configs_dir("train")
     files = sorted(root.glob("*.yaml"))
     assert any(f.name == "default.yaml" for f in files)
     for f in files:

@@ -1,8 +1,8 @@
 """Tokenizers: the shipped default and any Hugging Face tokenizer, plus the identity stored with shards.
 
-The shipped default lives in ``tokenizer/default/`` at the repository root (a byte-level BPE with
+The shipped default lives in ``lm/data/default_tokenizer/`` (package data) (a byte-level BPE with
 8192 tokens trained on the training split of the default Shakespeare corpus by
-``tokenizer/train_tokenizer.py``; ``<|endoftext|>`` is its EOS, also used as BOS and PAD).
+``scripts/train_tokenizer.py``; ``<|endoftext|>`` is its EOS, also used as BOS and PAD).
 
 - ``load_tokenizer(name_or_path=None)`` returns a fast tokenizer (``PreTrainedTokenizerFast``):
   ``None`` or ``"default"`` is the shipped one, a folder or a ``tokenizer.json`` file is loaded from
@@ -25,19 +25,16 @@ EOS_TOKEN = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 8192
 
 
-def repo_root() -> Path:
-    """The repository root (the package is installed editable: lm/data/tokenizer.py -> ../../)."""
-    return Path(__file__).resolve().parents[2]
-
-
 def default_tokenizer_dir() -> Path:
-    """The folder of the shipped default tokenizer; raises FileNotFoundError with a fix if missing."""
-    path = repo_root() / "tokenizer" / "default"
+    """The folder of the shipped default tokenizer (package data); FileNotFoundError with a fix if missing."""
+    from ..resources import package_dir
+
+    path = package_dir("data", "default_tokenizer")
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(
             f"the shipped default tokenizer is missing: expected {path / 'tokenizer.json'}. "
-            "Install lm editable from a repository checkout (pip install -e .), or train it again "
-            "with `python tokenizer/train_tokenizer.py`, or pass a tokenizer name/path explicitly."
+            "Reinstall lm, or train it again with `python scripts/train_tokenizer.py`, "
+            "or pass a tokenizer name/path explicitly."
         )
     return path
 

@@ -25,7 +25,7 @@ def duality(model, batches) -> dict:
     nll_sim = nll_seq = absdiff = 0.0
     for ids, tgt in batches:
         sim = model(ids).logits.float()
-        seq = model(ids, past_key_values=LMCache(), use_cache=True).logits.float()
+        seq = model(ids, cache=LMCache(), use_cache=True).logits.float()
         valid = tgt != -100
         match += int(((sim.argmax(-1) == seq.argmax(-1)) & valid).sum())
         total += int(valid.sum())

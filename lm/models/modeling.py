@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache
@@ -99,12 +99,17 @@ class Injection(nn.Module):
         return self.proj(self.norm(emb) if self.norm is not None else emb)
 
 
+# The name under which transformers passes the generation cache between `generate`, the model's forward and
+# its output: `cache` from transformers 5.24, `past_key_values` before. The models accept both names as input
+# and return the cache under transformers' own field, so `generate` finds it either way.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 @dataclasses.dataclass
-class LMOutput(ModelOutput):
-    loss: Optional[torch.Tensor] = None
-    logits: Optional[torch.Tensor] = None
-    past_key_values: Optional[LMCache] = None
-    hidden_states: Optional[torch.Tensor] = None
+class LMOutput(CausalLMOutputWithPast):
+    """transformers' causal-LM output (loss, logits, the cache, hidden states) plus the fixed-point solver's
+    statistics of implicit models."""
+
     fixed_point_stats: Optional[dict] = None
 
 
@@ -312,28 +317,34 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor,
         labels: torch.LongTensor | None = None,
         targets: torch.LongTensor | None = None,
-        past_key_values: LMCache | None = None,
+        cache: LMCache | None = None,
         use_cache: bool | None = None,
         cu_seqlens: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         fused_loss: bool = False,
+        past_key_values: LMCache | None = None,
         **kwargs,
     ) -> LMOutput:
         """`labels`: Hugging Face convention (shifted inside, -100 ignored). `targets`: already aligned with
         input_ids (targets[:, i] is the token after input_ids[:, i]), as the pretraining reader yields.
         `fused_loss`: with labels/targets, compute the loss chunk by chunk from the hidden states
-        (lm.models.loss) and return no logits: the (tokens x vocab) logits are never held (training)."""
+        (lm.models.loss) and return no logits: the (tokens x vocab) logits are never held (training).
+        `cache` (an LMCache; `past_key_values` is the same argument under transformers' older name) carries the
+        recurrent / KV state between calls; the output returns it under CACHE_FIELD."""
         if attention_mask is not None and not bool(attention_mask.all()):
             warnings.warn(
                 "lm models are recurrent and ignore attention_mask: padded positions enter the state. "
                 "Use right padding (outputs at real tokens are then exact) or batch size 1.",
                 stacklevel=2,
             )
-        if use_cache and past_key_values is None:
-            past_key_values = LMCache(self.config.num_hidden_layers)
-        cache = past_key_values if use_cache is not False else None
+        if cache is None:
+            cache = past_key_values
+        if use_cache and cache is None:
+            cache = LMCache(self.config.num_hidden_layers)
+        if use_cache is False:
+            cache = None
         h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -343,20 +354,22 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
                 targets = targets[:, -logits_to_keep:]
         if fused_loss and targets is not None and self.lm_head.bias is None:
             return LMOutput(loss=linear_cross_entropy(h, self.lm_head.weight, targets), logits=None,
-                            past_key_values=cache, fixed_point_stats=stats)
+                            fixed_point_stats=stats, **{CACHE_FIELD: cache})
         logits = self.lm_head(h)
         loss = logits_cross_entropy(logits, targets) if targets is not None else None
-        return LMOutput(loss=loss, logits=logits, past_key_values=cache, fixed_point_stats=stats)
+        return LMOutput(loss=loss, logits=logits, fixed_point_stats=stats, **{CACHE_FIELD: cache})
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      use_cache=True, **kwargs):
-        if past_key_values is not None and past_key_values.seen_tokens > 0:
-            input_ids = input_ids[:, past_key_values.seen_tokens:]
+    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, use_cache=True,
+                                      past_key_values=None, **kwargs):
+        """Feed only the tokens the cache has not seen; a fresh LMCache on the first call."""
+        if cache is None:
+            cache = past_key_values
+        if cache is not None and cache.seen_tokens > 0:
+            input_ids = input_ids[:, cache.seen_tokens:]
         elif use_cache:
-            past_key_values = LMCache(self.config.num_hidden_layers)
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": use_cache,
-                "attention_mask": attention_mask}
+            cache = LMCache(self.config.num_hidden_layers)
+        return {"input_ids": input_ids, "cache": cache, "use_cache": use_cache, "attention_mask": attention_mask}
 
-    def _reorder_cache(self, past_key_values, beam_idx):
-        past_key_values.reorder_cache(beam_idx)
-        return past_key_values
+    def _reorder_cache(self, cache, beam_idx):
+        cache.reorder_cache(beam_idx)
+        return cache

@@ -1,4 +1,4 @@
-"""Model presets (configs/models/<model_type>-<size>.json), parameter counts and training FLOPs.
+"""Model presets (lm/configs/models/<model_type>-<size>.json), parameter counts and training FLOPs.
 
     load_config("lm_mamba2-130m")              a preset name
     load_config("path/to/config.json", implicit={...})   a file, with overrides
@@ -17,20 +17,12 @@ from pathlib import Path
 import torch
 
 from . import MODEL_TYPES
+from ..resources import configs_dir
 from .config import LMConfig
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
 def presets_dir() -> Path:
-    d = repo_root() / "configs" / "models"
-    if not d.is_dir():
-        raise FileNotFoundError(
-            f"model presets not found at {d}: install lm from a source checkout (pip install -e .)"
-        )
-    return d
+    return configs_dir("models")
 
 
 def list_presets() -> list[str]:

@@ -1,6 +1,7 @@
 """`lm train [CONFIG.yaml] [key=value ...] [--resume] [--print-config]` (also `python -m lm.train`).
 
-Without CONFIG the embedded default (configs/train/default.yaml: a small implicit Mamba2 on the
+CONFIG is a YAML file or the name of a packaged recipe (`default`, `dpile-mamba2-350m`, ...;
+`configs/train/NAME.yaml` also names one). Without CONFIG the packaged default (a small implicit Mamba2 on the
 Shakespeare corpus, a few minutes on CPU) is used. Overrides are dotted keys with YAML values:
     lm train configs/train/default.yaml train.tokens=2e6 optim.lr=1e-3 run_dir=runs/try
 Several processes: `deepspeed --num_gpus 8 -m lm.train CFG ...` or `torchrun --nproc_per_node 8 -m
@@ -14,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "train" / "default.yaml"
+DEFAULT_CONFIG = "default"  # the packaged lm/configs/train/default.yaml
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,8 @@ from typing import Any, Union
 
 import yaml
 
+from ..resources import config_path
+
 
 @dataclasses.dataclass
 class ModelSection:
@@ -236,9 +238,10 @@ def _looks_numeric(s: str) -> bool:
 def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     tree: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"training config {p} not found (pass a YAML file, e.g. configs/train/default.yaml)")
+        try:
+            p = config_path(path, "train")
+        except FileNotFoundError as err:
+            raise ValueError(f"training config: {err}") from None
         tree = yaml.safe_load(p.read_text()) or {}
         if not isinstance(tree, dict):
             raise ValueError(f"{p}: expected a mapping at the top level")

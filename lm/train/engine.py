@@ -85,11 +85,12 @@ def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: i
                      grad_clip: float, precision: str, zero_stage: int) -> dict:
     cfg: dict = {}
     if base:
-        p = Path(base)
-        if not p.is_file() and not p.is_absolute():  # configs/deepspeed/... relative to the repository
-            p = Path(__file__).resolve().parents[2] / base
-        if not p.is_file():
-            raise ValueError(f"train.deepspeed_config: {base} not found")
+        from ..resources import config_path
+
+        try:
+            p = config_path(base, "deepspeed")  # a file, or a packaged one (configs/deepspeed/zero2.json)
+        except FileNotFoundError as err:
+            raise ValueError(f"train.deepspeed_config: {err}") from None
         cfg = json.loads(p.read_text())
     cfg.update({
         "train_batch_size": micro_batch_size * accumulation * world_size,

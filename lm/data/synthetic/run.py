@@ -162,9 +162,12 @@ def load_recipe(recipe: str | Path | dict | None, overrides: list[str] | tuple =
     if isinstance(recipe, dict):
         cfg = _merge(cfg, recipe)
     elif recipe is not None:
-        p = Path(recipe)
-        if not p.is_file():
-            raise ValueError(f"recipe {str(p)!r} not found (recipes live in configs/synth/)")
+        from ...resources import config_path
+
+        try:
+            p = config_path(recipe, "synth")
+        except FileNotFoundError as err:
+            raise ValueError(f"recipe: {err}") from None
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"recipe {str(p)!r} must be a YAML mapping")

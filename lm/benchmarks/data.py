@@ -1,7 +1,7 @@
 """Benchmark the data pipeline: preparation tokens/s by worker count, reader tokens/s per rank.
 
-    python scripts/bench_data.py                        # the default corpus, 1 and 2 workers
-    python scripts/bench_data.py --workers 1 2 4 --input 'corpus/*.jsonl' --json out/bench_data.json
+    lm bench data                        # the default corpus, 1 and 2 workers
+    lm bench data --workers 1 2 4 --input 'corpus/*.jsonl' --json out/bench_data.json
 
 Preparation is timed around `prepare_data` (tokenizer load, worker start, tokenization and writing;
 not the Python start-up); each worker count writes a fresh folder in a temporary directory. The reader

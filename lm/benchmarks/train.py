@@ -3,8 +3,8 @@
 tokens/s, MFU and peak memory for explicit and implicit (4+1) models, and the implicit/explicit
 step-time ratio (BENCHMARKS.md target: <= 1.5).
 
-    python scripts/bench_train.py --out bench_train.json                      # H100: 350M Mamba2 + Llama
-    python scripts/bench_train.py --size tiny --seq-len 64 --micro 2 --steps 3 --warmup 1   # CPU smoke
+    lm bench train --out bench_train.json                      # H100: 350M Mamba2 + Llama
+    lm bench train --size tiny --seq-len 64 --micro 2 --steps 3 --warmup 1   # CPU smoke
 
 Each case runs in its own process (`--case NAME`) on synthetic tokens (a random walk over the
 vocabulary; the data path costs nothing), `--warmup` steps are dropped (Triton compilation,
@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = {  # name -> (preset, "{size}" filled from --size; implicit settings or None)
     "mamba2-explicit": ("lm_mamba2-{size}", None),
     "mamba2-implicit-4+1": ("lm_mamba2-{size}", {"max_iter": 4, "phantom_steps": 1}),
@@ -39,15 +38,15 @@ DEFAULT_CASES = "mamba2-explicit,mamba2-implicit-4+1,llama-explicit,llama-implic
 
 
 def run_case(args) -> dict:
-    sys.path.insert(0, str(ROOT))
     import torch
 
+    from lm.resources import configs_dir
     from lm.train.config import config_from_dict
     from lm.train.trainer import train
 
     template, implicit = CASES[args.case]
     preset = template.format(size=args.size)
-    vocab = json.loads((ROOT / "configs" / "models" / f"{preset}.json").read_text())["vocab_size"]
+    vocab = json.loads(configs_dir("models").joinpath(f"{preset}.json").read_text())["vocab_size"]
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{args.case}-"))
     tokens_per_step = args.micro * args.accum * args.seq_len
     cfg = config_from_dict({
@@ -166,7 +165,7 @@ def main() -> int:
     for case, mode in [(c, m) for c in args.cases.split(",") for m in modes]:
         micro, accum = args.micro, args.accum
         while True:
-            cmd = [sys.executable, __file__, "--case", case, "--size", args.size, "--seq-len", str(args.seq_len),
+            cmd = [sys.executable, "-m", "lm.benchmarks.train", "--case", case, "--size", args.size, "--seq-len", str(args.seq_len),
                    "--micro", str(micro), "--accum", str(accum), "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--precision", args.precision, "--engine", args.engine,
                    "--device", args.device, "--peak-flops", str(args.peak_flops), "--compile", mode, "--profile", str(args.profile)] + (["--act-ckpt"] if args.act_ckpt else [])

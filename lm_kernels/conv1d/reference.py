@@ -1,7 +1,7 @@
 """PyTorch depthwise causal conv1d: the reference every fast path is compared with, and the CPU path.
 
 This is the function `lm.models.layers.causal_conv1d` ran before the Triton kernel existed, moved here
-unchanged (kernels/ imports nothing from lm): transpose to (b, c, t), cat the conv state in front,
+unchanged (lm_kernels/ imports nothing from lm): transpose to (b, c, t), cat the conv state in front,
 F.conv1d with groups = c (or, with cu_seqlens, one shifted product per tap with the taps that cross a
 document start masked), bias, SiLU, all in x's dtype.
 """

@@ -125,7 +125,7 @@ def conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, g_ptr, part_pt
     stored) and the per-program dweight / dbias partial sums over CHUNK rows. The partials are kept per row,
     one (BT, BC) accumulator per tap (W <= 8; the unused ones are dead code), and summed over the rows once
     after the loop: no cross-row reduction per step and tap (H100: 0.19 vs 0.52 ms at B8 T2048 C2304 W4,
-    kernels/conv1d/BENCH.md). One (W, BT, BC) accumulator fed by a 3-D load instead gave wrong dweight on
+    lm_kernels/conv1d/BENCH.md). One (W, BT, BC) accumulator fed by a 3-D load instead gave wrong dweight on
     the H100 at W = 3 with a conv state (right in the interpreter), so the taps are unrolled by hand."""
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     x_ptr += pid_b * stride_xb

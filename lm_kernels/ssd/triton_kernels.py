@@ -456,7 +456,7 @@ def _xs4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypr
     causal = (rows[:, None] >= rows[None, :]) & mmask[None, :] & mmask[:, None]
     dec = tl.exp(tl.where(causal, cs_m[:, None] - cs_m[None, :], float("-inf")))
     # (causal mask on the load: 16-bit loads. A row mask only vectorises them but made this kernel slower on the
-    # H100, 0.283 vs 0.256 ms at B8 T2048: session 7, kernels/ssd/PERF.md)
+    # H100, 0.283 vs 0.256 ms at B8 T2048: session 7, lm_kernels/ssd/PERF.md)
     cb = tl.load(cb_base + rows[:, None] * L + rows[None, :], mask=causal, other=0.0).to(tl.float32)
     cb = cb * dec * dt_m[None, :]
     acc = tl.dot(cb.to(DOT_DT), xm.to(DOT_DT), acc, input_precision=DOT_PREC)

@@ -1,6 +1,6 @@
 """Benchmark the LRU-family block scan (lm_kernels.lru.block_scan, Triton) against the SSD kernel.
 
-    python scripts/bench_lru.py [--out bench_lru.json] [--batch 8] [--seqlen 2048] [--ms 2,4,8]
+    lm bench lru [--out bench_lru.json] [--batch 8] [--seqlen 2048] [--ms 2,4,8]
                                 [--width 4096] [--state 65536] [--tiny]
 
 For each block size m, BD-LRU-like inputs (nonnegative rows summing to < 1, bf16) at two sizes:
@@ -23,7 +23,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def bench(fn, tiny):

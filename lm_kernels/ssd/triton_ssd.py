@@ -7,7 +7,7 @@ Forward:  dtcb_fwd (dt bias/softplus/clamp + in-chunk cumsum of dt*A, and C.B pe
           chunk_scan_fwd4 (y = inter-chunk + intra-chunk + D skip, then the z gate; grid (p block, head,
                      chunk), the chunk's four row blocks in one program; chunk_scan_fwd2 with one row block per
                      program for other chunk sizes). Other scan kernels / layouts: LM_SSD_SCAN, LM_SSD_STATE and
-                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; kernels/ssd/PERF.md);
+                     LM_SSD_NOGRAD (see _scan_variant, _state_variant, _nograd_variant; lm_kernels/ssd/PERF.md);
                      LM_SSD_CFG: fixed launch configs for the xs4 scan / state kernel (_fixed_cfgs).
 Launches go through _launch: the autotuner on the first call per shape / dtypes, its chosen config directly after.
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate, fused with the per-chunk dstate)
@@ -144,7 +144,7 @@ _fused_fwd = autotune(
 # dx_bwd 4 warps 1 stage 1.011 ms vs 2 stages 1.078 (8 warps 1.610): now first; dbdc_bwd capped 0.218 vs 0.220 (4
 # warps) / 0.305 (8); dcb_bwd 8 warps 0.224 vs 4 warps 0.257 / 1 stage 0.441; dstate_bwd 4 warps 0.194 vs 8 warps
 # 0.268 / capped 0.208.
-# Session 7 (H100, autotuner's own timings at B8 T2048, ms; kernels/ssd/PERF.md): dx_bwd without its C S^T product
+# Session 7 (H100, autotuner's own timings at B8 T2048, ms; lm_kernels/ssd/PERF.md): dx_bwd without its C S^T product
 # (dcs in dbdc_bwd) capped at 168 registers (16 B of spills, 3 programs per SM) 0.73 - 0.86 vs 0.95 uncapped, 1.03 at
 # 2 stages, 1.68 at 8 warps (both removed); dbdc_bwd with dcs at 8 warps 4 stages (190 KB of shared memory: loads
 # of 4 heads in flight) 0.233 vs 0.323 at 2 stages; without dcs 8 warps capped 0.219, 3 stages 0.229, 4 warps 0.221,
@@ -329,7 +329,7 @@ def _scan_variant(plan, dtype=torch.bfloat16):
     on a GPU), each decayed x tile built once (chunk_scan_fwd4_kernel; other chunk sizes run "xs").
     Default: "xs4" for 16-bit inputs, "xs" for float32 (xs4 with float32 operands compiles for sm_90 with
     spills and twice the shared memory, and was not timed). LM_SSD_SCAN overrides the default. Removed after
-    losing in two H100 runs each (kernels/ssd/PERF.md): "hb", "fact", "chunk" scans."""
+    losing in two H100 runs each (lm_kernels/ssd/PERF.md): "hb", "fact", "chunk" scans."""
     v = _switch("LM_SSD_SCAN", _SCAN_VARIANTS)
     # H100, B8 T2048 / B2 T8192 H64 P64 N128: scan kernel flat 0.436 ms, grid 0.326, flat2 0.321 - 0.325,
     # xs 0.303 (session 4); B8 T2048: xs 0.304, xs4 0.285 (session 5, bf16)

@@ -4,7 +4,7 @@
 
 The PyTorch form (`_common.l2norm`) runs as ~6 eager kernels forward and ~8 backward inside the op, which
 torch.compile treats as one opaque call: on an H100 they were ~100 ms of a 365 ms DeltaProduct-392M training step
-(kernels/deltaproduct/BENCH.md, session 12). Here the forward reads x once (any strides over its three leading
+(lm_kernels/deltaproduct/BENCH.md, session 12). Here the forward reads x once (any strides over its three leading
 dims: q and k arrive as views of the fused projection) and writes y contiguous plus one float32 factor per row;
 the backward reads x, that factor and dy once:
     r = (sum(x^2) + eps)^-1/2,  y = r x,  dx = r (dy - y sum(y dy))

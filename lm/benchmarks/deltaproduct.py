@@ -1,6 +1,6 @@
 """Benchmark and check the (Gated) DeltaProduct chunk op: ours (Triton) vs fla 0.6.0 `chunk_gated_delta_product`.
 
-    python scripts/bench_deltaproduct.py [--B 8 --T 2048 --H 16 --K 128 --V 256 --nh 1 2 3] [--json out.json]
+    lm bench deltaproduct [--B 8 --T 2048 --H 16 --K 128 --V 256 --nh 1 2 3] [--json out.json]
 
 Per n_h it times (triton.testing.do_bench, warmup 50 ms, rep 300 ms, median; bf16, random non-zero inputs,
 gated): our forward without grad (the path the implicit models use; saves nothing), our forward with grad
@@ -221,7 +221,7 @@ def bench(fn, quick):
 
 def kernel_breakdown(fn, iters=5):
     """Device time per kernel name (ms per call of fn), from torch.profiler: the 12 largest."""
-    from lm.bench import kernel_times
+    from lm.benchmarks import kernel_times
     return {k[:60]: v for k, v in list(kernel_times(fn, iters).items())[:12]}
 
 

@@ -264,7 +264,7 @@ def _launch(kern, name, grid, args, kw, default=None):
     if _refused(name, meta.get("BV", 64), nw, ns):
         raise ValueError(
             f"{name}: V blocks of {meta['BV']} at {nw} warps and 1 stage gave wrong results or illegal addresses on "
-            "an H100 with triton 3.6 (session 9, kernels/deltaproduct/BENCH.md); use BV 64, 2 warps or 2 stages")
+            "an H100 with triton 3.6 (session 9, lm_kernels/deltaproduct/BENCH.md); use BV 64, 2 warps or 2 stages")
     cap = fixed[3] if len(fixed) > 3 else None  # a register cap (ptx .maxnreg): more programs per SM
     key = (name, repr(fixed), str(args[0].dtype), tuple(sorted((k, v) for k, v in kw.items()
                                                              if isinstance(v, (bool, int, float, str)))))

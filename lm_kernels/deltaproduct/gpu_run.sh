@@ -2,7 +2,7 @@
 # One device run for the DeltaProduct kernels (see BENCH.md): the GPU tests (the 16-token-chunk case in its own
 # process, since an illegal address kills the CUDA context; the model tests in a third), triton-cache warm-up processes beside them, then
 # scripts/bench_deltaproduct.py with the variants given in $VARS (ours vs fla 0.6.0, per-kernel profile).
-# Run from the repo root with .gpu carried:  VARS="new s3 ..." bash kernels/deltaproduct/gpu_run.sh
+# Run from the repo root with .gpu carried:  VARS="new s3 ..." bash lm_kernels/deltaproduct/gpu_run.sh
 # (TEST_TIMEOUT: seconds per test process, default 420; MODELS=1 also runs scripts/gpu_check_models.py; SMALL=0 skips the process of the 16-token-chunk, small-head and
 # wide-key-head tests, whose many shapes compile for ~5 min)
 set -u

@@ -11,8 +11,8 @@ Times (triton.testing.do_bench, median, same run) per shape:
 plus the bandwidth ours reaches (bytes of x, y, dy, dx moved once / time) and ours' relative difference
 to the float32 reference (y and the gradients).
 
-    python scripts/bench_conv1d.py --json out.json
-    python scripts/bench_conv1d.py --tiny --no-compile     # CPU smoke test under TRITON_INTERPRET=1
+    lm bench conv1d --json out.json
+    lm bench conv1d --tiny --no-compile     # CPU smoke test under TRITON_INTERPRET=1
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def main(argv=None):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.profile and device == "cuda":
-        from lm.bench import kernel_times
+        from lm.benchmarks import kernel_times
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TINY if args.tiny else SHAPES
     if args.shapes:

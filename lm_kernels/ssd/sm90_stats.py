@@ -9,7 +9,7 @@ launch intercepted (nothing runs); each launch's arguments go through triton's o
 ("cuda", 90, 32), so pointer alignment and integer divisibility are specialised as on the GPU, then it is
 compiled and read with cuobjdump / ptxas -v (shipped with triton). The GPU image's triton is 3.6: put
 `pip install --no-deps --target /tmp/t36 triton==3.6.0` first on PYTHONPATH to get the H100's numbers (3.9's
-code generation differs, kernels/ssd/PERF.md). --configs replaces the launch's meta-parameters / options.
+code generation differs, lm_kernels/ssd/PERF.md). --configs replaces the launch's meta-parameters / options.
 """
 from __future__ import annotations
 
