@@ -124,7 +124,7 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
 
 
 @triton.jit
-def _xs4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h,
+def _fwd4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h,
                T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
                L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                STORE_PRE: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -156,7 +156,7 @@ def _xs4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypr
 
 
 @triton.jit
-def _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, j, BM: tl.constexpr, DOT_DT: tl.constexpr):
+def _fwd4_xt(xm, cs_m, dt_m, cs_ptr, tok0, j, BM: tl.constexpr, DOT_DT: tl.constexpr):
     """x~ of the full row block j relative to its own last row ref: x_k dt_k e^{cs_ref - cs_k} (factors <= 1);
     returns (x~ in the dot dtype, cs_ref)."""
     e = tl.load(cs_ptr + tok0 + j * BM + BM - 1)
@@ -164,7 +164,7 @@ def _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, j, BM: tl.constexpr, DOT_DT: tl.conste
 
 
 @triton.jit
-def _xs4_cs_term(C_base, St, t0, clen, j, offs_n, nmask, s_B_t, BM: tl.constexpr, DOT_DT: tl.constexpr,
+def _fwd4_cs_term(C_base, St, t0, clen, j, offs_n, nmask, s_B_t, BM: tl.constexpr, DOT_DT: tl.constexpr,
                  DOT_PREC: tl.constexpr):
     """C_m S^T for row block j (float32, unscaled)."""
     rows = j * BM + tl.arange(0, BM)
@@ -174,7 +174,7 @@ def _xs4_cs_term(C_base, St, t0, clen, j, offs_n, nmask, s_B_t, BM: tl.constexpr
 
 
 @triton.jit
-def _xs4_cb(cb_base, clen, m, k, L: tl.constexpr, BM: tl.constexpr, DOT_DT: tl.constexpr):
+def _fwd4_cb(cb_base, clen, m, k, L: tl.constexpr, BM: tl.constexpr, DOT_DT: tl.constexpr):
     """The raw C.B tile (row block m, k block k < m): every k row valid, m rows masked by the chunk length."""
     rows_m = m * BM + tl.arange(0, BM)
     rows_k = k * BM + tl.arange(0, BM)
@@ -220,39 +220,39 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(DOT_DT)  # (BNF, BP) = S^T
     # row block 0: state term (cs_r = 0) and the diagonal tile
-    acc = _xs4_cs_term(C_base, St, t0, clen, 0, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC)
-    xm, cs_m, dt_m = _xs4_block(acc, 0.0, 0, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
+    acc = _fwd4_cs_term(C_base, St, t0, clen, 0, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC)
+    xm, cs_m, dt_m = _fwd4_block(acc, 0.0, 0, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
                                 tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
                                 L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
     if clen <= BM:
         return
     # row block 1: r = ref(0)
-    xt0, e0 = _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 0, BM, DOT_DT)
-    acc = _xs4_cs_term(C_base, St, t0, clen, 1, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e0)
-    acc = tl.dot(_xs4_cb(cb_base, clen, 1, 0, L, BM, DOT_DT), xt0, acc, input_precision=DOT_PREC)
-    xm, cs_m, dt_m = _xs4_block(acc, e0, 1, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
+    xt0, e0 = _fwd4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 0, BM, DOT_DT)
+    acc = _fwd4_cs_term(C_base, St, t0, clen, 1, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e0)
+    acc = tl.dot(_fwd4_cb(cb_base, clen, 1, 0, L, BM, DOT_DT), xt0, acc, input_precision=DOT_PREC)
+    xm, cs_m, dt_m = _fwd4_block(acc, e0, 1, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
                                 tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
                                 L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
     if clen <= 2 * BM:
         return
     # row block 2: r = ref(1)
-    xt1, e1 = _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 1, BM, DOT_DT)
+    xt1, e1 = _fwd4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 1, BM, DOT_DT)
     f1 = tl.exp(e1 - e0)
-    acc = tl.dot(_xs4_cb(cb_base, clen, 2, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
-    acc = tl.dot(_xs4_cb(cb_base, clen, 2, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
-    acc += _xs4_cs_term(C_base, St, t0, clen, 2, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e1)
-    xm, cs_m, dt_m = _xs4_block(acc, e1, 2, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
+    acc = tl.dot(_fwd4_cb(cb_base, clen, 2, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
+    acc = tl.dot(_fwd4_cb(cb_base, clen, 2, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
+    acc += _fwd4_cs_term(C_base, St, t0, clen, 2, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e1)
+    xm, cs_m, dt_m = _fwd4_block(acc, e1, 2, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
                                 tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
                                 L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
     if clen <= 3 * BM:
         return
     # row block 3: r = ref(2)
-    xt2, e2 = _xs4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 2, BM, DOT_DT)
-    acc = tl.dot(_xs4_cb(cb_base, clen, 3, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
-    acc = tl.dot(_xs4_cb(cb_base, clen, 3, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
-    acc = tl.dot(_xs4_cb(cb_base, clen, 3, 2, L, BM, DOT_DT), xt2, acc * tl.exp(e2 - e1), input_precision=DOT_PREC)
-    acc += _xs4_cs_term(C_base, St, t0, clen, 3, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e2)
-    _xs4_block(acc, e2, 3, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
+    xt2, e2 = _fwd4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 2, BM, DOT_DT)
+    acc = tl.dot(_fwd4_cb(cb_base, clen, 3, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
+    acc = tl.dot(_fwd4_cb(cb_base, clen, 3, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
+    acc = tl.dot(_fwd4_cb(cb_base, clen, 3, 2, L, BM, DOT_DT), xt2, acc * tl.exp(e2 - e1), input_precision=DOT_PREC)
+    acc += _fwd4_cs_term(C_base, St, t0, clen, 3, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e2)
+    _fwd4_block(acc, e2, 3, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
                tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
                L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
 
