@@ -10,20 +10,17 @@ choose the same configs (maxnreg included) and give bitwise the same numbers.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_ssd import SHAPES, make_inputs, ours_fn  # noqa: E402
+from lm.benchmarks.ssd import SHAPES, make_inputs, ours_fn
 
 
 def main():
     from triton.runtime.autotuner import Autotuner
 
-    import lm_kernels.ssd.triton_ssd as ts
+    import lm_kernels.ssd.launch as ln
     from lm_kernels.autotune import cache_enabled
     shape = SHAPES["B8_T2048"]
     inp = {k: v.detach().clone().requires_grad_() for k, v in make_inputs(shape, "cuda", torch.bfloat16).items()}
@@ -40,7 +37,7 @@ def main():
     f().backward(gy)
     torch.cuda.synchronize()
     second = time.perf_counter() - t
-    chosen = {name: str(o.best_config) for name, o in vars(ts).items()
+    chosen = {name: str(o.best_config) for name, o in vars(ln).items()
               if isinstance(o, Autotuner) and getattr(o, "best_config", None) is not None}
     print(json.dumps(dict(cache=cache_enabled(), first_call_s=round(first, 2), second_call_s=round(second, 4),
                           y_sum=float(y.float().sum()), dx_sum=float(inp["x"].grad.float().sum()), chosen=chosen)))

@@ -2,7 +2,7 @@
 # Nsight Compute profile of the SSD kernels on the GPU machine (scripts/ncu_ssd.py drives one forward +
 # backward per case; carry .gpu for mamba_ssm's sources). Writes $OUT/ncu_<tag>.txt (ncu's details page)
 # and prints one line per kernel: duration, SM / memory throughput, L2 hit rate, occupancy, registers.
-#   NCU_CASES="ours= ours_dxfact0=LM_SSD_DXFACT=0 mamba="  NCU_SET=detailed  NCU_TIMEOUT_S=240  NCU_ARGS="--nograd"
+#   NCU_CASES="ours= ours_noautotune=LM_SSD_AUTOTUNE=0 mamba="  NCU_SET=detailed  NCU_TIMEOUT_S=240  NCU_ARGS="--nograd"
 #   DeltaProduct: NCU_ARGS="--op deltaproduct --nh 2" NCU_CASES="ours= fla=" (session 8: 143 s; fla from .gpu/wheels)
 # NCU_SOURCE=1 (scripts/gpu_ssd_ncu_src.sh): source level instead, set "full" (warp stall reasons, per-SASS-
 # instruction samples) for the kernels of NCU_KERNELS (default "regex:dx_bwd"): writes $OUT/ncu_src_<tag>.txt
@@ -14,7 +14,6 @@ if ls .gpu/wheels/*.whl >/dev/null 2>&1; then  # fla (the DeltaProduct peer) and
   python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
 fi
 export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-}
-PP=$(mktemp -d) && ln -s "$PWD/kernels" "$PP/lm_kernels" && export PYTHONPATH=$PP:$PYTHONPATH
 export PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"

@@ -1,23 +1,14 @@
 #!/usr/bin/env bash
 # One device run for the SSD kernels (lm_kernels.ssd): the GPU tests (tests/test_ssd_gpu.py) and the
-# benchmark against mamba_ssm in one process (scripts/bench_ssd.py), inside one time budget.
+# benchmark against mamba_ssm (lm.benchmarks.ssd) in one process each, inside one time budget.
 # Run from the repository root on the GPU machine (carry .gpu: mamba_ssm's Triton sources in .gpu/peers).
-#   SSD_VARIANTS="name=SCAN/STATE/NOGRAD ..."   variants to time (bench_ssd.py --variants); "none": only
-#                                               the default path; unset: bench_ssd.py's own list
-#   SSD_TEST_ENV="LM_SSD_...=... ..."           environment of the GPU tests (e.g. candidate kernels)
+#   SSD_TEST_ENV="LM_...=... ..."               environment of the GPU tests
 #   SSD_TESTS_FIRST=1 (default)                 tests first (they fill Triton's disk cache for the bench),
 #                                               at most SSD_TEST_TIMEOUT_S (200) seconds; 0: bench first,
 #                                               SSD_TEST_RESERVE_S (70) seconds kept for the tests
-# Measured on a fresh H100 (2026-11-22): all 9 GPU tests 149 s (session 3); session 4's run 9 fitted only the
-# first 5 (incl. 3 dtypes) in 190 s: the parity test compiles mamba_ssm (~65 s) and the variants test 3 kernel
-# sets, so give the tests ~300 s for all; the bench with autotuning: ~115 s per shape with 4 variants, ~110 s
-# for both shapes with 2 (run 9), 246 s for one shape with 11 (run 8). Session 5 (fresh H100, triton 3.6): one shape
-# with 3 variants (one new autotuned kernel) did not finish in 127 s (bench.py now saves after our timings and
-# after mamba_ssm's); the same again on the still-warm machine (Triton's cache filled) took 81 s; the bf16
-# real-shape test alone 25 s. Time the variants at one shape only with SSD_BENCH_ARGS="--variants-on B8_T2048".
-#   SSD_BUDGET_S=390                            whole script's budget
+#   SSD_BUDGET_S=390                            whole script's budget (timings of these phases: lm_kernels/ssd/PERF.md)
 #   SSD_TESTS="tests/...::test_a ..."           the GPU tests to run, in order (default: the list below)
-#   SSD_BENCH_ARGS="..."                        extra bench_ssd.py arguments (CPU dry run: "--tiny --no-peer
+#   SSD_BENCH_ARGS="..."                        extra benchmark arguments (CPU dry run: "--tiny --no-peer
 #                                               --warmup 1 --rep 1")
 # The GPU tests run with LM_SSD_AUTOTUNE=0 (one config per kernel: compile time) unless SSD_TEST_ENV sets it.
 set -u
@@ -29,8 +20,6 @@ if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
 fi
 export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-}
-PP=$(mktemp -d) && ln -s "$PWD/kernels" "$PP/lm_kernels" && export PYTHONPATH=$PP:$PYTHONPATH  # lm_kernels (a fresh dir: a
-# shared /tmp/pp may hold someone's old copy)
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
@@ -42,8 +31,7 @@ TESTS=(tests/test_ssd_gpu.py::test_gpu_real_shape_vs_float64_reference
        tests/test_ssd_gpu.py::test_gpu_nograd_equals_grad_path_and_headdim_128
        tests/test_ssd_gpu.py::test_gpu_accuracy_parity_with_mamba_ssm_if_available
        tests/test_ssd_gpu.py::test_gpu_float32_highest_precision
-       tests/test_ssd_gpu.py::test_gpu_scan_and_backward_variants_agree
-       tests/test_ssd_gpu.py::test_gpu_launch_cfgs_repeat_calls_and_strided_inputs)
+       tests/test_ssd_gpu.py::test_gpu_repeat_calls_and_strided_inputs)
 if [ -n "${SSD_TESTS:-}" ]; then read -r -a TESTS <<<"$SSD_TESTS"; fi  # e.g. "tests/test_ssd_gpu.py::test_x ..."
 
 run_tests() {
@@ -58,10 +46,7 @@ run_tests() {
 }
 
 run_bench() {
-  local VARGS=()
-  if [ "${SSD_VARIANTS:-}" = "none" ]; then VARGS=(--variants)
-  elif [ -n "${SSD_VARIANTS:-}" ]; then read -r -a VARGS <<<"$SSD_VARIANTS"; VARGS=(--variants "${VARGS[@]}"); fi
-  timeout "$1" python3 scripts/bench_ssd.py --json "$OUT/bench_ssd.json" ${SSD_BENCH_ARGS:-} "${VARGS[@]}" >"$OUT/bench.log" 2>&1
+  timeout "$1" python3 -m lm.benchmarks.ssd --json "$OUT/bench_ssd.json" ${SSD_BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   echo "bench rc=$? after $(( $(date +%s) - T0 )) s"
 }
 

@@ -3,25 +3,41 @@
 inside a profiler range.
 
     ncu --profile-from-start off --clock-control none --set detailed python scripts/ncu_ssd.py \
-        [--shape B8_T2048] [--cases "ours=" "ours_dxfact0=LM_SSD_DXFACT=0" "mamba="] [--nograd]
+        [--shape B8_T2048] [--cases "ours=" "mamba="] [--nograd]
     ... python scripts/ncu_ssd.py --op deltaproduct --nh 2 --cases "ours=" "fla="   (B8 T2048 H16 K128 V256 bf16;
         fla's chunk_gated_delta_product runs its forward only: its backward is refused on triton 3.6 Hopper)
 
 Every case is first run `--warmup` times outside the range (autotuning, compilation), then once inside it,
 so ncu reports exactly one launch per kernel per case, in the order of --cases. A case is NAME=ENV (ENV:
-comma-separated LM_*=VALUE for ours); the name "mamba" runs mamba_ssm's mamba_chunk_scan_combined
+comma-separated LM_*=VALUE for ours, set around its calls; read at call time); the name "mamba" runs mamba_ssm's mamba_chunk_scan_combined
 (PYTHONPATH to its sources), "fla" fla's DeltaProduct forward. Without ncu it runs the same calls and prints what it would profile.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ssd import SHAPES, env_set, make_inputs, ours_fn, peer_fn, with_grad  # noqa: E402
+from lm.benchmarks.ssd import SHAPES, make_inputs, ours_fn, peer_fn, with_grad
+
+
+class env_set:
+    """Sets environment variables for a with-block and restores them after."""
+
+    def __init__(self, env):
+        self.env, self.saved = env, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def parse_case(spec):
@@ -59,7 +75,7 @@ def main(argv=None):
 
 
 def _deltaproduct_runs(a):
-    from bench_deltaproduct import make_inputs as dp_inputs
+    from lm.benchmarks.deltaproduct import make_inputs as dp_inputs
 
     from lm_kernels.deltaproduct import chunk_deltaproduct
     q, k, v, beta, g, _ = dp_inputs(8, 2048, 16, 128, 256, a.nh, "cuda", torch.bfloat16)

@@ -26,6 +26,6 @@ def test_autotune_cache_switch(monkeypatch):
 
 def test_ssd_autotuners_follow_the_switch():
     """The SSD scan's autotuners are built through kernels.autotune (cache on outside the interpreter)."""
-    import lm_kernels.ssd.triton_ssd as ts
+    import lm_kernels.ssd.launch as ln
     from lm_kernels.autotune import cache_enabled
-    assert ts._scan_fwd4.cache_results == cache_enabled()
+    assert ln._scan_fwd4.cache_results == cache_enabled()

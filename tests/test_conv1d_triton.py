@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from lm_kernels.backend import resolve_backend  # noqa: E402
 from lm_kernels.conv1d import (  # noqa: E402
     causal_conv1d,
     causal_conv1d_naive,
     causal_conv1d_reference,
-    resolve_backend,
 )
 
 
@@ -203,7 +203,7 @@ def test_generation_step_equals_full_sequence():
 
 
 def test_bounds_checked_fwd_bwd():
-    from lm_kernels.bounds_check import bounds_checked
+    from bounds_check import bounds_checked
 
     proj, w3, bi, st = make_inputs(1, 19, 20, 4, state=True)
     with bounds_checked():
@@ -212,16 +212,20 @@ def test_bounds_checked_fwd_bwd():
 
 
 def test_backend_dispatch(monkeypatch):
-    x = torch.randn(1, 4, 8)
+    """causal_conv1d's backend goes through lm_kernels.backend.resolve_backend with LM_CONV1D_BACKEND."""
+    x, w = torch.randn(1, 4, 8), torch.randn(8, 4)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.delenv("LM_CONV1D_BACKEND", raising=False)
-    assert resolve_backend(None, x, 4) == "reference"  # CPU tensors: PyTorch
+    assert resolve_backend("conv1d", None, dev) == ("triton" if dev.type == "cuda" else "reference")
+    assert resolve_backend("conv1d", None, dev, fits=False) == "reference"  # e.g. width > 8
     monkeypatch.setenv("LM_CONV1D_BACKEND", "triton")
-    assert resolve_backend(None, x, 4) == "triton"
+    assert resolve_backend("conv1d", None, dev) == "triton"
     monkeypatch.setenv("LM_CONV1D_BACKEND", "cuda")
     with pytest.raises(ValueError, match="LM_CONV1D_BACKEND"):
-        resolve_backend(None, x, 4)
+        causal_conv1d(x, w)
+    monkeypatch.delenv("LM_CONV1D_BACKEND")
     with pytest.raises(ValueError, match="backend"):
-        resolve_backend("fast", x, 4)
+        causal_conv1d(x, w, backend="fast")
 
 
 @pytest.mark.parametrize("kw,match", [

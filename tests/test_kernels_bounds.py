@@ -1,4 +1,4 @@
-"""Every Triton kernel stays inside its arguments' memory (lm_kernels.bounds_check under the interpreter):
+"""Every Triton kernel stays inside its arguments' memory (tests/bounds_check.py under the interpreter):
 forward and backward of the SSD, DeltaProduct (nh 1..4, gates, packed documents) and LRU block scans at
 small ragged shapes. A GPU reports such a bug as an illegal address or a silent wrong read."""
 import os
@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from lm_kernels.bounds_check import OutOfBounds, bounds_checked  # noqa: E402
+from bounds_check import OutOfBounds, bounds_checked  # noqa: E402
 
 
 @triton.jit

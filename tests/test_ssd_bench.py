@@ -15,10 +15,7 @@ def test_bench_ssd_tiny_writes_json(tmp_path):
     data = json.loads(out.read_text())
     row = data["shapes"]["tiny"]
     assert data["targets"] == res["targets"]
-    for key in ("ours_fwd_ms", "ours_fwd_bwd_ms", "ours_nograd_fwd_ms", *(f"ours_nograd_fwd_ms_{v.split('=')[0]}"
-                                                                      for v in mod.DEFAULT_VARIANTS)):
+    for key in ("ours_fwd_ms", "ours_fwd_bwd_ms", "ours_nograd_fwd_ms", "ours_nograd_fwd_ms_repeat"):
         assert row[key] > 0, key
-    for v in mod.DEFAULT_VARIANTS:  # every variant computes the same output as the default path
-        assert row[f"y_rel_{v.split('=')[0]}_vs_default"] < 1e-5, v
     if not torch.cuda.is_available():
         assert "mamba_fwd_ms" not in row

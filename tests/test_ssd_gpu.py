@@ -111,68 +111,14 @@ def test_gpu_accuracy_parity_with_mamba_ssm_if_available():
     assert not bad, f"less accurate than mamba_ssm: {bad}"
 
 
-VARIANTS = (("flat2", "pnfast", "slots"), ("xs", "pnfast", "fused"), ("xs4", "pnfast", "fused"),
-            ("grid", "bn128", "fused"))
-# (LM_SSD_SCAN, LM_SSD_STATE, LM_SSD_BWD); the first is the baseline
-
-
-@pytest.mark.parametrize("h,g", [(16, 2), (12, 4)])
-def test_gpu_scan_and_backward_variants_agree(h, g, monkeypatch):
-    """bf16: the forward scan / state kernel / backward variants in VARIANTS (row-block scan with the decay
-    below the diagonal on C.B "flat2", on x "xs", the same per whole chunk "xs4", unfactorised "grid";
-    128-wide state n blocks "bn128";
-    d(dt*A) shares in dcb_bwd "slots" or dx_bwd "fused") are as close to float64 as the baseline, for the
-    forward and every gradient."""
-    d = make(2, 1100, h, 64, g, 128)
-    out = {}
-    for scan, state, bwd in VARIANTS:
-        monkeypatch.setenv("LM_SSD_SCAN", scan)
-        monkeypatch.setenv("LM_SSD_STATE", state)
-        monkeypatch.setenv("LM_SSD_BWD", bwd)
-        y, f, gr = run("triton", d, torch.bfloat16, chunk_size=256, dt_limit=(0.0, 4.0))
-        out[(scan, state, bwd)] = {"y": y, "final": f, **{f"d{k}": v for k, v in gr.items()}}
-    yr, fr, grr = run("reference", d, F64, chunk_size=256, dt_limit=(0.0, 4.0))
-    ref = {"y": yr, "final": fr, **{f"d{k}": v for k, v in grr.items()}}
-    base = VARIANTS[0]
-    bad = {}
-    for v in VARIANTS:
-        errs = {k: rel(out[v][k], ref[k]) for k in ref}
-        print("/".join(v), "vs float64:", {k: f"{e:.1e}" for k, e in errs.items()})
-        for k, e in errs.items():
-            b = rel(out[base][k], ref[k])
-            if not (e < (0.15 if k in REDUCED else 3e-2) and e < 1.5 * b + 2e-3):
-                bad["/".join(v) + ":" + k] = (e, b)
-    assert not bad, f"variants less accurate than {'/'.join(base)}: {bad}"
-
-
-CFGS = ("scan4:64:4:1", "scan4:64:4:1:200", "state:32:4:2:128")  # LM_SSD_CFG variants (the default caps xs4 at 168)
-
-
-def test_gpu_launch_cfgs_repeat_calls_and_strided_inputs(monkeypatch):
-    """bf16: a repeated call (launched through _launch's kept config) gives the same output and gradients as the
-    first; the LM_SSD_CFG launch configs (xs4 scan uncapped / capped at 200 registers, state kernel at 128) are as
-    close to float64 as the default (xs4 capped at 168); x, B and C as strided views (same shapes, other strides) give the same output."""
+def test_gpu_repeat_calls_and_strided_inputs():
+    """bf16: a repeated call (launched through launch's kept config) gives the same output and gradients as the
+    first; x, B and C as strided views (same shapes, other strides) give the same output."""
     d = make(2, 1100, 16, 64, 2, 128)
     kw = dict(chunk_size=256, dt_limit=(0.0, 4.0))
     y0, f0, g0 = run("triton", d, torch.bfloat16, **kw)
     y1, f1, g1 = run("triton", d, torch.bfloat16, **kw)
     assert torch.equal(y0, y1) and torch.equal(f0, f1) and all(torch.equal(g0[k], g1[k]) for k in g0)
-    yr, fr, grr = run("reference", d, F64, **kw)
-    ref = {"y": yr, "final": fr, **{f"d{k}": v for k, v in grr.items()}}
-    base = {"y": y0, "final": f0, **{f"d{k}": v for k, v in g0.items()}}
-    bad = {}
-    for cfg in CFGS:
-        monkeypatch.setenv("LM_SSD_CFG", cfg)
-        y, f, gr = run("triton", d, torch.bfloat16, **kw)
-        out = {"y": y, "final": f, **{f"d{k}": v for k, v in gr.items()}}
-        errs = {k: rel(out[k], ref[k]) for k in ref}
-        print(cfg, "vs float64:", {k: f"{e:.1e}" for k, e in errs.items()})
-        for k, e in errs.items():
-            b = rel(base[k], ref[k])
-            if not (e < (0.15 if k in REDUCED else 3e-2) and e < 1.5 * b + 2e-3):
-                bad[cfg + ":" + k] = (e, b)
-    monkeypatch.delenv("LM_SSD_CFG")
-    assert not bad, f"launch configs less accurate than the default: {bad}"
     xs = {k: (v.bfloat16() if k in LOW else v) for k, v in d.items()}
     wide = {k: torch.cat([xs[k], torch.zeros_like(xs[k])], -1)[..., :xs[k].shape[-1]] for k in ("x", "B", "C")}
     assert wide["x"].stride() != xs["x"].stride()

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from lm_kernels.ssd import resolve_backend, ssd_scan, ssd_scan_naive, ssd_step
+from lm_kernels.backend import resolve_backend
+from lm_kernels.ssd import ssd_scan, ssd_scan_naive, ssd_step
 
 F64 = torch.float64
 
@@ -153,10 +154,14 @@ def test_bad_arguments_raise_valueerror():
 
 
 def test_backend_auto_and_env(monkeypatch):
-    x = torch.randn(1, 2, 1, 1)
-    assert resolve_backend(None, x) == "reference"  # CPU tensor
-    monkeypatch.setenv("LM_SSD_BACKEND", "triton")
-    assert resolve_backend(None, x) == "triton"
+    """ssd_scan's backend=None goes through lm_kernels.backend.resolve_backend with LM_SSD_BACKEND."""
+    monkeypatch.delenv("LM_SSD_BACKEND", raising=False)
+    assert resolve_backend("ssd", None, torch.device("cpu")) == "reference"  # CPU tensor
+    inp = dict(x=torch.randn(1, 8, 2, 2), dt=torch.randn(1, 8, 2), A=-torch.rand(2), B=torch.randn(1, 8, 1, 3),
+               C=torch.randn(1, 8, 1, 3))
+    monkeypatch.setenv("LM_SSD_BACKEND", "reference")
+    y, _ = ssd_scan(**inp, chunk_size=4)
+    assert torch.equal(y, ssd_scan(**inp, chunk_size=4, backend="reference")[0])
     monkeypatch.setenv("LM_SSD_BACKEND", "bogus")
     with pytest.raises(ValueError, match="LM_SSD_BACKEND"):
-        resolve_backend(None, x)
+        ssd_scan(**inp, chunk_size=4)

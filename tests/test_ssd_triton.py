@@ -70,14 +70,8 @@ def compare(d, dtype, tol, **kw):
         assert rel(gt[k], gr[k]) < tol, f"grad {k}: {rel(gt[k], gr[k])}"
 
 
-@pytest.mark.parametrize("variant,state,bwd", [("flat", "old", "fused"), ("grid", "pnfast", "slots"),
-                                               ("flat2", "bn128", "fused"), ("xs", "pnfast", "fused")])
-def test_triton_fp32_all_options_matches_reference(variant, state, bwd, monkeypatch):
-    # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp;
-    # every forward scan kernel and state-kernel layout, both backward variants
-    monkeypatch.setenv("LM_SSD_SCAN", variant)
-    monkeypatch.setenv("LM_SSD_STATE", state)
-    monkeypatch.setenv("LM_SSD_BWD", bwd)
+def test_triton_fp32_all_options_matches_reference():
+    # T=45 is not a multiple of the chunk; 2 groups of 2 heads; initial and final states; dt clamp
     compare(make(2, 45, 4, 16, 2, 16), torch.float32, 2e-5, chunk_size=16, dt_limit=(0.05, 2.0))
 
 
@@ -87,23 +81,20 @@ def test_triton_fp32_odd_sizes_D_hp_no_gate_no_softplus():
     compare(d, torch.float32, 2e-5, chunk_size=16, dt_softplus=False)
 
 
-@pytest.mark.parametrize("variant", ["flat2", "xs"])
-def test_triton_square_scan_tiles(variant, monkeypatch):
+def test_triton_square_scan_tiles(monkeypatch):
     """Square 16-row scan tiles (BM = BK, the GPU's 64 x 64 case), so the diagonal block is one tile and x_m
     comes from it; 32-row chunks (two row blocks: one tile below the diagonal) and a partial last chunk."""
-    import lm_kernels.ssd.triton_ssd as ts
+    import lm_kernels.ssd.launch as ln
     if not torch.cuda.is_available():
-        monkeypatch.setattr(ts._scan_fwd2, "configs", [triton.Config(dict(BM=16, BK=16, BP=16), num_warps=4)])
-    monkeypatch.setenv("LM_SSD_SCAN", variant)
+        monkeypatch.setattr(ln._scan_fwd2, "configs", [triton.Config(dict(BM=16, BK=16, BP=16), num_warps=4)])
     compare(make(1, 90, 2, 16, 1, 48), torch.float32, 2e-5, chunk_size=32, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("state", ["pnfast", "old"])
-def test_triton_state_kernels_multi_step_chunks(state, monkeypatch):
+def test_triton_state_kernels_multi_step_chunks(monkeypatch):
     """Chunks longer than the state kernels' step (there: > 256 rows) walk each chunk in several steps."""
-    import lm_kernels.ssd.triton_ssd as ts
-    monkeypatch.setattr(ts, "STATE_STEP_ROWS", 16)
-    monkeypatch.setenv("LM_SSD_STATE", state)
+    import lm_kernels.ssd.launch as ln
+    monkeypatch.setattr(ln, "STATE_STEP_ROWS", 16)
+    monkeypatch.setattr(ln, "_PLANS", {})
     compare(make(1, 50, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=32)
 
 
@@ -117,38 +108,32 @@ def test_triton_odd_sizes_varlen(heads, groups):
     compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
-@pytest.mark.parametrize("scan,bwd,dxfact,dcs", [("xs", "fused", "1", "dbdc"), ("flat2", "slots", "1", "dx"),
-                                                ("xs", "slots", "2", "dbdc"), ("xs4", "fused", "1", "dbdc"),
-                                                ("xs4", "fused", "0", "dx"), ("xs4", "fused", "2", "dx")])
-def test_triton_scans_and_backward_variants_with_several_tiles(scan, bwd, dxfact, dcs, monkeypatch):
-    """16-row tiles in 64-row chunks (4 row blocks): the "xs" scan (decay on the x rows below the diagonal),
-    "xs4" (the same per whole chunk, each decayed x tile built once) and "flat2" (on the C.B tile), and both
-    backward variants ("slots": dcb_bwd's d(dt*A) shares in per-row-block slots plus per-tile totals over the
-    blocks between, summed by dt_bwd; "fused": the same shares from dx_bwd, dcb_bwd summing Q alone with the
-    factorised decay off the diagonal), fixed-length with a partial chunk and packed documents (chunks cut
-    short, so some row blocks and slots do not exist). dx_bwd's tiles below the diagonal with the decay
-    factorised (LM_SSD_DXFACT=1, the default, or 2) or per element (0); each row's dcs = dy . y_off formed in dbdc_bwd
-    (LM_SSD_DCS=dbdc, the default) or in dx_bwd."""
-    import lm_kernels.ssd.triton_ssd as ts
-    monkeypatch.setattr(ts, "TILE_ROWS", 16)
-    monkeypatch.setattr(ts, "_PLANS", {})
-    monkeypatch.setenv("LM_SSD_SCAN", scan)
-    monkeypatch.setenv("LM_SSD_BWD", bwd)
-    monkeypatch.setenv("LM_SSD_DXFACT", dxfact)
-    monkeypatch.setenv("LM_SSD_DCS", dcs)
-    compare(make(1, 100, 4, 16, 1, 16), torch.float32, 2e-5, chunk_size=64, dt_limit=(0.0, 3.0))
+def rounded(d, dtype):
+    """The inputs rounded to `dtype` (kept float32), so that the float64 reference sees what the kernels see."""
+    return {k: v.to(dtype).float() for k, v in d.items()}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 5e-3)])
+def test_triton_several_tiles_fixed_and_packed(dtype, tol, monkeypatch):
+    """16-row tiles in 64-row chunks (4 row blocks): float32 runs the row-block scan (chunk_scan_fwd2, decay on
+    the x rows below the diagonal), float16 the whole-chunk scan (chunk_scan_fwd4); the backward's d(dt*A) shares
+    in per-row-block slots plus per-tile totals over the blocks between (dx_bwd, summed by dt_bwd) with the decay
+    below the diagonal factorised; fixed-length with a partial chunk and packed documents (chunks cut short, so
+    some row blocks and slots do not exist)."""
+    import lm_kernels.ssd.launch as ln
+    monkeypatch.setattr(ln, "TILE_ROWS", 16)
+    monkeypatch.setattr(ln, "_PLANS", {})
+    compare(rounded(make(1, 100, 4, 16, 1, 16), dtype), dtype, tol, chunk_size=64, dt_limit=(0.0, 3.0))
     lens = [9, 0, 70, 1, 36]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
-    compare(make(1, sum(lens), 4, 16, 2, 16, ns=len(lens)), torch.float32, 2e-5, chunk_size=64, cu_seqlens=cu)
+    compare(rounded(make(1, sum(lens), 4, 16, 2, 16, ns=len(lens)), dtype), dtype, tol, chunk_size=64,
+            cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("dcs", ["dbdc", "dx"])
-def test_triton_dbdc_two_n_blocks_dcs_partial_sums(dcs, monkeypatch):
-    """dbdc_bwd with 64-wide n blocks (LM_SSD_DBDC_BN=64) at N = 80: two blocks per row block, each writing its
-    part of dC / dB and (LM_SSD_DCS=dbdc) its partial dcs sums to its own slot, summed by dt_bwd."""
-    monkeypatch.setenv("LM_SSD_DBDC_BN", "64")
-    monkeypatch.setenv("LM_SSD_DCS", dcs)
-    compare(make(1, 40, 2, 16, 1, 80), torch.float32, 2e-5, chunk_size=16)
+def test_triton_dbdc_two_n_blocks_dcs_partial_sums():
+    """dstate > 128 (N = 160): dbdc_bwd runs two 128-wide n blocks per row block, each writing its part of
+    dC / dB and its partial dcs sums to its own slot, summed by dt_bwd."""
+    compare(make(1, 40, 2, 16, 1, 160), torch.float32, 2e-5, chunk_size=16)
 
 
 class _Launches:
@@ -162,32 +147,30 @@ class _Launches:
         return self.kernel[grid]
 
 
-def test_triton_xs4_scan_every_partial_chunk_and_fallback(monkeypatch):
-    """The "xs4" scan (chunk_scan_fwd4: four row blocks per program) on packed documents whose chunks end in
-    each of the four row blocks (returns after block 0, 1, 2, 3), full chunks and an empty document, with
-    D per head, the gate and initial / final states; a chunk of other than four row blocks runs "xs"; it is the
-    default scan for 16-bit inputs (bf16, forward and backward), float32 runs "xs"."""
-    import lm_kernels.ssd.triton_ssd as ts
-    monkeypatch.setattr(ts, "TILE_ROWS", 16)
-    monkeypatch.setattr(ts, "_PLANS", {})
-    monkeypatch.setenv("LM_SSD_SCAN", "xs4")
-    counter = _Launches(ts._scan_fwd4)
-    monkeypatch.setattr(ts, "_scan_fwd4", counter)
+def test_triton_whole_chunk_scan_every_partial_chunk_and_fallback(monkeypatch):
+    """The whole-chunk scan (chunk_scan_fwd4: four row blocks per program; 16-bit inputs) on packed documents
+    whose chunks end in each of the four row blocks (returns after block 0, 1, 2, 3), full chunks and an empty
+    document, with D per head, the gate and initial / final states; a chunk of other than four row blocks and
+    float32 inputs run chunk_scan_fwd2; bf16 forward and backward (the pre-gate output stored for dz)."""
+    import lm_kernels.ssd.launch as ln
+    monkeypatch.setattr(ln, "TILE_ROWS", 16)
+    monkeypatch.setattr(ln, "_PLANS", {})
+    counter = _Launches(ln._scan_fwd4)
+    monkeypatch.setattr(ln, "_scan_fwd4", counter)
     lens = [10, 20, 0, 40, 60, 64, 130]  # chunk 64 = 4 blocks of 16: last chunks of 10, 20, 40, 60, 64, 2 rows
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    d = make(1, sum(lens), 2, 16, 1, 16, ns=len(lens))
-    y, f, _ = run("triton", d, torch.float32, grad=False, chunk_size=64, cu_seqlens=cu)
+    d = rounded(make(1, sum(lens), 2, 16, 1, 16, ns=len(lens)), torch.float16)
+    y, f, _ = run("triton", d, torch.float16, grad=False, chunk_size=64, cu_seqlens=cu)
     yr, fr, _ = run("reference", d, F64, grad=False, chunk_size=64, cu_seqlens=cu)
     assert counter.n == 1
-    assert rel(y, yr) < 2e-5 and rel(f, fr) < 2e-5, (rel(y, yr), rel(f, fr))
-    y, f, _ = run("triton", d, torch.float32, grad=False, chunk_size=32, cu_seqlens=cu)  # 2 row blocks: "xs"
+    assert rel(y, yr) < 2e-3 and rel(f, fr) < 2e-3, (rel(y, yr), rel(f, fr))
+    y, f, _ = run("triton", d, torch.float16, grad=False, chunk_size=32, cu_seqlens=cu)  # 2 row blocks: fwd2
     yr, fr, _ = run("reference", d, F64, grad=False, chunk_size=32, cu_seqlens=cu)
     assert counter.n == 1
-    assert rel(y, yr) < 2e-5 and rel(f, fr) < 2e-5, (rel(y, yr), rel(f, fr))
-    monkeypatch.delenv("LM_SSD_SCAN")  # the default scan for 16-bit inputs; bf16 with the gate (pre-gate output
-    compare(make(1, 80, 2, 16, 1, 16), torch.bfloat16, 3e-2, chunk_size=64)  # stored for dz)
+    assert rel(y, yr) < 2e-3 and rel(f, fr) < 2e-3, (rel(y, yr), rel(f, fr))
+    compare(make(1, 80, 2, 16, 1, 16), torch.bfloat16, 3e-2, chunk_size=64)
     assert counter.n == 2
-    compare(make(1, 80, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=64)  # float32: "xs" by default
+    compare(make(1, 80, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=64)  # float32: fwd2
     assert counter.n == 2
 
 
@@ -208,27 +191,6 @@ def test_triton_varlen_matches_reference_and_separate_runs():
             assert rel(y[:, a:e], ys.double()) < 1e-5 and rel(f[s:s + 1], fs.double()) < 1e-5
 
 
-@pytest.mark.parametrize("chunk,T,varlen", [(64, 100, False), (16, 61, True)])
-def test_triton_fused_nograd_forward_matches_reference(chunk, T, varlen, monkeypatch):
-    """The fused no-grad forward (state carried in registers across chunks, never stored): several row
-    blocks per chunk (factorised decay below the diagonal), D per (head, p), gate, init and final states,
-    packed documents; and it equals the two-kernel no-grad path."""
-    monkeypatch.setenv("LM_SSD_NOGRAD", "fused")
-    kw = dict(chunk_size=chunk, dt_limit=(0.0, 3.0))
-    if varlen:
-        lens = [9, 0, 33, 19]
-        kw["cu_seqlens"] = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-        d = make(1, sum(lens), 4, 16, 2, 16, D="hp", ns=len(lens))
-    else:
-        d = make(2, T, 4, 16, 2, 16, D="hp")
-    y, f, _ = run("triton", d, torch.float32, grad=False, **kw)
-    yr, fr, _ = run("reference", d, F64, grad=False, **kw)
-    assert rel(y, yr) < 2e-5 and rel(f, fr) < 2e-5, (rel(y, yr), rel(f, fr))
-    monkeypatch.setenv("LM_SSD_NOGRAD", "split")
-    ys, fs, _ = run("triton", d, torch.float32, grad=False, **kw)
-    assert rel(y, ys.double()) < 1e-6 and rel(f, fs.double()) < 1e-6
-
-
 def test_triton_bf16_forward_backward():
     d = make(1, 48, 2, 16, 1, 16)
     compare(d, torch.bfloat16, 3e-2, chunk_size=16)
@@ -237,9 +199,9 @@ def test_triton_bf16_forward_backward():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_low_precision_several_tiles(dtype, monkeypatch):
     """bf16 (chunk states kept in bf16) and fp16 (float32 states) with 16-row tiles in 32-row chunks."""
-    import lm_kernels.ssd.triton_ssd as ts
-    monkeypatch.setattr(ts, "TILE_ROWS", 16)
-    monkeypatch.setattr(ts, "_PLANS", {})
+    import lm_kernels.ssd.launch as ln
+    monkeypatch.setattr(ln, "TILE_ROWS", 16)
+    monkeypatch.setattr(ln, "_PLANS", {})
     compare(make(1, 48, 2, 16, 1, 16), dtype, 3e-2, chunk_size=32)
 
 
@@ -326,9 +288,9 @@ def test_autotuned_kernels_with_atomics_reset_their_outputs():
 
     from triton.runtime.autotuner import Autotuner
 
-    import lm_kernels.ssd.triton_ssd as ts
+    import lm_kernels.ssd.launch as ln
     checked = 0
-    for obj in vars(ts).values():
+    for obj in vars(ln).values():
         if not isinstance(obj, Autotuner):
             continue
         fn = obj.fn
@@ -336,14 +298,13 @@ def test_autotuned_kernels_with_atomics_reset_their_outputs():
         targets = set(re.findall(r"tl\.atomic_\w+\((\w+)", src))
         assert targets <= set(obj.reset_to_zero or []), (fn, targets)
         checked += 1
-    assert checked >= 5  # the autotuned kernels were found (none uses atomics since session 4)
+    assert checked >= 5  # the autotuned kernels were found (none uses atomics)
 
 
-def test_triton_launch_reuses_the_autotuned_config_and_cfg_switch(monkeypatch):
-    """_launch: the first call per shape / dtypes goes through the autotuner, later ones launch the config it
-    chose directly (same outputs, forward and backward); a swapped configs list is tuned again. LM_SSD_CFG
-    (opt-in fixed launch configs) is checked, and ignored by the interpreter."""
-    import lm_kernels.ssd.triton_ssd as ts
+def test_triton_launch_reuses_the_autotuned_config(monkeypatch):
+    """launch: the first call per shape / dtypes goes through the autotuner, later ones launch the config it
+    chose directly (same outputs, forward and backward); a swapped configs list is tuned again."""
+    import lm_kernels.ssd.launch as ln
     from triton.runtime.autotuner import Autotuner
     runs = []
     orig = Autotuner.run
@@ -353,8 +314,8 @@ def test_triton_launch_reuses_the_autotuned_config_and_cfg_switch(monkeypatch):
         return orig(self, *a, **k)
 
     monkeypatch.setattr(Autotuner, "run", counting)
-    monkeypatch.setattr(ts, "_BEST", {})
-    monkeypatch.setattr(ts, "_PLANS", {})
+    monkeypatch.setattr(ln, "_BEST", {})
+    monkeypatch.setattr(ln, "_PLANS", {})
     d = make(1, 40, 2, 16, 1, 16)
     y1, f1, g1 = run("triton", d, torch.float32, chunk_size=16)
     assert sorted(runs) == sorted(["dtcb_fwd_kernel", "state_fwd_kernel", "chunk_scan_fwd2_kernel", "dstate_bwd_kernel",
@@ -362,20 +323,8 @@ def test_triton_launch_reuses_the_autotuned_config_and_cfg_switch(monkeypatch):
     y2, f2, g2 = run("triton", d, torch.float32, chunk_size=16)
     assert len(runs) == 7  # no autotuner call the second time
     assert torch.equal(y1, y2) and torch.equal(f1, f2) and all(torch.equal(g1[k], g2[k]) for k in g1)
-    monkeypatch.setattr(ts._scan_fwd2, "configs", list(ts._scan_fwd2.configs))
+    monkeypatch.setattr(ln._scan_fwd2, "configs", list(ln._scan_fwd2.configs))
     with torch.no_grad():
         y3, _ = ssd_scan(**d, chunk_size=16, backend="triton")
     assert runs[7:] == ["chunk_scan_fwd2_kernel"]  # the other two kernels' keys are known
     assert torch.equal(y1, y3)
-    monkeypatch.setenv("LM_SSD_CFG", "scan4:64:4:1:168+state:32:4:2:128")
-    assert ts._fixed_cfgs() == {"scan4": dict(BP=64, num_warps=4, num_stages=1, maxnreg=168),
-                                "state": dict(BP=32, num_warps=4, num_stages=2, maxnreg=128)}
-    with torch.no_grad():
-        y4, _ = ssd_scan(**d, chunk_size=16, backend="triton")
-    assert torch.equal(y1, y4)
-    monkeypatch.setenv("LM_SSD_CFG", "dx:0:8:2+scan4:64:4:1")  # dx_bwd has no BP meta-parameter
-    assert ts._fixed_cfgs() == {"dx": dict(num_warps=8, num_stages=2), "scan4": dict(BP=64, num_warps=4, num_stages=1)}
-    for bad in ("scan4:64:4", "scan:64:4:1", "state=32/4/2", "state:32:4:x"):
-        monkeypatch.setenv("LM_SSD_CFG", bad)
-        with pytest.raises(ValueError, match="LM_SSD_CFG"):
-            ssd_scan(**d, chunk_size=16, backend="triton")

@@ -94,7 +94,8 @@ def ssd_peers():
     peers = {}
     try:
         import lm_kernels.ssd as ssd
-        if ssd.resolve_backend("triton", torch.zeros(1)) == "triton":
+        from lm_kernels.backend import triton_available
+        if triton_available():
             from lm_kernels.ssd.triton_ssd import ssd_scan_triton  # noqa: F401  (the Triton path exists)
             peers["ours_ssd"] = lambda *a, **k: ssd.ssd_scan(*a, backend="triton", **k)[0]
     except Exception as e:  # noqa: BLE001  (optional peer)

@@ -29,29 +29,6 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, dstate, ngroups, chunk)
 }
 TINY = {"tiny": (1, 64, 2, 16, 16, 1, 32)}
 TARGETS = {"fwd": 0.6, "fwd+bwd": 0.7, "nograd_fwd": 0.5}
-# the xs4 scan without the register cap of its default config (session 6: 0.285 ms vs 0.254 capped at 168)
-DEFAULT_VARIANTS = ["scan4_uncapped=-/-/-/LM_SSD_CFG=scan4:64:4:1"]
-BWD_VARS = ("LM_SSD_BWD", "LM_SSD_DXFACT", "LM_SSD_DCS", "LM_SSD_DBDC_BN")  # variants setting these (or a dx config
-# in LM_SSD_CFG) are timed forward + backward too
-
-
-def parse_variants(specs):
-    """["NAME=SCAN/STATE/NOGRAD[/VAR=VALUE,...]", ...] -> [(NAME, {env var: value}), ...]; '-' leaves one
-    of LM_SSD_SCAN / LM_SSD_STATE / LM_SSD_NOGRAD unset; the optional fourth part sets further variables."""
-    out = []
-    for spec in specs:
-        name, _, val = spec.partition("=")
-        parts = val.split("/")
-        if not name or len(parts) not in (3, 4):
-            raise ValueError(f"--variants: {spec!r} is not NAME=SCAN/STATE/NOGRAD[/VAR=VALUE,...]")
-        env = {k: v for k, v in zip(("LM_SSD_SCAN", "LM_SSD_STATE", "LM_SSD_NOGRAD"), parts[:3]) if v != "-"}
-        for kv in (parts[3].split(",") if len(parts) == 4 and parts[3] else []):
-            k, eq, v = kv.partition("=")
-            if not eq or not k.startswith("LM_SSD_"):
-                raise ValueError(f"--variants: {kv!r} in {spec!r} is not LM_SSD_VAR=VALUE")
-            env[k] = v
-        out.append((name, env))
-    return out
 
 
 def make_inputs(shape, device, dtype, seed=0):
@@ -126,9 +103,9 @@ def autotuned_configs():
     """{kernel: {autotune key: chosen config}} of our autotuned kernels."""
     from triton.runtime.autotuner import Autotuner
 
-    import lm_kernels.ssd.triton_ssd as ts
+    import lm_kernels.ssd.launch as ln
     out = {}
-    for name, obj in vars(ts).items():
+    for name, obj in vars(ln).items():
         objs = obj.items() if isinstance(obj, dict) else [("", obj)]
         for sub, o in objs:
             if isinstance(o, Autotuner) and getattr(o, "cache", None):
@@ -148,10 +125,10 @@ def kernel_resources():
     try:
         from triton.runtime.jit import JITFunction
 
-        import lm_kernels.ssd.triton_kernels as K
-        for name, fn in vars(K).items():
-            if not isinstance(fn, JITFunction):
-                continue
+        from lm_kernels.ssd import backward, backward_dx, chunk_scan, chunk_state, dt_cb
+        kernels = {name: fn for m in (dt_cb, chunk_state, chunk_scan, backward, backward_dx)
+                   for name, fn in vars(m).items() if name.endswith("_kernel") and isinstance(fn, JITFunction)}
+        for name, fn in kernels.items():
             for entry in (getattr(fn, "device_caches", None) or {}).values():
                 cache = entry[0] if isinstance(entry, tuple) else entry
                 for ck in list(cache.values()):
@@ -166,24 +143,6 @@ def kernel_resources():
     except Exception as e:  # noqa: BLE001 (a report, never a reason to lose the run)
         out.append(dict(error=repr(e)[:300]))
     return out
-
-
-class env_set:
-    """Sets environment variables for a with-block and restores them after."""
-
-    def __init__(self, env):
-        self.env, self.saved = env, {}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def rel(a, b):
@@ -223,14 +182,7 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--rep", type=int, default=300)
-    ap.add_argument("--variants", nargs="*", default=None,
-                    help="kernel variants to time, each NAME=SCAN/STATE/NOGRAD[/LM_SSD_VAR=VALUE,...] (LM_SSD_SCAN, "
-                         "LM_SSD_STATE, LM_SSD_NOGRAD; '-' leaves one unset); default: "
-                         f"{' '.join(DEFAULT_VARIANTS)}")
-    ap.add_argument("--variants-on", nargs="*", default=None,
-                    help="time the variants only at these shapes (default: every shape)")
     args = ap.parse_args(argv)
-    variants = parse_variants(args.variants if args.variants is not None else DEFAULT_VARIANTS)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
@@ -246,10 +198,10 @@ def main(argv=None):
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                   torch=torch.__version__, triton=triton.__version__, dtype="bfloat16", targets=TARGETS,
                   shapes={})
-    # Phase 1: every wall / host timing of every shape and variant, before any profiling: torch.profiler's CUDA
+    # Phase 1: every wall / host timing of every shape, before any profiling: torch.profiler's CUDA
     # activity leaves CUPTI attached after it ends (pytorch/pytorch#144455), which can add host time to every
-    # launch after it; the shapes measured after a profile saw more host time per call in sessions 4-5.
-    profile_jobs = []  # (shape name, label, fn, top-k) for phase 2
+    # launch after it (the shapes measured after a profile saw more host time per call).
+    profile_jobs = []  # (shape name, [(label, fn)], top-k) for phase 2
     host_fns = {}
     for name, shape in shapes.items():
         chunk = shape[-1]
@@ -267,8 +219,6 @@ def main(argv=None):
         print(f"{name}: ours compiled / tuned in {row['ours_first_call_s']} s", flush=True)
         with torch.no_grad():
             row["ours_nograd_fwd_ms"] = bench(ours_ng, args.warmup, args.rep)
-            y_default = ours_ng()
-            y_peer = peer_fn(inp, chunk)() if peer else None
         row["ours_fwd_ms"] = bench(ours, args.warmup, args.rep)
         with torch.no_grad():
             row["ours_nograd_fwd_ms_repeat"] = bench(ours_ng, args.warmup, args.rep)  # spread of one version
@@ -310,7 +260,7 @@ def main(argv=None):
             yp.backward(gy)
             row["ours_vs_mamba_rel"] = {"y": rel(yo, yp), **{f"d{k}": rel(gin[k].grad, pin[k].grad) for k in gin}}
         if not args.no_profile:  # (on CPU: the CPU ops, a dry run of phase 2)
-            profile_jobs.append((name, None, [("ours fwd", ours), ("ours fwd+bwd", fwd_bwd(ours, gy))]
+            profile_jobs.append((name, [("ours fwd", ours), ("ours fwd+bwd", fwd_bwd(ours, gy))]
                                  + ([("mamba fwd", theirs), ("mamba fwd+bwd", fwd_bwd(theirs, gy))] if peer else []),
                                  14))
         host_fns[name] = (ours, ours_ng)
@@ -318,60 +268,15 @@ def main(argv=None):
         print_row(name, row)
         if args.json:  # after every shape, so a run cut short keeps what it measured
             write_json(args.json, result)
-        # kernel variants (environment switches read at each call): no-grad and grad-enabled forward (+ backward
-        # for backward variants, BWD_VARS), after the default path and the peer, each printed and saved when done (a run
-        # cut short keeps what it measured); their kernels are profiled in phase 2
-        for vname, venv in (variants if args.variants_on is None or name in args.variants_on else []):
-            try:
-                with env_set(venv):
-                    with torch.no_grad():
-                        yv = ours_ng()
-                        row[f"ours_nograd_fwd_ms_{vname}"] = bench(ours_ng, args.warmup, args.rep)
-                        row[f"y_rel_{vname}_vs_default"] = rel(yv, y_default)
-                        if peer:
-                            row[f"y_rel_{vname}_vs_mamba"] = rel(yv, y_peer)
-                    if venv.get("LM_SSD_NOGRAD", "split") != "fused":
-                        ours()
-                        row[f"ours_fwd_ms_{vname}"] = bench(ours, args.warmup, args.rep)
-                    fb = None
-                    if any(k in venv for k in BWD_VARS) or "dx:" in venv.get("LM_SSD_CFG", ""):
-                        # a backward variant: forward + backward and its kernels too
-                        fb = fwd_bwd(ours, gy)
-                        fb()
-                        row[f"ours_fwd_bwd_ms_{vname}"] = bench(fb, args.warmup, args.rep,
-                                                                grad_to_none=list(gin.values()))
-                if not args.no_profile:
-                    def ng(f=ours_ng):
-                        with torch.no_grad():
-                            f()
-                    profile_jobs.append((name, (vname, venv, "nograd"), [("v", ng)], 8))
-                    if fb is not None:
-                        profile_jobs.append((name, (vname, venv, "fwd_bwd"), [("v", fb)], 10))
-            except Exception as e:  # a variant that fails to compile must not cost the rest of the run
-                print(f"variant {vname} failed: {e!r}", file=sys.stderr)
-                row[f"ours_nograd_fwd_ms_{vname}"] = float("nan")
-                row[f"error_{vname}"] = repr(e)[:500]
-            print_variant(row, vname)
-            if args.json:
-                write_json(args.json, result)
-        row["autotuned"] = autotuned_configs()
     # Phase 2: per-kernel device times (torch.profiler), then the host time per call once more (after profiling)
-    for name, var, fns, top in profile_jobs:
+    for name, fns, top in profile_jobs:
         row = result["shapes"][name]
         try:
-            if var is None:
-                row["kernels_ms"] = {k: [(n, round(t, 4)) for n, t in v[:top]] for k, v in profile_kernels(fns).items()}
-                for label, ks in row["kernels_ms"].items():
-                    print(f"  {name} [{label}] " + ", ".join(f"{n[:40]}={t:.3f}" for n, t in ks[:10]), flush=True)
-            else:
-                vname, venv, what = var
-                with env_set(venv):
-                    ks = profile_kernels(fns)["v"]
-                row[f"kernels_ms_{what}_{vname}"] = [(n, round(t, 4)) for n, t in ks[:top]]
-                print(f"  {name} variant {vname} [{what}] " + ", ".join(f"{n[:28]}={t:.3f}" for n, t in ks[:6]),
-                      flush=True)
+            row["kernels_ms"] = {k: [(n, round(t, 4)) for n, t in v[:top]] for k, v in profile_kernels(fns).items()}
+            for label, ks in row["kernels_ms"].items():
+                print(f"  {name} [{label}] " + ", ".join(f"{n[:40]}={t:.3f}" for n, t in ks[:10]), flush=True)
         except Exception as e:  # noqa: BLE001 (a report, never a reason to lose the run)
-            print(f"profile {name} {var} failed: {e!r}", file=sys.stderr)
+            print(f"profile {name} failed: {e!r}", file=sys.stderr)
         if args.json:
             write_json(args.json, result)
     if profile_jobs:
@@ -411,7 +316,7 @@ def print_row(name, row):
         print(f"{label:14s}{ours:10.3f}{theirs if theirs is not None else float('nan'):10.3f}"
               f"{ratio if ratio is not None else float('nan'):8.3f}{TARGETS[tkey]:8.2f}")
     if "ours_nograd_fwd_ms_repeat" in row:
-        print_variant(row, "repeat")
+        print(f"ours no-grad fwd repeated: {row['ours_nograd_fwd_ms_repeat']:.3f} ms")
     if "mamba_nograd_fwd_ms" in row:
         print(f"mamba no-grad fwd {row['mamba_nograd_fwd_ms']:.3f} ms (ours no-grad / it: "
               f"{row['ratio_nograd_vs_mamba_nograd']:.3f}); host ms per call: ours no-grad "
@@ -421,23 +326,6 @@ def print_row(name, row):
         print("ours vs mamba_ssm (relative L2):", {k: f"{v:.2e}" for k, v in row["ours_vs_mamba_rel"].items()})
     for label, ks in row.get("kernels_ms", {}).items():
         print(f"  [{label}] " + ", ".join(f"{n[:40]}={t:.3f}" for n, t in ks[:10]))
-
-
-def print_variant(row, v):
-    mf = row.get("mamba_fwd_ms")
-    ng, fw = row[f"ours_nograd_fwd_ms_{v}"], row.get(f"ours_fwd_ms_{v}")
-    print(f"  variant {v:12s} nograd {ng:.3f} ms" + (f" ({ng / mf:.3f})" if mf else "")
-          + (f"  fwd {fw:.3f} ms" + (f" ({fw / mf:.3f})" if mf else "") if fw is not None else "")
-          + f"  y vs default {row.get(f'y_rel_{v}_vs_default', float('nan')):.1e}"
-          + (f" vs mamba {row[f'y_rel_{v}_vs_mamba']:.1e}" if f"y_rel_{v}_vs_mamba" in row else ""), flush=True)
-    ks = row.get(f"kernels_ms_nograd_{v}")
-    if ks:
-        print("      " + ", ".join(f"{n[:28]}={t:.3f}" for n, t in ks[:6]))
-    fb = row.get(f"ours_fwd_bwd_ms_{v}")
-    if fb is not None:
-        mfb = row.get("mamba_fwd_bwd_ms")
-        print(f"      fwd+bwd {fb:.3f} ms" + (f" ({fb / mfb:.3f})" if mfb else "") + ": " + ", ".join(
-            f"{n[:24]}={t:.3f}" for n, t in row.get(f"kernels_ms_fwd_bwd_{v}", [])[:8]), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,64 +12,35 @@ position inside the document is < j; activation "silu" or None. Returns y (b, t,
 dtype and the new conv state (b, c, w-1) in x's dtype (the last w-1 inputs). Weight, bias and state are
 rounded to x's dtype, as the reference does; the Triton path accumulates in float32.
 
-Backends: "reference" (PyTorch, autograd), "triton" (Triton kernels with their own backward: gradients
-of x, weight, bias and conv_state; the backward recomputes the pre-activation), None = auto: Triton when x
-is on CUDA, triton imports, the width is at most 8 and t > 0, else the reference. The environment variable
-LM_CONV1D_BACKEND=reference|triton overrides auto.
+Backends (lm_kernels.backend.resolve_backend): "reference" (PyTorch, autograd), "triton" (Triton kernels
+with their own backward: gradients of x, weight, bias and conv_state; the backward recomputes the
+pre-activation), None = auto: Triton when x is on CUDA, triton imports, the width is at most 8 and t > 0, else
+the reference. LM_CONV1D_BACKEND=reference|triton overrides auto.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..backend import resolve_backend
 from .naive import causal_conv1d_naive
 from .reference import causal_conv1d_reference
 
-__all__ = ["causal_conv1d", "causal_conv1d_reference", "causal_conv1d_naive", "resolve_backend", "BACKENDS"]
+__all__ = ["causal_conv1d", "causal_conv1d_reference", "causal_conv1d_naive"]
 
-BACKENDS = ("reference", "triton")
 MAX_TRITON_WIDTH = 8
-
-
-def _triton_impl():
-    from .triton_conv1d import causal_conv1d_triton  # noqa: PLC0415 (lazy: triton is optional)
-    return causal_conv1d_triton
-
-
-def _triton_available() -> bool:
-    try:
-        _triton_impl()
-    except ImportError:
-        return False
-    return True
-
-
-def resolve_backend(backend, x, width: int | None = None) -> str:
-    """The backend causal_conv1d will use for `x` and a kernel of `width` taps (see module docstring)."""
-    if backend is None:
-        env = os.environ.get("LM_CONV1D_BACKEND", "").strip().lower()
-        if env:
-            if env not in BACKENDS:
-                raise ValueError(f"LM_CONV1D_BACKEND={env!r} is not one of {BACKENDS}; unset it for auto")
-            return env
-        fits = (width is None or width <= MAX_TRITON_WIDTH) and x.shape[1] > 0
-        return "triton" if x.is_cuda and fits and _triton_available() else "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"causal_conv1d: backend={backend!r} is not one of {BACKENDS} or None (auto)")
-    return backend
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
 def _run_triton(x, weight, bias, cu_seqlens, conv_state, activation):
-    return _triton_impl()(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation)
+    from .triton_conv1d import causal_conv1d_triton  # noqa: PLC0415 (lazy: triton is optional)
+    return causal_conv1d_triton(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation)
 
 
 def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu", backend=None):
     """Depthwise causal conv1d; returns (y (b, t, c), new conv state (b, c, w-1)). See module docstring.
 
     Under torch.compile the Triton path is one opaque call; the reference path is traced as before."""
-    which = resolve_backend(backend, x, weight.shape[-1])
+    which = resolve_backend("conv1d", backend, x.device, fits=weight.shape[-1] <= MAX_TRITON_WIDTH and x.shape[1] > 0)
     if which == "triton" and x.shape[1] > 0:
         return _run_triton(x, weight, bias, cu_seqlens, conv_state, activation)
     return causal_conv1d_reference(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state,

@@ -7,52 +7,20 @@ Row i of A_t mixes into h_i. One op covers the complex-diagonal LRU (2x2 rotatio
 blocks). Files: naive.py (sequential definition), reference.py (chunked PyTorch scan, autograd),
 triton_scan.py (Triton kernels), autograd.py (the torch.autograd.Function around them).
 
-Backends: None = auto (Triton on CUDA when triton imports, else the reference; the environment variable
-LM_LRU_BACKEND=reference|triton overrides), "reference", "triton" (on CPU only under TRITON_INTERPRET=1),
-"naive" (tests).
+Backends (lm_kernels.backend.resolve_backend): None = auto (Triton on CUDA when triton imports, else the
+reference; LM_LRU_BACKEND overrides), "reference", "triton" (on CPU only under TRITON_INTERPRET=1), "naive"
+(tests).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..backend import resolve_backend
 from .naive import block_scan_naive, block_scan_step
 from .params import companion, lru_lambda_blocks
 from .reference import block_scan_reference
 
 BACKENDS = ("reference", "triton", "naive")
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """Which implementation `block_scan` runs for this backend argument and device."""
-    if backend is None:
-        env = os.environ.get("LM_LRU_BACKEND", "").strip().lower()
-        if env:
-            if env not in ("reference", "triton"):
-                raise ValueError(f"LM_LRU_BACKEND={env!r} is not a backend: use 'reference' or 'triton' "
-                                 "(or unset it for automatic choice)")
-            backend = env
-        else:
-            backend = "triton" if device.type == "cuda" and _triton_available() else "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS} (or None for automatic choice)")
-    if backend == "triton":
-        if not _triton_available():
-            raise ValueError("backend='triton' but triton does not import; install triton or use "
-                             "backend='reference'")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(f"backend='triton' on {device.type} needs TRITON_INTERPRET=1 set before "
-                             "triton is imported (or use backend='reference')")
-    return backend
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
@@ -69,7 +37,7 @@ def block_scan(A: torch.Tensor, x: torch.Tensor, *, initial_state: torch.Tensor 
     accumulates in float32 (float64 for float64 inputs). final_state (b or num_seqs, nb, m) is float32
     (float64 for float64 inputs), or None unless return_final_state.
     """
-    backend = resolve_backend(backend, x.device)
+    backend = resolve_backend("lru", backend, x.device, backends=BACKENDS)
     kw = dict(initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
               return_final_state=return_final_state)
     if backend == "reference":
@@ -81,4 +49,4 @@ def block_scan(A: torch.Tensor, x: torch.Tensor, *, initial_state: torch.Tensor 
 
 
 __all__ = ["block_scan", "block_scan_naive", "block_scan_reference", "block_scan_step",
-           "companion", "lru_lambda_blocks", "resolve_backend"]
+           "companion", "lru_lambda_blocks"]

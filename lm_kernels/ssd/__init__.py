@@ -12,49 +12,19 @@ y_t = h_t C_t + D x_t; then y_t *= silu(z_t). Shapes: x (b,t,h,p), dt (b,t,h), A
 D (h,) or (h,p), z like x, dt_bias (h,), initial_state (b|num_seqs, h, p, n); cu_seqlens (num_seqs+1,)
 with b == 1 for packed documents (the state restarts at each document).
 
-Backends: "reference" (PyTorch chunked, autograd), "triton" (Triton kernels with their own backward;
-on CPU they run under TRITON_INTERPRET=1), None = auto: Triton when x is on CUDA and triton imports,
-else the reference. The environment variable LM_SSD_BACKEND=reference|triton overrides auto.
+Backends (lm_kernels.backend.resolve_backend): "reference" (PyTorch chunked, autograd), "triton" (Triton
+kernels with their own backward, triton_ssd.py; on CPU they run under TRITON_INTERPRET=1), None = auto: Triton
+when x is on CUDA and triton imports, else the reference. LM_SSD_BACKEND=reference|triton overrides auto.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..backend import resolve_backend
 from .naive import ssd_scan_naive, ssd_step
 from .reference import ssd_scan_reference
 
-__all__ = ["ssd_scan", "ssd_scan_naive", "ssd_step", "ssd_scan_reference", "resolve_backend", "BACKENDS"]
-
-BACKENDS = ("reference", "triton")
-
-
-def _triton_impl():
-    from .triton_ssd import ssd_scan_triton  # noqa: PLC0415 (lazy: triton is optional)
-    return ssd_scan_triton
-
-
-def _triton_available() -> bool:
-    try:
-        _triton_impl()
-    except ImportError:
-        return False
-    return True
-
-
-def resolve_backend(backend, x) -> str:
-    """The backend ssd_scan will use for `x` (see module docstring)."""
-    if backend is None:
-        env = os.environ.get("LM_SSD_BACKEND", "").strip().lower()
-        if env:
-            if env not in BACKENDS:
-                raise ValueError(f"LM_SSD_BACKEND={env!r} is not one of {BACKENDS}; unset it for auto")
-            return env
-        return "triton" if x.is_cuda and _triton_available() else "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"ssd_scan: backend={backend!r} is not one of {BACKENDS} or None (auto)")
-    return backend
+__all__ = ["ssd_scan", "ssd_scan_naive", "ssd_step", "ssd_scan_reference"]
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
@@ -64,7 +34,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt
     """Chunked SSD scan; returns (y in x's dtype, final_state float32 or None). See module docstring."""
     kwargs = dict(chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                   initial_state=initial_state, cu_seqlens=cu_seqlens, return_final_state=return_final_state)
-    which = resolve_backend(backend, x)
-    if which == "triton":
-        return _triton_impl()(x, dt, A, B, C, **kwargs)
+    if resolve_backend("ssd", backend, x.device) == "triton":
+        from .triton_ssd import ssd_scan_triton  # noqa: PLC0415 (lazy: triton is optional)
+        return ssd_scan_triton(x, dt, A, B, C, **kwargs)
     return ssd_scan_reference(x, dt, A, B, C, **kwargs)

@@ -1,6 +1,6 @@
 """Reading a Triton kernel compiled for sm_90 on a machine without a GPU: registers, stack, spill bytes and shared
-memory (with the cuobjdump / ptxas that triton ships), and how many programs fit on an H100 SM. Used by
-lm_kernels.ssd.sm90_stats and lm_kernels.deltaproduct.sm90_stats. Put the GPU image's triton (3.6) first on
+memory (with the cuobjdump / ptxas that triton ships), and how many programs fit on an H100 SM. Used by the
+scripts beside it (ssd_stats.py, ...). Put the GPU image's triton (3.6) first on
 PYTHONPATH to get the H100's numbers (3.9's code generation differs)."""
 from __future__ import annotations
 

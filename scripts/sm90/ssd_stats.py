@@ -1,7 +1,7 @@
 """Registers / spills / shared memory of the SSD forward kernels compiled for sm_90 on a machine without a GPU,
 specialised exactly as they are launched at a bench shape.
 
-    python -m lm_kernels.ssd.sm90_stats [--shape B8_T2048] [--kernels chunk_scan_fwd4_kernel state_fwd_kernel]
+    python scripts/sm90/ssd_stats.py [--shape B8_T2048] [--kernels chunk_scan_fwd4_kernel state_fwd_kernel]
         [--configs "BP=64,num_warps=4,maxnreg=168" ...] [--backward]
 
 Run it in a process without TRITON_INTERPRET. The forward runs on CPU tensors of the bench shape with every
@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import triton
 
-from ..sm90 import TARGET, per_sm, resources
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90 import TARGET, per_sm, resources  # noqa: E402
 
 
 def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False, backward=False):
-    """[(JITFunction, args, kwargs)] of the launches of one forward at `shape` (bench_ssd's (b, t, h, p, n, g,
-    chunk)) in `dtype` (with the gate z if `gate`; and of the backward after it if `backward`), with the first
-    config of every autotuner (kwargs hold its meta-parameters and options)."""
+    """[(JITFunction, args, kwargs)] of the launches of one forward at `shape` (lm.benchmarks.ssd's (b, t, h, p,
+    n, g, chunk)) in `dtype` (with the gate z if `gate`; and of the backward after it if `backward`), with the
+    first config of every autotuner (kwargs hold its meta-parameters and options)."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    from . import triton_ssd as ts
+    from lm_kernels.ssd import launch as ln
+    from lm_kernels.ssd import triton_ssd as ts
     got = []
     orig_run, orig_bench, orig_disk = JITFunction.run, Autotuner._bench, Autotuner.check_disk_cache
 
@@ -53,7 +56,7 @@ def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False
         C = torch.randn(b, t, g, n).to(dtype)
         z = torch.randn(b, t, h, p).to(dtype) if gate else None
         A, D, bias = -torch.rand(h) - 0.5, torch.randn(h), torch.randn(h)
-        plan = ts._Plan(x, B, None, chunk)
+        plan = ln.Plan(x, B, None, chunk)
         y, _, aux = ts._forward(x, dt, A, B, C, D, z, bias, None, plan, True, (0.0, float("inf")), False,
                                 save=save or backward)
         if backward:
@@ -91,9 +94,7 @@ def _parse_cfg(s):
 
 
 def main(argv=None):
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-    from bench_ssd import SHAPES  # noqa: PLC0415
+    from lm.benchmarks.ssd import SHAPES  # noqa: PLC0415
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="B8_T2048", choices=list(SHAPES))
     ap.add_argument("--kernels", nargs="*", default=["chunk_scan_fwd4_kernel", "state_fwd_kernel"])
@@ -104,7 +105,7 @@ def main(argv=None):
                                                                 "per compile, e.g. BP=64,num_warps=4,maxnreg=168")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise SystemExit("sm90_stats: unset TRITON_INTERPRET (it compiles for sm_90)")
+        raise SystemExit("ssd_stats: unset TRITON_INTERPRET (it compiles for sm_90)")
     print("triton", triton.__version__)
     for fn, args, kwargs in capture_forward(SHAPES[a.shape], dtype=getattr(torch, a.dtype), gate=a.gate,
                                           backward=a.backward):

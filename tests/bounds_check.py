@@ -3,7 +3,7 @@ every address a load or store touches (mask applied) must lie inside the storage
 passed to that kernel launch, else `OutOfBounds` names the kernel, the program id and the offsets. An
 access that a GPU reports as an illegal address (or silently reads from a neighbour) fails here on CPU.
 
-    from lm_kernels.bounds_check import bounds_checked
+    from bounds_check import bounds_checked
     with bounds_checked():
         o, _ = chunk_deltaproduct(q, k, v, beta, num_householder=4, backend="triton")
 

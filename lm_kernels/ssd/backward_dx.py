@@ -1,0 +1,192 @@
+"""Backward: dx with the intra-chunk d(dt*A) shares, and dt / dA / dt_bias (notation: kernel_common.py)."""
+import triton
+import triton.language as tl
+
+from .kernel_common import chunk_coords, softplus
+
+
+@triton.jit
+def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
+             offs_p, pmask, s_dy_t, HBT, pid_c, h, H,
+             L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NMB: tl.constexpr, DIAG: tl.constexpr,
+             DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k; and, with x_l . dy_m (xld = x_l),
+    the transposed tile M^T[l, m] = M[m, l] of M = Q_h * CB gives the intra-chunk d(dt*A) shares in their stable
+    form, dda_l = sum_{m >= l} sum_{s < l} M[m, s] (no difference of large row and column sums): on the diagonal
+    block (DIAG) directly; below it the column part (slot of block m, rows l; prefix sums of its column sums), the
+    row part (slot of block l, rows m; suffix sums of its row sums) and the tile total (tot[(chunk, head), k block,
+    l block]; dt_bwd adds it to the row blocks strictly between). So a token of row block j gets exactly one share
+    per row block of the chunk, in its own slot of dda ((L // BM, H, B*T)); no atomics."""
+    rows_k = k + tl.arange(0, BK)
+    kmask = rows_k < clen
+    cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+    # [l, m] = C_m . B_l; the diagonal tile is stored whole by dtcb_fwd (finite where the decay is 0): no causal
+    # mask on the load, so it vectorises
+    cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=kmask[None, :] & lmask[:, None],
+                  other=0.0).to(tl.float32)
+    if DIAG:
+        causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
+        decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
+        dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :],
+                      mask=kmask[:, None] & pmask[None, :], other=0.0).to(DOT_DT)
+        cbd = cbT * decay
+    else:
+        # below the diagonal every l precedes every m: e^{cs_m - cs_l} = e^{cs_m - c} e^{c - cs_l} through the row c
+        # before the k block (both exponents <= 0), on the dy rows and the C.B columns: no exponential per element
+        c = tl.load(cs_ptr + tok0 + k - 1)
+        ek = tl.where(kmask, tl.exp(cs_k - c), 0.0)
+        cbd = cbT * tl.exp(c - cs_l)[:, None]
+        dyk = (tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :],
+                       mask=kmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * ek[:, None]).to(DOT_DT)
+    dxi = tl.dot(cbd.to(DOT_DT), dyk, dxi, input_precision=DOT_PREC)
+    MT = tl.dot(xld, tl.trans(dyk), input_precision=DOT_PREC) * cbd * dt_l[:, None]  # [l, m] = M[m, l]
+    if DIAG:
+        pre = tl.cumsum(MT, axis=0) - MT  # [l, m] = sum_{s < l} M[m, s]
+        F = tl.sum(tl.where(rows_k[None, :] >= rows_l[:, None], pre, 0.0), 1)
+        tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_l, F, mask=lmask)
+    else:
+        col = tl.sum(MT, 1)  # per l: sum_m M[m, l]
+        row = tl.sum(MT, 0)  # per m: sum_l M[m, l]
+        total = tl.sum(col, 0)
+        tl.store(dda_ptr + (k // BK) * HBT + tok0 + rows_l, tl.cumsum(col, 0) - col, mask=lmask)
+        tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_k, total - tl.cumsum(row, 0) + row,
+                 mask=kmask)
+        tl.store(tot_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + k // BK) * NMB + l0 // BM, total)
+    return dxi
+
+
+@triton.jit
+def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr,
+                  dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, tot_ptr, chunk_t0_ptr, chunk_len_ptr,
+                  T, H, P, N, NC, BT, R, G,
+                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
+                  L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
+                  HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                  DOT_DT: tl.constexpr):
+    """Per (chunk, head, l-block): dx, the direct ddt, the per-row state terms q, dD partial sums and the
+    intra-chunk d(dt*A) shares (_dx_tile). Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a
+    chunk's heads run together (dy tiles, dstates and the group's C.B / B rows come from L2)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    l0 = pid_m * BM
+    b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if l0 >= clen:
+        return
+    g = h // R
+    dtype = DOT_DT
+    tok0 = h * BT + b * T + t0
+    rows_l = l0 + tl.arange(0, BM)
+    lmask = rows_l < clen
+    offs_p = tl.arange(0, BPF)
+    pmask = offs_p < P
+    offs_n = tl.arange(0, BNF)
+    nmask = offs_n < N
+    B_base = B_ptr + b * s_B_b + g * s_B_g
+    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
+    dy_base = dy_ptr + b * s_dy_b + h * s_dy_h
+    x_base = x_ptr + b * s_x_b + h * s_x_h
+    cs_l = tl.load(cs_ptr + tok0 + rows_l, mask=lmask, other=0.0)
+    dt_l = tl.load(dtp_ptr + tok0 + rows_l, mask=lmask, other=0.0)
+    a = tl.load(cs_ptr + tok0 + clen - 1)
+    dxi = tl.zeros((BM, BPF), dtype=tl.float32)
+    NMB: tl.constexpr = L // BM  # the d(dt*A) slots / tile totals
+    HBT = H.to(tl.int64) * BT
+    xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
+                  mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
+    dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                   cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, dtype, DOT_PREC)
+    for k in range(l0 + BK, clen, BK):
+        dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
+                       cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, dtype, DOT_PREC)
+    Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
+                 other=0.0).to(dtype)
+    Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
+    dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
+    lp = lmask[:, None] & pmask[None, :]
+    xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
+    tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
+    t = dxs + dxi
+    tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
+    dx = dt_l[:, None] * t
+    if HAS_D:
+        dyl = tl.load(dy_base + (t0 + rows_l[:, None]) * s_dy_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
+        if D_HP:
+            Dv = tl.load(D_ptr + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            Dv = tl.load(D_ptr + h).to(tl.float32)
+        dx = dx + Dv * dyl
+        if D_HP:
+            tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h) * P + offs_p,
+                     tl.sum(dyl * xl, 0), mask=pmask)
+        else:  # one D per head: one partial sum per program (a small reduction on the host side)
+            tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h, tl.sum(tl.sum(dyl * xl, 0), 0))
+    tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=lp)
+
+
+@triton.jit
+def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, tot_ptr, q_ptr, passing_ptr,
+                  ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
+                  T, H, NC, BT, NPN, s_dt_b, s_dt_t, dt_lo, dt_hi,
+                  L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
+                  NDCS: tl.constexpr):
+    """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c>
+    + the intra-chunk part from dx_bwd (its per-row-block slots and tile totals, row blocks of BMB rows; the dcs
+    partial sums of dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through
+    clamp/softplus/bias."""
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
+    if clen <= 0:
+        return
+    rows = tl.arange(0, L)
+    heads = pid_h * BH + tl.arange(0, BH)
+    hmask = heads < H
+    mask = (rows[:, None] < clen) & hmask[None, :]
+    off = heads[None, :] * BT + b * T + t0 + rows[:, None]
+    NMB: tl.constexpr = L // BMB
+    HBT = H.to(tl.int64) * BT
+    dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
+    for s in tl.static_range(1, NDCS):  # dbdc_bwd's partial sums per n block
+        dcs += tl.load(dcs_ptr + s * HBT + off, mask=mask, other=0.0)
+    dda_intra = tl.zeros((L, BH), dtype=tl.float32)
+    for s in tl.static_range(NMB):  # slot s exists where the chunk has row block s (tile (s, j) ran)
+        dda_intra += tl.load(dda_ptr + s * HBT + off, mask=mask & (rows[:, None] * 0 + s * BMB < clen), other=0.0)
+    blk = rows // BMB
+    for mb in tl.static_range(2, NMB):  # tile (mb, kb)'s total reaches the row blocks strictly between
+        for kb in tl.static_range(0, mb - 1):
+            tot = tl.load(tot_ptr + ((pid_c.to(tl.int64) * H + heads) * NMB + mb) * NMB + kb,
+                          mask=hmask & (heads * 0 + mb * BMB < clen), other=0.0)
+            dda_intra += tl.where((blk[:, None] > kb) & (blk[:, None] < mb), tot[None, :], 0.0)
+    q = tl.load(q_ptr + off, mask=mask, other=0.0)
+    ddt = tl.load(ddt_dir_ptr + off, mask=mask, other=0.0)
+    dtp = tl.load(dtp_ptr + off, mask=mask, other=0.0)
+    offs_pn = tl.arange(0, NPN_B)
+    pas = tl.load(passing_ptr + (pid_c.to(tl.int64) * H + heads[:, None]) * NPN + offs_pn[None, :],
+                  mask=hmask[:, None] & (offs_pn[None, :] < NPN), other=0.0)
+    ddA = tl.sum(dcs, 0)[None, :] - tl.cumsum(dcs, axis=0) + dcs  # suffix sums of dy.y_off
+    ddA += tl.cumsum(q, axis=0) - q + tl.sum(pas, 1)[None, :]  # state terms
+    ddA += dda_intra
+    ddA = tl.where(mask, ddA, 0.0)
+    A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+    ddt = ddt + A[None, :] * ddA
+    tl.store(dA_part_ptr + pid_c * H + heads, tl.sum(dtp * ddA, 0), mask=hmask)
+    raw = tl.load(dt_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :], mask=mask,
+                  other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += tl.load(bias_ptr + heads, mask=hmask, other=0.0).to(tl.float32)[None, :]
+    v = raw
+    if SOFTPLUS:
+        v = softplus(raw)
+    if HAS_LIMIT:
+        ddt = tl.where((v >= dt_lo) & (v <= dt_hi), ddt, 0.0)
+    if SOFTPLUS:
+        ddt = tl.where(raw > 20.0, ddt, ddt * tl.sigmoid(raw))
+    ddt = tl.where(mask, ddt, 0.0)
+    tl.store(ddt_out_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :],
+             ddt.to(ddt_out_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        tl.store(dbias_part_ptr + pid_c * H + heads, tl.sum(ddt, 0), mask=hmask)

@@ -1,0 +1,213 @@
+"""Launch machinery of the Triton SSD scan: the autotuned kernels, `launch` (the autotuner's chosen config kept
+per call shape), and the Plan of a call (shapes, block sizes, the chunk table of packed documents).
+
+Autotuning runs on the GPU only; under the interpreter or with LM_SSD_AUTOTUNE=0 (read at import) every kernel
+launches the first config of its list (saves compile time, e.g. in tests). The autotuners keep their choices on
+disk (lm_kernels.autotune; LM_TRITON_AUTOTUNE_CACHE=0 turns that off). Why each list holds what it holds, with
+the timings: lm_kernels/ssd/PERF.md.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.autotuner import Autotuner
+
+from ..autotune import autotune
+from .backward import dbdc_bwd_kernel, dcb_bwd_kernel, dstate_bwd_kernel
+from .backward_dx import dx_bwd_kernel
+from .chunk_scan import chunk_scan_fwd2_kernel, chunk_scan_fwd4_kernel
+from .chunk_state import state_fwd_kernel
+from .dt_cb import dtcb_fwd_kernel
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+AUTOTUNE = not (INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
+STATE_STEP_ROWS = 256  # the state kernels take a whole chunk per step up to this many rows
+TILE_ROWS = 64  # row / k blocks of C.B, the scan and the backward kernels: min(TILE_ROWS, chunk) (tests use 16)
+
+
+def _tune(configs, key, **kwargs):
+    """Autotune over `configs` on GPU; the first config only without autotuning (see the module docstring)."""
+    return lambda fn: autotune(configs=configs if AUTOTUNE else configs[:1], key=key, **kwargs)(fn)
+
+
+def _cfgs(*pairs):
+    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in pairs]
+
+
+def _prune_fwd2(configs, named_args, **kwargs):
+    """Row blocks inside the chunk, k-blocks dividing the row block (BK <= BM, both powers of two)."""
+    L = kwargs.get("L", named_args.get("L"))
+    keep = [c for c in configs if c.kwargs["BM"] <= L and c.kwargs["BK"] <= c.kwargs["BM"]]
+    return keep or [c for c in configs if c.kwargs["BK"] <= c.kwargs["BM"]][-1:]
+
+
+_dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(dtcb_fwd_kernel)
+# 32-row p blocks: more programs for long sequences
+_state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))],
+                   ["P", "N", "R", "BN", "NC"])(state_fwd_kernel)
+_scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_stages=st)
+                   for bm, bk, bp, w, st in ((64, 64, 64, 4, 2), (64, 32, 64, 4, 2), (64, 32, 64, 4, 3),
+                                             (128, 64, 64, 8, 2), (128, 32, 64, 8, 3), (64, 32, 32, 4, 2),
+                                             (64, 64, 64, 8, 2), (32, 32, 64, 4, 2), (128, 128, 64, 8, 2),
+                                             (64, 64, 64, 4, 3), (128, 64, 64, 8, 3),
+                                             (32, 16, 16, 4, 2))]  # the last: interpreter tests (small chunks)
+_scan_fwd2 = autotune(
+    configs=(_scan_fwd2_cfgs if AUTOTUNE else _scan_fwd2_cfgs[-1:] if INTERPRET else _scan_fwd2_cfgs[:1]),
+    key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_fwd2})(chunk_scan_fwd2_kernel)
+# first: capped at 168 registers (3 programs per SM instead of 2; the config without autotuning); with the gate z
+# (HAS_Z) the cap spills more and the autotuner picks between capped and uncapped
+_scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=168)] + [
+    triton.Config(dict(BP=bp), num_warps=w, num_stages=1)
+    for bp, w in ((64, 4), (32, 4), (64, 8),
+                  (16, 4))]  # the last: interpreter tests (small chunks)
+_scan_fwd4 = autotune(
+    configs=(_scan_fwd4_cfgs[:-1] if AUTOTUNE else _scan_fwd4_cfgs[-1:] if INTERPRET else _scan_fwd4_cfgs[:1]),
+    key=["P", "N", "R", "L", "HAS_Z"])(chunk_scan_fwd4_kernel)
+_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)), ["P", "N", "R"])(dstate_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)), ["P", "R"])(dcb_bwd_kernel)
+# (8, 4) is not first: float32 / float16 tiles need more shared memory than an H100 has at 4 stages (the
+# autotuner skips such configs; without autotuning the first one launches)
+_dbdc_bwd = _tune(_cfgs((8, 2), (8, 4), (4, 2), (8, 3)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
+                  ["P", "N", "R", "BN"])(dbdc_bwd_kernel)
+_dx_bwd = _tune([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _cfgs((4, 1)), ["P", "N", "R"])(
+    dx_bwd_kernel)
+
+
+_BEST = {}  # launch key -> the autotuner's chosen config as launch kwargs (see launch)
+
+
+def launch(tuner, key, grid, args, kw):
+    """tuner[grid](*args, **kw) for a triton Autotuner `tuner`. Autotuner.run rebuilds its key from all ~45
+    arguments on every call (30 - 40 us of host time per launch); so the first call per `key` goes through it
+    and the config it chose is kept, and later calls launch the jitted kernel with that config directly. `key`
+    must fix the autotuner's own key (shapes in it, tensor dtypes): it only selects a config, so a coarser key
+    could cost speed, never correctness. Anything else than an Autotuner (a test's wrapper) is called plainly."""
+    if not isinstance(tuner, Autotuner) or tuner.reset_to_zero or tuner.restore_value:
+        tuner[grid](*args, **kw)
+        return
+    key = (id(tuner), id(tuner.configs), key)  # a test may swap the configs list
+    meta = _BEST.get(key)
+    if meta is None:
+        tuner[grid](*args, **kw)
+        if len(_BEST) > 4096:
+            _BEST.clear()
+        _BEST[key] = tuner.best_config.all_kwargs()
+        return
+    tuner.fn[grid(meta) if callable(grid) else grid](*args, **kw, **meta)
+
+
+def cdiv(a, b):
+    """ceil(a / b) for ints (triton.cdiv is a jitted function: ~6 us of host time per call from Python)."""
+    return -(-a // b)
+
+
+def p2(v, lo=16):
+    return max(lo, triton.next_power_of_2(int(v)))
+
+
+def dot_dt(dtype):
+    """Operand dtype of tl.dot: the input dtype; float32 under the interpreter (its bf16 dot is wrong)."""
+    if INTERPRET:
+        return tl.float32
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def dot_prec(dtype):
+    """tf32 products for float32 inputs unless torch.get_float32_matmul_precision() == "highest"."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def limits(dt_limit):
+    """(clamp at all, low, high) of dt_limit, with a finite high for the kernels."""
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    has = lo > 0.0 or hi < math.inf
+    return has, lo, (hi if hi < math.inf else 3.0e38)
+
+
+def tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state):
+    """What fixes every autotuner's key of a call (its shape arguments and the dtypes of its tensors), for
+    launch (a superset: the launch flags are not in the autotuners' keys)."""
+    return (pl.P, pl.N, pl.R, pl.L, pl.NC, pl.H, pl.G, pl.BN, pl.BM, x.dtype, dt.dtype, A.dtype, B.dtype,
+            None if D is None else D.dtype, None if z is None else z.dtype, None if dt_bias is None else dt_bias.dtype,
+            None if initial_state is None else initial_state.dtype)
+
+
+_DUMMIES = {}
+
+
+def _dummy_i32(dev):
+    """A one-element int32 tensor per device for the unused chunk-table arguments (made once: a fresh
+    torch.zeros per call cost a fill kernel and host time)."""
+    t = _DUMMIES.get(dev)
+    if t is None:
+        t = _DUMMIES[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return t
+
+
+_PLANS = {}
+
+
+def plan(x, B, cu_seqlens, chunk_size):
+    """Plan of a call, cached per (shapes, chunk, device) for fixed-length batches (no host work repeated by
+    the many same-shape calls of the fixed-point iterations); packed documents build their chunk table."""
+    if cu_seqlens is not None:
+        return Plan(x, B, cu_seqlens, chunk_size)
+    key = (x.shape, B.shape, chunk_size, x.device)
+    pl = _PLANS.get(key)
+    if pl is None:
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        pl = _PLANS[key] = Plan(x, B, None, chunk_size)
+    return pl
+
+
+class Plan:
+    """Shapes, block sizes and the chunk table of one call (shared by forward and backward)."""
+
+    def __init__(self, x, B, cu_seqlens, chunk_size):
+        b, t, h, p = x.shape
+        g, n = B.shape[2], B.shape[3]
+        L = chunk_size
+        self.b, self.T, self.H, self.P, self.G, self.N, self.L = b, t, h, p, g, n, L
+        self.R = h // g
+        self.BT = b * t
+        self.varlen = cu_seqlens is not None
+        dev = x.device
+        if self.varlen:
+            cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+            self.nseq = cu.numel() - 1
+            lens = cu[1:] - cu[:-1]
+            nch = (lens + L - 1) // L
+            first = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0)])
+            self.NCB = t // L + self.nseq  # upper bound on the number of chunks (no host sync)
+            j = torch.arange(self.NCB, device=dev)
+            s = torch.searchsorted(first[1:], j, right=True).clamp_max(self.nseq - 1)
+            t0 = cu[s] + (j - first[s]) * L
+            clen = torch.where(j < first[-1], torch.minimum(cu[s + 1] - t0, torch.full_like(t0, L)), 0)
+            self.cu = cu.to(torch.int32)
+            self.chunk_first = first.to(torch.int32)
+            self.chunk_t0 = t0.to(torch.int32)
+            self.chunk_len = clen.to(torch.int32)
+            self.NC = 0
+        else:
+            self.nseq = b
+            self.NC = max(1, -(-t // L))
+            self.NCB = b * self.NC
+            dummy = _dummy_i32(dev)
+            self.cu = self.chunk_first = self.chunk_t0 = self.chunk_len = dummy
+        self.BPF = p2(p)
+        self.BNF = p2(n)
+        self.BM = min(TILE_ROWS, L)
+        self.BK = self.BM  # dcb_bwd needs square tiles (its diagonal tiles are the tiles with k0 == m0)
+        self.BP = min(64, self.BPF)
+        self.BN = min(64, self.BNF)
+        self.BN_DBDC = min(128, self.BNF)  # dbdc_bwd's n block: one up to N = 128 (x / dy rows read once per head)
+        self.BH = 16 if L <= 128 else 8
+        self.BKS = min(L, STATE_STEP_ROWS)  # rows per step of the sequential state kernels
+        self.npn = cdiv(p, self.BP) * cdiv(n, self.BN)
