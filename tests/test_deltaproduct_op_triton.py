@@ -153,12 +153,12 @@ def test_launch_retries_smaller_configs_when_shared_memory_runs_out(monkeypatch)
     x = torch.zeros(1)
     grid = lambda m: (256 // m["BV"],)  # noqa: E731
     with pytest.warns(UserWarning, match="shared memory"):
-        tc._launch(Kern, "dh", grid, (x,), {"BV": 64})  # BASE: 4 warps, 2 stages
+        tc._launch(Kern, "bwd_state", grid, (x,), {"BV": 64})  # BASE: 4 warps, 2 stages
     assert calls == [((4,), 64, 4, 2), ((4,), 64, 4, 1), ((8,), 32, 4, 2), ((8,), 32, 2, 1)]
     calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tc._launch(Kern, "dh", grid, (x,), {"BV": 64})
+        tc._launch(Kern, "bwd_state", grid, (x,), {"BV": 64})
     assert calls == [((8,), 32, 2, 1)]
     budget[0] = 8
     with pytest.raises(OutOfResources):

@@ -32,7 +32,7 @@ from .prep import _prep_kernel
 SUPPORTED_CHUNKS = (16, 32, 64)
 # The backward runs as two kernels on K slices of this width for key heads of two or more slices, else as one.
 SPLIT_BK = 64
-_SEQUENTIAL = ("h_o", "dh")  # the chunk-sequential kernels
+_SEQUENTIAL = ("fwd", "bwd_state")  # the chunk-sequential kernels
 _FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in shared memory
 
 
@@ -152,7 +152,7 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
     intra = nh >= 2
     aqk = torch.empty(NT, H, BQ, BT, dtype=k.dtype, device=dev) if intra else gc
     aqkt = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev) if save and not intra else None
-    _launch(_prep_kernel, "kkt", (NT, H), (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows, q, w, aqk,
+    _launch(_prep_kernel, "prep", (NT, H), (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows, q, w, aqk,
                                           scale),
             dict(NH=nh, H=H, K=K, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec,
                  MP="tf32" if prec == "tf32" else "ieee", INTRA=intra))
@@ -163,7 +163,7 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
             vn if vn is not None else gc, aqk, aqkt if aqkt is not None else gc, v, Tm, beta, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, BQP=max(BQ, 64), USE_H0=h0 is not None,
               STORE_FINAL=output_final, SAVE=save, INTRA=intra, PREC=prec)
-    _launch(_fwd_kernel, "h_o", lambda m: (triton.cdiv(V, m["BV"]), N, H), args, kw)
+    _launch(_fwd_kernel, "fwd", lambda m: (triton.cdiv(V, m["BV"]), N, H), args, kw)
     return o, ht, (gc, Tm, w, hs, vn, aqkt)
 
 
@@ -182,7 +182,7 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)
     dvn = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    _launch(_bwd_state_kernel, "dh", lambda m: (triton.cdiv(V, m["BV"]), N, H),
+    _launch(_bwd_state_kernel, "bwd_state", lambda m: (triton.cdiv(V, m["BV"]), N, H),
             (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn,
              aqkt if aqkt is not None else gc, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None, STORE_DH0=h0 is not None,

@@ -12,10 +12,10 @@ import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# name -> (meta, num_warps, num_stages): kkt = the forward prep, h_o = the sequential forward, dh = the sequential
-# backward, main = the one-kernel backward of one-slice key heads, qk / wy = the backward of key heads of two or more
-# K slices (state loop on K slices, then the WY terms)
-BASE = {"kkt": ({}, 2, 1), "h_o": ({"BV": 64}, 4, 1), "dh": ({}, 4, 2), "main": ({"BV": 32}, 8, 4),
+# name -> (meta, num_warps, num_stages): prep, fwd, bwd_state = the kernels of those modules; main = the one-kernel
+# backward of one-slice key heads, qk / wy = the backward of key heads of two or more K slices (the state loop on K
+# slices, then the WY terms; bwd.py)
+BASE = {"prep": ({}, 2, 1), "fwd": ({"BV": 64}, 4, 1), "bwd_state": ({}, 4, 2), "main": ({"BV": 32}, 8, 4),
         "qk": ({"BV": 32}, 4, 4), "wy": ({"BV": 64}, 4, 3)}
 MAIN_NH1 = ({"BV": 32}, 8, 5)  # the one-kernel backward at nh = 1: one more pipeline stage
 WY_WIDE_K = ({"BV": 64}, 8, 3)  # the WY kernel for K > 128: at 4 warps its [BT, K] tiles spill (2.6 KB at K = 256)

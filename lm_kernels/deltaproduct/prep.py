@@ -65,7 +65,7 @@ def _store_blk(T, eos, i: tl.constexpr, j: tl.constexpr, X, H: tl.constexpr, BT:
     tl.store(T + (rows[:, None] * H) * BT + cols[None, :], X.to(T.dtype.element_ty), mask=(rows < eos)[:, None])
 
 
-@autotune(configs=base_configs("kkt"), key=["H", "K", "BT", "NH", "MP", "INTRA"])
+@autotune(configs=base_configs("prep"), key=["H", "K", "BT", "NH", "MP", "INTRA"])
 @triton.jit
 def _prep_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows, q, w, aqk, scale,
                  NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
