@@ -142,17 +142,16 @@ def _prep_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows, q, w, aqk, s
             _store_blk(Tm, eos, 1, 0, T21, H, BT)
             _store_blk(Tm, eos, 1, 1, T22, H, BT)
     tl.debug_barrier()  # T is in global memory now, visible to the whole program
-    _w_aqk(q + (t0 * H + i_h) * K, k, beta, gc, Tm, w + (r0 * H + i_h) * K,
-           aqk + (i_c.to(tl.int64) * H + i_h) * (BQ * BT), ph, tl.minimum(eos, BT), scale, NH, H, K, BT, BK, BQ, INTRA,
-           PREC)
+    _w_aqk(q + (t0 * H + i_h) * K, k, beta, gc, Tm, w + (r0 * H + i_h) * K, aqk, i_c, i_h, ph, tl.minimum(eos, BT),
+           scale, NH, H, K, BT, BK, BQ, INTRA, PREC)
 
 
 @triton.jit
-def _w_aqk(q, k, beta, gc, Tm, w, aqk, ph, nt, scale, NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+def _w_aqk(q, k, beta, gc, Tm, w, aqk, i_c, i_h, ph, nt, scale, NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr, INTRA: tl.constexpr, PREC: tl.constexpr):
-    """W and (INTRA) Aqk of one chunk: the row pointers at the chunk's first row (q at its first token, aqk at the
-    chunk's [BQ, BT] tile), nt rows (<= BT), ph the sub-step of the first row. INTRA folds beta and the decay into T's
-    columns, else into the K rows (the faster form of each, BENCH.md session 2)."""
+    """W and (INTRA) Aqk of one chunk: the row pointers at the chunk's first row (q at its first token), i_c the
+    chunk's global index (aqk is [chunks, H, BQ, BT]), nt rows (<= BT), ph the sub-step of the first row. INTRA folds
+    beta and the decay into T's columns, else into the K rows (the faster form of each, BENCH.md session 2)."""
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
     o_k = tl.arange(0, BK)
@@ -179,4 +178,5 @@ def _w_aqk(q, k, beta, gc, Tm, w, aqk, ph, nt, scale, NH: tl.constexpr, H: tl.co
         m_qk = (rq[:, None] >= o_t[None, :]) & m_q[:, None] & m_t[None, :]
         b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_A = tl.where(m_qk, b_A * (scale * tl.exp(tl.where(m_qk, b_gq[:, None] - gcs[None, :], 0.0))), 0.0)
-        tl.store(aqk + o_q[:, None] * BT + o_t[None, :], b_A.to(kdt).to(aqk.dtype.element_ty))
+        tl.store(aqk + (i_c.to(tl.int64) * H + i_h) * (BQ * BT) + o_q[:, None] * BT + o_t[None, :],
+                 b_A.to(kdt).to(aqk.dtype.element_ty))
