@@ -3,8 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lm_kernels.backend import resolve_backend
 from lm_kernels.deltaproduct import (chunk_deltaproduct, chunk_deltaproduct_reference, deltaproduct_step,
-                                     naive_deltaproduct, resolve_backend)
+                                     naive_deltaproduct)
 
 D = torch.float64
 
@@ -185,9 +186,9 @@ def test_errors_and_dispatch(monkeypatch):
     with pytest.raises(ValueError, match="backend"):
         chunk_deltaproduct(q, k, v, beta, g, num_householder=2, backend="cuda")
     monkeypatch.setenv("LM_DELTAPRODUCT_BACKEND", "reference")
-    assert resolve_backend(None, torch.device("cpu")) == "reference"
+    assert resolve_backend("deltaproduct", None, torch.device("cpu")) == "reference"
     monkeypatch.setenv("LM_DELTAPRODUCT_BACKEND", "nope")
     with pytest.raises(ValueError, match="LM_DELTAPRODUCT_BACKEND"):
-        resolve_backend(None, torch.device("cpu"))
+        resolve_backend("deltaproduct", None, torch.device("cpu"))
     monkeypatch.delenv("LM_DELTAPRODUCT_BACKEND")
-    assert resolve_backend(None, torch.device("cpu")) == "reference"
+    assert resolve_backend("deltaproduct", None, torch.device("cpu")) == "reference"

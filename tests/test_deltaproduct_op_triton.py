@@ -105,60 +105,11 @@ def test_triton_expanded_grads_and_empty_sequence():
     assert torch.allclose(grads["triton"][1][1], ins[5][1])
 
 
-SWITCHES = [
-    dict(TM_IN_K_DTYPE=False), dict(MAIN_REBASE=False), dict(INTRA_MIN_NH=1), dict(PREP_SCALE_T=False),
-    dict(PREP_SCALE_T=True, INTRA_MIN_NH=1), dict(DH_FUSE_DVL=False), dict(KKT_EARLY_A=False, KKT_MERGE_TF32=False),
-    dict(MAIN_LATE_LOADS=False), dict(MAIN_LATE_LOADS=False, MAIN_REBASE=False),
-    dict(VN_RECOMPUTE_MIN_NH=1), dict(VN_RECOMPUTE_MIN_NH=99), dict(AQK_SAVE=True), dict(AQK_SAVE=False),
-    dict(AQK_SAVE=True, INTRA_MIN_NH=99), dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True, INTRA_MIN_NH=1),
-    dict(OLOC_IN_H_O=True), dict(OLOC_IN_H_O=True, AQK_SAVE=True, INTRA_MIN_NH=1),
-    dict(OLOC_IN_H_O=True, OLOC_NO_QE=True), dict(OLOC_IN_H_O=True, OLOC_NO_QE=True, INTRA_MIN_NH=1),
-    dict(STATES_EVERY2=True), dict(STATES_EVERY2=True, OLOC_IN_H_O=True, OLOC_NO_QE=True),
-    dict(H_O_Q_EARLY=False, H_O_QPAD=None, H_O_STORE_LATE=False), dict(H_O_Q_EARLY=(True, False), H_O_QPAD=(None, 64)),
-    dict(H_O_STORE_LATE=False, STATES_EVERY2=True), dict(H_O_QPAD=64, OLOC_IN_H_O=False, INTRA_MIN_NH=1),
-]
-
-
-@pytest.mark.parametrize("switch", SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-def test_triton_kernel_variants_match_reference(switch, monkeypatch):
-    """Every selectable kernel variant (the measured alternatives to the defaults) computes the same function:
-    nh=3 over chunks of 16 rows puts chunk starts at every sub-step (r0 % nh = 0, 1, 2), and cu_seqlens with
-    an odd document length and an initial state cover the varlen, state and gate paths."""
-    import lm_kernels.deltaproduct.triton_chunk as tc
-    for name, value in switch.items():
-        monkeypatch.setattr(tc, name, value)
-    cu = torch.tensor([0, 7, 23])
-    ins = make(1, 23, 1, 16, 16, 3, True, True, 2)
-    wo = torch.randn(1, 23, 1, 16, dtype=torch.float64)
-    ws = torch.randn(2, 1, 16, 16, dtype=torch.float64)
-    kw = dict(num_householder=3, chunk_size=16, cu_seqlens=cu)
-    ref = run("reference", ins, wo, ws, torch.float64, **kw)
-    tri = run("triton", ins, wo, ws, torch.float32, **kw)
-    for name, a, b in zip(NAMES, tri, ref):
-        assert rel(a, b) < 1e-5, f"{name}: relative error {rel(a, b):.3e}"
-    # the no-grad forward agrees with the grad forward (same kernels, SAVE off)
-    with torch.no_grad():
-        o, s = chunk_deltaproduct(*[x.clone() for x in ins[:5]], initial_state=ins[5].clone(),
-                                  output_final_state=True, backend="triton", **kw)
-    assert rel(o, tri[0]) < 1e-6 and rel(s, tri[1]) < 1e-6
-
-
-@pytest.mark.parametrize("switch", [dict(), dict(KKT_EARLY_A=False), dict(MAIN_LATE_LOADS=False),
-                                    dict(VN_RECOMPUTE_MIN_NH=1, AQK_SAVE=True),
-                                    dict(VN_RECOMPUTE_MIN_NH=99, AQK_SAVE=False)],
-                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "defaults")
-def test_triton_chunk64_variants_match_reference(switch, monkeypatch):
-    """The 64-row-chunk code paths of the switches (the 4x4 block merges of T, the main backward's late loads):
-    nh=1 over 70 tokens is one full chunk and one partial one; gated, with an initial state."""
-    _check_chunk64(1, switch, monkeypatch)
-
-
-def _check_chunk64(nh, switch, monkeypatch):
-    """With the module switches set, 70 gated tokens with an initial state over 64-row chunks match the float64
-    reference (forward, final state and every gradient) to 1e-5."""
-    import lm_kernels.deltaproduct.triton_chunk as tc
-    for name, value in switch.items():
-        monkeypatch.setattr(tc, name, value)
+@pytest.mark.parametrize("nh", [1, 2, 3])
+def test_triton_chunk64_matches_reference(nh):
+    """64-row chunks (the 4x4 block merges of T, 32-token query tiles at nh >= 2): 70 gated tokens with an initial state
+    are 70 / 140 / 210 rows, full chunks and a partial one; at nh = 3 the chunks start at every sub-step (r0 % 3 = 0,
+    1, 2)."""
     ins = make(1, 70, 1, 16, 16, nh, True, True, 1)
     wo = torch.randn(1, 70, 1, 16, dtype=torch.float64)
     ws = torch.randn(1, 1, 16, 16, dtype=torch.float64)
@@ -167,71 +118,11 @@ def _check_chunk64(nh, switch, monkeypatch):
     tri = run("triton", ins, wo, ws, torch.float32, **kw)
     for name, a, b in zip(NAMES, tri, ref):
         assert rel(a, b) < 1e-5, f"{name}: relative error {rel(a, b):.3e}"
-
-
-
-_COMPILE_WU_SM90 = """
-import sys
-from lm_kernels.deltaproduct import sm90_stats, triton_chunk as tc
-u_out = sys.argv[1] == "1"
-meta, nw, ns, maxnreg = tc.WU_CONFIG if u_out else tc.WU_CONFIG_NO_U
-cx = dict(NH=2, H=16, K=128, V=256, BT=64, BK=128, BQ=32, INTRA=True, PREC="tf32", SCALE_T=True, SAVE_AQ=False,
-          AQF=True, NOQE=True, U_OUT=u_out, **meta)
-try:
-    r = sm90_stats.stats(tc._wu_kernel, cx, nw, ns, maxnreg=maxnreg)
-except RuntimeError as e:
-    if "ptxas" in str(e).lower():
-        print("SKIP", e)
-        sys.exit(0)
-    raise
-print("OK", r["regs"], maxnreg)
-"""
-
-
-@pytest.mark.parametrize("u_out", [True, False])
-def test_wu_kernel_register_cap_compiles_for_sm90(u_out):
-    """The default _wu_kernel launches cap registers (ptx maxnreg, the 4th element of WU_CONFIG, with the V loop, and of
-    WU_CONFIG_NO_U, without; ignored by the interpreter): compile each for Hopper in a process without TRITON_INTERPRET
-    and check the cap holds."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _COMPILE_WU_SM90, "1" if u_out else "0"], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    if p.stdout.startswith("SKIP"):
-        pytest.skip(p.stdout)
-    _, regs, cap = p.stdout.split()
-    assert int(regs) <= int(cap)
-
-
-@pytest.mark.parametrize("oloc,noqe,every2", [(False, False, False), (True, False, False), (True, True, True)])
-def test_triton_chunk64_nh2_oloc_matches_reference(oloc, noqe, every2, monkeypatch):
-    """OLOC_IN_H_O, OLOC_NO_QE and STATES_EVERY2 at the bench's tile shapes (64-row chunks, 32-token query tiles,
-    nh=2): 70 tokens are 140 rows, two full chunks and a partial one; gated, with an initial state."""
-    _check_chunk64(2, dict(OLOC_IN_H_O=oloc, OLOC_NO_QE=noqe, STATES_EVERY2=every2), monkeypatch)
-
-
-@pytest.mark.parametrize("early,qpad,late", [(False, None, False), (True, None, False), (False, 64, True),
-                                             (True, 64, True)])
-def test_triton_chunk64_nh2_load_order_matches_reference(early, qpad, late, monkeypatch):
-    """The sequential forward's load / store orders (H_O_Q_EARLY, H_O_STORE_LATE) and the query tile padded to 64
-    rows (H_O_QPAD) at the bench's tile shapes (64-row chunks, 32-token query tiles, nh=2), as above."""
-    _check_chunk64(2, dict(H_O_Q_EARLY=early, H_O_QPAD=qpad, H_O_STORE_LATE=late), monkeypatch)
-
-
-@pytest.mark.parametrize("nh", [1, 2])
-@pytest.mark.parametrize("switch", [dict(U_IN_H_O_MIN_NH=99), dict(U_IN_H_O_MIN_NH=(1, 99)), dict(OLOC_NO_QE=False),
-                                    dict(KKT_FUSE_WU=False), dict(INTRA_MIN_NH=1, AQK_SAVE=True)],
-                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-def test_triton_chunk64_u_in_h_o_matches_reference(nh, switch, monkeypatch):
-    """U = T diag(beta) V read from _wu_kernel (U_IN_H_O_MIN_NH=99) or formed in the sequential forward (the default),
-    in the forward with grad only, with O_loc = Aqk U there (OLOC_NO_QE off at nh=2), and with W / Aqk from their own
-    launch instead of the end of _kkt_inv_kernel (KKT_FUSE_WU off), and nh = 1 through the prep-formed Aqk (INTRA_MIN_NH
-    = 1, with Aqk^T saved for the sequential backward): 64-row chunks, gated, with an initial state."""
-    _check_chunk64(nh, switch, monkeypatch)
+    # the no-grad forward agrees with the grad forward (same kernels, nothing saved)
+    with torch.no_grad():
+        o, s = chunk_deltaproduct(*[x.clone() for x in ins[:5]], initial_state=ins[5].clone(),
+                                  output_final_state=True, backend="triton", **kw)
+    assert rel(o, tri[0]) < 1e-6 and rel(s, tri[1]) < 1e-6
 
 
 def test_launch_retries_smaller_configs_when_shared_memory_runs_out(monkeypatch):
@@ -243,9 +134,8 @@ def test_launch_retries_smaller_configs_when_shared_memory_runs_out(monkeypatch)
 
     from triton.runtime.errors import OutOfResources
 
-    import lm_kernels.deltaproduct.triton_chunk as tc
-    monkeypatch.setattr(tc, "_INTERPRET", False)
-    monkeypatch.setattr(tc, "FIXED", {})
+    import lm_kernels.deltaproduct.chunk as tc
+    monkeypatch.setattr(tc, "INTERPRET", False)
     monkeypatch.setattr(tc, "_FIT", {})
     calls, budget = [], [32]
 
@@ -263,12 +153,12 @@ def test_launch_retries_smaller_configs_when_shared_memory_runs_out(monkeypatch)
     x = torch.zeros(1)
     grid = lambda m: (256 // m["BV"],)  # noqa: E731
     with pytest.warns(UserWarning, match="shared memory"):
-        tc._launch(Kern, "dh", grid, (x,), {"BV": 64})  # _BASE: 4 warps, 2 stages
+        tc._launch(Kern, "bwd_state", grid, (x,), {"BV": 64})  # BASE: 4 warps, 2 stages
     assert calls == [((4,), 64, 4, 2), ((4,), 64, 4, 1), ((8,), 32, 4, 2), ((8,), 32, 2, 1)]
     calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tc._launch(Kern, "dh", grid, (x,), {"BV": 64})
+        tc._launch(Kern, "bwd_state", grid, (x,), {"BV": 64})
     assert calls == [((8,), 32, 2, 1)]
     budget[0] = 8
     with pytest.raises(OutOfResources):
@@ -281,7 +171,7 @@ def test_float32_wide_key_heads_run_32_row_chunks_on_gpu():
     in shared memory), with a warning; bf16 inputs, small heads, smaller chunks and CPU runs keep the chunk asked for."""
     import warnings
 
-    import lm_kernels.deltaproduct.triton_chunk as tc
+    import lm_kernels.deltaproduct.chunk as tc
     with pytest.warns(UserWarning, match="32-row chunks"):
         assert tc._fitting_chunk(64, torch.float32, 128, True) == 32
     with warnings.catch_warnings():
@@ -290,16 +180,6 @@ def test_float32_wide_key_heads_run_32_row_chunks_on_gpu():
         assert tc._fitting_chunk(64, torch.float32, 64, True) == 64
         assert tc._fitting_chunk(16, torch.float32, 128, True) == 16
         assert tc._fitting_chunk(64, torch.float32, 128, False) == 64
-
-
-def test_launch_refuses_narrow_sequential_blocks_at_one_stage(monkeypatch):
-    """The launch config that miscompiled on an H100 (triton 3.6): 32-wide V blocks of a sequential kernel at 4 warps
-    and 1 stage. _launch refuses it with a message naming the fix, before touching the kernel."""
-    import lm_kernels.deltaproduct.triton_chunk as tc
-    monkeypatch.setattr(tc, "_INTERPRET", False)
-    monkeypatch.setattr(tc, "FIXED", {"dh": ({"BV": 32}, 4, 1)})
-    with pytest.raises(ValueError, match="BV 64, 2 warps or 2 stages"):
-        tc._launch(None, "dh", (1,), (), {})
 
 
 @pytest.mark.parametrize("nh", [1, 2])
@@ -324,18 +204,16 @@ def test_triton_bf16_under_the_interpreter(nh):
         assert rel(a.detach(), b) < 2e-2, f"{name}: relative error {rel(a.detach(), b):.3e}"
 
 
-@pytest.mark.parametrize("nh,split,cu,db16", [(1, 9, None, False), (2, 9, [0, 13, 45], False), (3, 9, None, False),
-                                              (2, 0, [0, 13, 45], False), (2, 9, [0, 13, 45], True)],
-                         ids=["nh1", "nh2-varlen", "nh3", "nh2-fused-varlen", "nh2-varlen-db-in-beta-dtype"])
-def test_triton_main_backward_split_matches_reference(nh, split, cu, db16, monkeypatch):
-    """The main backward as two kernels (MAIN_SPLIT_MAX_NH: the V loop over the states on K slices, then the WY
-    terms) with two 16-wide K slices of 32-wide key heads, so that dk, dW and the gate gradient are assembled from
-    both slices; and the fused kernel: 64-row chunks, gated, with initial states, packed sequences at nh = 2.
-    db16: the WY kernel stores dbeta in beta's dtype (SPLIT_DB_FP32 off)."""
-    import lm_kernels.deltaproduct.triton_chunk as tc
-    monkeypatch.setattr(tc, "MAIN_SPLIT_MAX_NH", split)
-    monkeypatch.setattr(tc, "MAIN_SPLIT_BK", 16)
-    monkeypatch.setattr(tc, "SPLIT_DB_FP32", not db16)
+@pytest.mark.parametrize("nh,split,cu", [(1, True, None), (2, True, [0, 13, 45]), (3, True, None), (2, False, [0, 13, 45])],
+                         ids=["nh1", "nh2-varlen", "nh3", "nh2-one-kernel-varlen"])
+def test_triton_backward_forms_match_reference(nh, split, cu, monkeypatch):
+    """The backward of key heads of two or more K slices (the state loop on K slices, then the WY terms) with two
+    16-wide slices of 32-wide key heads (SPLIT_BK lowered from 64), so that dk, dW and the gate gradient are assembled
+    from both slices; and the one-kernel backward of one-slice heads: 64-row chunks, gated, with initial states, packed
+    sequences at nh = 2."""
+    import lm_kernels.deltaproduct.chunk as tc
+    if split:
+        monkeypatch.setattr(tc, "SPLIT_BK", 16)
     N = 2 if cu else 1
     ins = make(1, 45, 2, 32, 16, nh, True, True, N)
     wo = torch.randn(1, 45, 2, 16, dtype=torch.float64)
@@ -387,7 +265,7 @@ def test_triton_l2norm_matches_torch(layout, dtype):
                                                  (2, 64, 160, True, True, torch.float16)],
                          ids=["nh1", "nh2-gated-l2", "nh3-K48-V20-gated", "nh2-fp16-l2-V160"])
 def test_triton_decode_step_matches_reference(nh, K, V, gate, l2, dtype):
-    """The one-kernel decode step (triton_step.py) against the PyTorch step in float64: several sub-steps, decay,
+    """The one-kernel decode step (step.py) against the PyTorch step in float64: several sub-steps, decay,
     the in-kernel L2 norm, head sizes that are not powers of two (masked tiles over several V blocks), three steps
     chained; the input state is left untouched and the new state is float32."""
     from lm_kernels.deltaproduct import deltaproduct_step

@@ -12,57 +12,45 @@ final_state is float32 (float64 for float64 inputs) or None; o has v's dtype.
 
     o, new_state = deltaproduct_step(state, q, k, v, beta, g=None, *, scale=None, use_qk_l2norm=False, backend=None)
 
-is one token of generation (k, v, beta: (b,nh,h,..)), on CUDA one Triton kernel (triton_step.py).
+is one token of generation (k, v, beta: (b,nh,h,..)), on CUDA one Triton kernel (step.py).
 
 backend: None = auto (Triton on CUDA when triton imports, else the reference; the environment variable
 LM_DELTAPRODUCT_BACKEND=reference|triton overrides auto), "reference", or "triton" (on CPU only under
-TRITON_INTERPRET=1).
+TRITON_INTERPRET=1); `lm_kernels.backend.resolve_backend` decides. The Triton chunk path is chunk.py (its docstring
+names the phases and their modules), the decode step step.py; reference.py and naive.py are the PyTorch forms.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..backend import resolve_backend
 from ._common import check_step_inputs
 from .naive import deltaproduct_step as deltaproduct_step_reference
 from .naive import naive_deltaproduct
 from .reference import chunk_deltaproduct_reference
 
 __all__ = ["chunk_deltaproduct", "naive_deltaproduct", "deltaproduct_step", "deltaproduct_step_reference",
-           "chunk_deltaproduct_reference", "resolve_backend"]
+           "chunk_deltaproduct_reference", "BACKENDS"]
 
-_BACKENDS = ("reference", "triton")
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+BACKENDS = ("reference", "triton")  # what `backend=` takes besides None (lm_kernels.backend.resolve_backend)
 
 
-def resolve_backend(backend, device: torch.device) -> str:
-    """The backend that a call with `backend` on `device` uses ("reference" or "triton")."""
-    if backend is None:
-        env = os.environ.get("LM_DELTAPRODUCT_BACKEND", "").strip().lower()
-        if env:
-            if env not in _BACKENDS:
-                raise ValueError(f"LM_DELTAPRODUCT_BACKEND must be one of {_BACKENDS}, got {env!r}")
-            backend = env
-        else:
-            backend = "triton" if device.type == "cuda" and _triton_available() else "reference"
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be None, 'reference' or 'triton', got {backend!r}")
-    if backend == "triton":
-        if not _triton_available():
-            raise ValueError("backend='triton' needs the triton package (pip install triton), "
-                             "or use backend='reference'")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before import; "
-                             "use backend='reference' on CPU")
-    return backend
+def _chunk_triton(*args, **kwargs):
+    from .chunk import chunk_deltaproduct_triton
+    return chunk_deltaproduct_triton(*args, **kwargs)
+
+
+def _step_triton(state, q, k, v, beta, g, *, scale, use_qk_l2norm):
+    check_step_inputs(state, q, k, v, beta, g)
+    if torch.float64 in (state.dtype, q.dtype, k.dtype, v.dtype):
+        raise ValueError("the triton backend does not take float64 inputs; use backend='reference'")
+    from .step import deltaproduct_step_triton
+    return deltaproduct_step_triton(state, q, k, v, beta, g, scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+
+# backend -> (chunk function, decode step function), each with the signature of the reference
+_IMPLS = {"reference": (chunk_deltaproduct_reference, deltaproduct_step_reference),
+          "triton": (_chunk_triton, _step_triton)}
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
@@ -70,27 +58,17 @@ def chunk_deltaproduct(q, k, v, beta, g=None, *, num_householder, scale=None, in
                        output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64,
                        backend=None):
     """(Gated) DeltaProduct over a whole sequence; returns (o, final_state). See the module docstring."""
-    which = resolve_backend(backend, q.device)
-    kwargs = dict(num_householder=num_householder, scale=scale, initial_state=initial_state,
-                  output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
-                  chunk_size=chunk_size)
-    if which == "reference":
-        return chunk_deltaproduct_reference(q, k, v, beta, g, **kwargs)
-    from .triton_chunk import chunk_deltaproduct_triton
-    return chunk_deltaproduct_triton(q, k, v, beta, g, **kwargs)
+    chunk, _ = _IMPLS[resolve_backend("deltaproduct", backend, q.device, backends=BACKENDS)]
+    return chunk(q, k, v, beta, g, num_householder=num_householder, scale=scale, initial_state=initial_state,
+                 output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+                 chunk_size=chunk_size)
 
 
 @torch.compiler.disable
 def deltaproduct_step(state, q, k, v, beta, g=None, *, scale=None, use_qk_l2norm=False, backend=None):
     """One token of generation: state (b,h,K,V); q (b,h,K); k (b,nh,h,K); v (b,nh,h,V); beta (b,nh,h); g (b,h) log
     decay. Returns (o (b,h,V) in v's dtype, new_state float32, float64 for float64 inputs on the reference); the
-    input state is not modified. backend as for `chunk_deltaproduct`: on CUDA one Triton kernel (triton_step.py),
-    else the PyTorch reference (naive.deltaproduct_step)."""
-    which = resolve_backend(backend, q.device)
-    if which == "reference":
-        return deltaproduct_step_reference(state, q, k, v, beta, g, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    check_step_inputs(state, q, k, v, beta, g)
-    if torch.float64 in (state.dtype, q.dtype, k.dtype, v.dtype):
-        raise ValueError("the triton backend does not take float64 inputs; use backend='reference'")
-    from .triton_step import deltaproduct_step_triton
-    return deltaproduct_step_triton(state, q, k, v, beta, g, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    input state is not modified. backend as for `chunk_deltaproduct`: on CUDA one Triton kernel (step.py), else the
+    PyTorch reference (naive.deltaproduct_step)."""
+    _, step = _IMPLS[resolve_backend("deltaproduct", backend, q.device, backends=BACKENDS)]
+    return step(state, q, k, v, beta, g, scale=scale, use_qk_l2norm=use_qk_l2norm)

@@ -1,0 +1,297 @@
+"""Triton chunkwise (WY/UT) path of the (Gated) DeltaProduct op: the launches and the autograd Function.
+
+The op is a gated delta rule over the interleaved sequence of L = nh*T rows (reference.py has the chunk equations in
+PyTorch). Queries exist only on each token's last sub-step, so outputs and query gradients are computed on a tile of
+the BQ ~ BT/nh tokens whose last row lies in a chunk. A batch of B sequences runs as B packed documents, so fixed
+length and varlen share every kernel. Phases, one module each:
+
+    prep.py       parallel over chunks: gate cumsum, T = (I + A)^-1, W (and Aqk for nh >= 2)
+    fwd.py        sequential over chunks: U, Vn = U - W S, the output, the state; with grad also each chunk's
+                  entering state and Vn
+    bwd_state.py  sequential over chunks in reverse: dVn and each chunk's state gradient
+    bwd.py        parallel over chunks: dq, dk, dv, dbeta, dg
+
+Each kernel runs one measured launch config (configs.py; the measurements are in BENCH.md).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+from ._common import check_inputs
+from .bwd import _bwd_main_kernel, _bwd_qk_kernel, _bwd_wy_kernel
+from .bwd_state import _bwd_state_kernel
+from .configs import BASE, INTERPRET, MAIN_NH1, WY_WIDE_K
+from .fwd import _fwd_kernel
+from .l2norm import l2norm_triton
+from .prep import _prep_kernel
+
+SUPPORTED_CHUNKS = (16, 32, 64)
+# The backward runs as two kernels on K slices of this width for key heads of two or more slices, else as one.
+SPLIT_BK = 64
+_SEQUENTIAL = ("fwd", "bwd_state")  # the chunk-sequential kernels
+_FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in shared memory
+
+
+def _refused(name, bv, nw, ns):
+    """32-wide (or narrower) V blocks of a sequential kernel at 4 warps and 1 stage gave wrong results or illegal
+    addresses on an H100 (triton 3.6, BENCH.md session 9)."""
+    return name in _SEQUENTIAL and bv is not None and bv < 64 and nw >= 4 and ns == 1
+
+
+def _smaller(name, meta, nw, ns, kw, vary_bv=True):
+    """Configs to try after an out-of-shared-memory launch, in order: fewer pipeline stages, then (vary_bv: where the
+    grid follows BV or does not depend on it) narrower V blocks, at 2 warps where 4 would hit a refused config. Same
+    results, less shared memory."""
+    bv0 = meta.get("BV", kw.get("BV"))
+    for bv in ([bv0] if bv0 is None or not vary_bv else [b for b in (bv0, bv0 // 2, bv0 // 4) if b >= 16]):
+        for st in range(ns, 0, -1):
+            if (bv, st) != (bv0, ns):
+                yield ({**meta, "BV": bv} if bv is not None else dict(meta)), \
+                    (2 if _refused(name, bv, nw, st) else nw), st
+
+
+def _launch(kern, name, grid, args, kw, config=None):
+    """kern[grid](*args, **kw) at `config` (meta, num_warps, num_stages), default BASE[name], on the GPU; the
+    interpreter runs the autotune list. grid is a tuple or a function of the meta-parameters. A config that needs more
+    shared memory than the GPU has (wide key heads, float32 inputs) is retried with fewer stages, then narrower V
+    blocks (_smaller), with a warning; the config that fit is remembered for these constexprs and dtype."""
+    if INTERPRET:
+        kern[grid](*args, **kw)
+        return
+    meta, nw, ns = config or BASE[name]
+    key = (name, repr((meta, nw, ns)), str(args[0].dtype),
+           tuple(sorted((k, v) for k, v in kw.items() if isinstance(v, (bool, int, float, str)))))
+    tries = [_FIT[key]] if key in _FIT else \
+        [(meta, nw, ns), *_smaller(name, meta, nw, ns, kw, vary_bv=callable(grid) or "BV" in meta)]
+    err = None
+    for m, w, st in tries:
+        kwm = {**kw, **m}
+        try:
+            kern.fn[grid(kwm) if callable(grid) else grid](*args, **kwm, num_warps=w, num_stages=st)
+        except OutOfResources as e:
+            err = err or e
+            continue
+        if key not in _FIT:
+            _FIT[key] = (m, w, st)
+            if err is not None:
+                warnings.warn(f"lm_kernels.deltaproduct: {name} at {meta}, {nw} warps, {ns} stages needs more shared "
+                              f"memory than this GPU has ({err}); running {m}, {w} warps, {st} stages (same results, "
+                              "slower)", stacklevel=3)
+        return
+    raise err
+
+
+def _chunk_tables(cu_rows_list, BT, device):
+    """Per chunk: its sequence and first row; per sequence: index of its first chunk."""
+    seq, row, off = [], [], []
+    for n, (a, b) in enumerate(zip(cu_rows_list[:-1], cu_rows_list[1:])):
+        off.append(len(seq))
+        for r in range(a, b, BT):
+            seq.append(n)
+            row.append(r)
+    mk = lambda x: torch.tensor(x if x else [0], dtype=torch.int32, device=device)  # noqa: E731
+    return mk(seq), mk(row), mk(off), len(seq)
+
+
+_TABLES: dict = {}
+
+
+def _tables(cu_tok, nh, BT, device):
+    """Chunk tables for these token offsets, cached (fixed-length batches repeat the same key, so the
+    host-to-device copies happen once, not on every call)."""
+    key = (cu_tok, nh, BT, str(device))
+    hit = _TABLES.get(key)
+    if hit is None:
+        cu_rows_list = [c * nh for c in cu_tok]
+        cseq, crow, coff, NT = _chunk_tables(cu_rows_list, BT, device)
+        hit = (cseq, crow, coff, NT, torch.tensor(cu_rows_list, dtype=torch.int32, device=device))
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        _TABLES[key] = hit
+    return hit
+
+
+def _bq(BT: int, nh: int) -> int:
+    """Token-tile rows: the tokens whose last sub-step lies in a chunk (~BT/nh), at least 32 (16-row tiles crashed an
+    H100 with illegal addresses at nh = 4, a Hopper code-generation fault; BENCH.md "n_h = 4 on Hopper"). The extra
+    rows are masked."""
+    return max(32, triton.next_power_of_2(triton.cdiv(BT, nh)))
+
+
+def _prec(dtype):
+    # float32 inputs: 3xTF32 on the GPU (about float32 accuracy on the tensor cores)
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _blocks(K, V):
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    return BK, BV
+
+
+def _fwd(q, k, v, beta, g, h0, meta, save):
+    """q (1,T,H,K), k,v,beta rows (1,L,..), g (1,T,H) or None. Returns o, final state, tensors saved for backward."""
+    nh, BT, scale, output_final = meta["nh"], meta["BT"], meta["scale"], meta["output_final"]
+    _, L, H, K = k.shape
+    V = v.shape[-1]
+    dev = k.device
+    cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
+    BK, BV = _blocks(K, V)
+    BQ = _bq(BT, nh)
+    prec = _prec(k.dtype)
+    gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
+    Tm = torch.empty(1, L, H, BT, dtype=k.dtype, device=dev)  # T is only ever a tensor-core operand in k's dtype
+    w = torch.empty_like(k)
+    o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
+    # nh >= 2: the prep forms Aqk (for nh = 1 its 64-token query tile overloads the prep; the sequential forward forms
+    # it there, and with grad saves Aqk^T for the sequential backward)
+    intra = nh >= 2
+    aqk = torch.empty(NT, H, BQ, BT, dtype=k.dtype, device=dev) if intra else gc
+    aqkt = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev) if save and not intra else None
+    _launch(_prep_kernel, "prep", (NT, H), (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows, q, w, aqk,
+                                          scale),
+            dict(NH=nh, H=H, K=K, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec,
+                 MP="tf32" if prec == "tf32" else "ieee", INTRA=intra))
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
+    hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
+    vn = torch.empty_like(v) if save else None
+    args = (q, k, w, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc, hs if hs is not None else gc,
+            vn if vn is not None else gc, aqk, aqkt if aqkt is not None else gc, v, Tm, beta, cu_rows, coff, scale)
+    kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, BQP=max(BQ, 64), USE_H0=h0 is not None,
+              STORE_FINAL=output_final, SAVE=save, INTRA=intra, PREC=prec)
+    _launch(_fwd_kernel, "fwd", lambda m: (triton.cdiv(V, m["BV"]), N, H), args, kw)
+    return o, ht, (gc, Tm, w, hs, vn, aqkt)
+
+
+def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
+    gc, Tm, w, hs, vn, aqkt = saved
+    nh, BT, scale = meta["nh"], meta["BT"], meta["scale"]
+    _, L, H, K = k.shape
+    V = v.shape[-1]
+    dev = k.device
+    cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
+    BK, BV = _blocks(K, V)
+    BQ = _bq(BT, nh)
+    prec = _prec(k.dtype)
+    do = do.contiguous()
+    dht = dht.contiguous() if dht is not None else None  # autograd may hand over expanded (stride-0) grads
+    dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)
+    dvn = torch.empty_like(v)
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
+    _launch(_bwd_state_kernel, "bwd_state", lambda m: (triton.cdiv(V, m["BV"]), N, H),
+            (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn,
+             aqkt if aqkt is not None else gc, cu_rows, coff, scale),
+            dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None, STORE_DH0=h0 is not None,
+                 PREC=prec, LOAD_AQ=aqkt is not None))
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dg = torch.empty(g.shape, dtype=torch.float32, device=dev) if g is not None else None
+    if K >= 2 * SPLIT_BK:
+        db = torch.empty_like(beta)
+        BK1 = min(BK, SPLIT_BK)
+        NK = triton.cdiv(K, BK1)
+        dkp, dwp = torch.empty_like(k), torch.empty_like(k)
+        dgp = torch.empty(NK, L, H, dtype=torch.float32, device=dev)
+        _launch(_bwd_qk_kernel, "qk", (NK, NT, H),
+                (q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, cseq, crow, cu_rows, coff, scale, L * H),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK1, BQ=BQ, PREC=prec))
+        _launch(_bwd_wy_kernel, "wy", (NT, H),
+                (k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg if dg is not None else gc, cseq, crow,
+                 cu_rows, L * H),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, NK=NK, USE_G=g is not None, PREC=prec),
+                config=WY_WIDE_K if K > 128 else None)
+    else:
+        # one writer per row; at nh = 1 a store in beta's dtype costs the kernel spills, so float32 and a cast after
+        db = torch.empty(beta.shape, dtype=torch.float32 if nh == 1 else beta.dtype, device=dev)
+        _launch(_bwd_main_kernel, "main", (NT, H),
+                (q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg if dg is not None else gc,
+                 cseq, crow, cu_rows, coff, scale),
+                dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec),
+                config=MAIN_NH1 if nh == 1 else None)
+    return dq, dk, dv, db.to(beta.dtype), (dg.to(g.dtype) if g is not None else None), \
+        (dh0.to(h0.dtype) if h0 is not None else None)
+
+
+class _ChunkDeltaProductFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, g, h0, meta):
+        o, ht, saved = _fwd(q, k, v, beta, g, h0, meta, save=True)
+        ctx.save_for_backward(q, k, v, beta, g, h0, *saved)
+        ctx.meta = meta
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, g, h0, *saved = ctx.saved_tensors
+        dq, dk, dv, db, dg, dh0 = _bwd(q, k, v, beta, g, h0, saved, do, dht, ctx.meta)
+        return dq, dk, dv, db, dg, dh0, None
+
+
+def _fitting_chunk(chunk_size: int, dtype, K: int, on_gpu: bool) -> int:
+    """The chunk length the GPU kernels run: float32 inputs with key heads over 64 at 64-row chunks need more shared
+    memory than an H100 has in the backward (360 KB at K = 128, nh = 1), so they run 32-row chunks (the same chunkwise
+    algebra, 65-131 KB), with a warning."""
+    if on_gpu and dtype == torch.float32 and K > 64 and chunk_size > 32:
+        warnings.warn(f"chunk_deltaproduct: float32 inputs with head_k_dim {K} run 32-row chunks instead of "
+                      f"{chunk_size} on the GPU (the 64-row backward needs more shared memory than the GPU has); "
+                      "bf16 / fp16 inputs (torch.autocast) keep 64", stacklevel=3)
+        return 32
+    return chunk_size
+
+
+def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
+                              output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64):
+    """Triton path of `chunk_deltaproduct` (same contract). Computes in float32 inside the kernels;
+    float64 inputs are not supported here (use the reference)."""
+    B, T, H, K, V, N = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens)
+    if chunk_size not in SUPPORTED_CHUNKS:
+        raise ValueError(f"the triton backend supports chunk_size in {SUPPORTED_CHUNKS}, got {chunk_size}")
+    if K > 256:
+        raise ValueError(f"the triton backend supports head_k_dim <= 256, got {K}")
+    if q.dtype == torch.float64:
+        raise ValueError("the triton backend does not take float64 inputs; use backend='reference'")
+    dt = v.dtype
+    if not (q.dtype == k.dtype == dt):
+        raise ValueError(f"q, k and v must share one dtype for the triton backend, got {q.dtype}, {k.dtype}, {dt}")
+    nh = num_householder
+    if INTERPRET and dt == torch.bfloat16:
+        # the interpreter's bf16 tl.dot returns garbage (triton 3.6 - 3.9; float16 is right): compute in float32 there,
+        # as the SSD kernels do; autograd casts the gradients back to bf16
+        o, ht = chunk_deltaproduct_triton(
+            q.float(), k.float(), v.float(), beta.float(), g, num_householder=nh, scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        return o.to(dt), ht
+    chunk_size = _fitting_chunk(chunk_size, q.dtype, K, q.is_cuda and not INTERPRET)
+    scale = K ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm:  # one Triton kernel each way per tensor (l2norm.py), contiguous outputs
+        q, k = l2norm_triton(q), l2norm_triton(k)
+    # a batch of B sequences is B packed documents
+    q, k, v = (x.reshape(1, -1, H, x.shape[-1]).contiguous() for x in (q, k, v))
+    beta = beta.reshape(1, -1, H).contiguous()
+    g = g.reshape(1, -1, H).contiguous() if g is not None else None
+    if cu_seqlens is None:
+        cu_tok = tuple(b * T for b in range(B + 1))
+    else:
+        cu_tok = tuple(int(x) for x in cu_seqlens.tolist())
+    cseq, crow, coff, NT, cu_rows = _tables(cu_tok, nh, chunk_size, q.device)
+    meta = dict(nh=nh, BT=chunk_size, scale=scale, output_final=output_final_state, cseq=cseq, crow=crow,
+                coff=coff, NT=NT, N=N, cu_rows=cu_rows)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    if NT == 0:
+        o = v.new_zeros(1, 0, H, V)
+        ht = (h0.float() if h0 is not None else v.new_zeros(N, H, K, V, dtype=torch.float32)) \
+            if output_final_state else None
+        return o.reshape(B, T, H, V), ht
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, beta, g, h0))
+    if needs_grad:
+        o, ht = _ChunkDeltaProductFn.apply(q, k, v, beta, g, h0, meta)
+    else:
+        o, ht, _ = _fwd(q, k, v, beta, g, h0, meta, save=False)
+    return o.reshape(B, T, H, V), ht
