@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One device call for several checks, results under $OUT (the device tool returns it):
+#   bash scripts/gpu_session.sh PHASE [PHASE ...]
+# Phases:
+#   tests     every GPU test file, in parallel processes (a CUDA fault kills only its process), and
+#             scripts/gpu_check_models.py (every family through the kernels vs the CPU reference)
+#   kernels   lm bench ssd (vs mamba_ssm's Triton SSD) and lm bench deltaproduct (vs fla; + --decode), one after another
+#   step      scripts/gpu_step.sh (training step throughput, memory, profile, no-grad / grad forward)
+#   generate  scripts/gpu_generate.sh (generation tests and lm bench generate)
+#   fla       scripts/gpu_fla.sh (fla backend and conversion tests, triton vs fla speed)
+# Carry .gpu (scripts ../shared/tools/gpu-carry.sh .gpu): deepspeed, fla wheels and mamba_ssm's Triton SSD.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
+fi
+export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-} PATH=$PWD/.gpu/site/bin:$PATH
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,memory.total --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+el() { echo "$(( $(date +%s) - T0 )) s"; }
+
+phase_tests() {
+  local pids=() f
+  for f in tests/test_ssd_gpu.py tests/test_conv1d_gpu.py tests/test_lru_scan_gpu.py tests/test_models_lru_gpu.py \
+           tests/test_models_loss_triton.py tests/test_models_deltaproduct_gpu.py; do
+    ( timeout ${TEST_TIMEOUT:-400} python3 -m pytest -m gpu "$f" -q -p no:cacheprovider > "$OUT/t_$(basename "$f" .py).log" 2>&1
+      echo "exit $?" >> "$OUT/t_$(basename "$f" .py).log" ) &
+  done
+  ( timeout ${TEST_TIMEOUT:-400} python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k "small_heads or wide_key" -q \
+      -p no:cacheprovider > "$OUT/t_dp_small.log" 2>&1; echo "exit $?" >> "$OUT/t_dp_small.log" ) &
+  ( timeout ${TEST_TIMEOUT:-400} python3 -m pytest -m gpu tests/test_deltaproduct_op_gpu.py -k "not small_heads and not wide_key" \
+      -q -p no:cacheprovider > "$OUT/t_dp_main.log" 2>&1; echo "exit $?" >> "$OUT/t_dp_main.log" ) &
+  for f in $(ls tests/test_*gpu*.py 2>/dev/null | grep -v -E "ssd_gpu|conv1d_gpu|lru_scan_gpu|models_lru_gpu|deltaproduct_gpu|deltaproduct_op_gpu"); do
+    ( timeout ${TEST_TIMEOUT:-400} python3 -m pytest -m gpu "$f" -q -p no:cacheprovider > "$OUT/t_$(basename "$f" .py).log" 2>&1
+      echo "exit $?" >> "$OUT/t_$(basename "$f" .py).log" ) &
+  done
+  ( timeout ${TEST_TIMEOUT:-400} python3 scripts/gpu_check_models.py --json "$OUT/models.json" > "$OUT/models.log" 2>&1
+    echo "exit $?" >> "$OUT/models.log" ) &
+  wait
+  cat "$OUT"/t_*.log > "$OUT/tests.log"; rm -f "$OUT"/t_*.log
+  echo "== tests ($(el))"; grep -E "passed|failed|error|^exit|Error" "$OUT/tests.log" | tail -40
+  echo "== models"; tail -n 14 "$OUT/models.log"
+}
+
+phase_kernels() {
+  timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.ssd --json "$OUT/bench_ssd.json" > "$OUT/bench_ssd.log" 2>&1
+  echo "== ssd bench exit $? ($(el))"; grep -v "^\s*$" "$OUT/bench_ssd.log" | grep -vi warn | tail -n 30
+  timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.deltaproduct --profile --json "$OUT/bench_dp.json" > "$OUT/bench_dp.log" 2>&1
+  echo "== deltaproduct bench exit $? ($(el))"; tail -n 24 "$OUT/bench_dp.log"
+  timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.deltaproduct --decode --json "$OUT/bench_dp_decode.json" > "$OUT/bench_dp_decode.log" 2>&1
+  echo "== decode bench exit $? ($(el))"; tail -n 8 "$OUT/bench_dp_decode.log"
+}
+
+phase_step() { OUT=$OUT bash scripts/gpu_step.sh; echo "== step ($(el))"; }
+phase_generate() { OUT=$OUT bash scripts/gpu_generate.sh; echo "== generate ($(el))"; }
+phase_fla() { OUT=$OUT bash scripts/gpu_fla.sh; echo "== fla ($(el))"; }
+
+for p in "$@"; do
+  case $p in
+    tests|kernels|step|generate|fla) "phase_$p" ;;
+    *) echo "unknown phase $p"; exit 2 ;;
+  esac
+done
+echo "total $(el)"
