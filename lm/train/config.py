@@ -262,17 +262,20 @@ def _looks_numeric(s: str) -> bool:
         return False
 
 
+def read_tree(path: str | Path, kind: str, what: str) -> dict:
+    """The YAML mapping of a file, or of a packaged config of `kind` by name (lm.resources.config_path)."""
+    try:
+        p = config_path(path, kind)
+    except FileNotFoundError as err:
+        raise ValueError(f"{what}: {err}") from None
+    tree = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(tree, dict):
+        raise ValueError(f"{p}: expected a mapping at the top level")
+    return tree
+
+
 def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    tree: dict = {}
-    if path is not None:
-        try:
-            p = config_path(path, "train")
-        except FileNotFoundError as err:
-            raise ValueError(f"training config: {err}") from None
-        tree = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ValueError(f"{p}: expected a mapping at the top level")
-    tree = _numbers(tree)
+    tree = _numbers(read_tree(path, "train", "training config")) if path is not None else {}
     for item in overrides or []:
         apply_override(tree, item)
     cfg = _build(TrainConfig, tree, "")

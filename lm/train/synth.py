@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import TrainConfig, apply_override, config_from_dict
+from .config import TrainConfig, apply_override, config_from_dict, read_tree
 
 _SCHEDULES = {"cosine": {"kind": "cosine"}, "linear": {"kind": "wsd", "decay_start": 0.0},
               "constant": {"kind": "constant"}}
@@ -46,18 +46,7 @@ _PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 def read_recipe(recipe: str | Path | dict, overrides=()) -> dict:
     """The recipe (a dict, a YAML path or the name of a packaged recipe) with `key=value` overrides applied."""
-    if isinstance(recipe, dict):
-        tree = copy.deepcopy(recipe)
-    else:
-        from ..resources import config_path
-
-        try:
-            p = config_path(recipe, "synth")
-        except FileNotFoundError as err:
-            raise ValueError(f"recipe: {err}") from None
-        tree = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ValueError(f"recipe {str(p)!r} must be a YAML mapping")
+    tree = copy.deepcopy(recipe) if isinstance(recipe, dict) else read_tree(recipe, "synth", "recipe")
     for item in overrides:
         apply_override(tree, item)
     return tree
