@@ -301,12 +301,16 @@ def test_task_source_in_lm_train(tmp_path, one_thread):
     assert plot_run(tmp_path).is_file()
     for change, field in ((("data", "seq_len", 8), "data.seq_len"), (("task", "name", None), "task.name"),
                           (("task", "target_accuracy", 0.9), "task.target_accuracy"),
-                          (("task", "params", {"group": "Q9"}), "task")):
+                          (("task", "params", {"group": "Q9"}), "task"),
+                          (("checkpoint", "at_end", False), "checkpoint.at_end"),
+                          (("train", "max_minutes", -1.0), "train.max_minutes")):
         sec, key, value = change
         t = json.loads(json.dumps(tree))
         t[sec][key] = value
         if key == "target_accuracy":
             t["train"]["fused_loss"] = True
+        if key == "at_end":
+            t["train"]["stop_after_minutes"] = 5.0
         with pytest.raises(ValueError, match=field):
             config_from_dict(t)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -215,7 +214,6 @@ class TaskEvalHook:
         self.train_lengths = list(k.lengths or self.task.train_lengths)
         self.target = k.target_accuracy
         self.acc = self.running = None  # device tensors: no host sync except at log steps
-        self.eval_seconds = 0.0  # spent in evaluations (not charged to a training time budget)
 
     def after_forward(self, step: int, micro: int, out):
         """The training accuracy of the micro-batch just run (needs logits: train.fused_loss=false)."""
@@ -247,10 +245,8 @@ class TaskEvalHook:
 
     def evaluate(self, model, step: int, logger) -> dict:
         """A periodic evaluation: its summary goes to metrics.jsonl as a task_eval event."""
-        t0 = time.perf_counter()
         summary = summarize(self.eval_task, self._evaluate(model, self.eval_task))
         logger.log({"event": "task_eval", "step": step, **summary})
-        self.eval_seconds += time.perf_counter() - t0
         return summary
 
     def finish(self, model, step: int, summary: dict, logger, *, complete: bool, train_s: float) -> dict:

@@ -2,9 +2,9 @@
 
     cfg = load_train_config("configs/train/default.yaml", ["train.tokens=2e6", "optim.lr=1e-3"])
 
-Sections: model, data, optim, schedule, curriculum, train, checkpoint, log, eval (+ run_dir). Every key
-is declared below with its type and default; an unknown key, a wrong type or an out-of-range value is
-a ValueError naming the dotted field (e.g. `train.micro_batch_size`). Overrides use dotted paths and
+Sections: model, data, optim, schedule, curriculum, train, checkpoint, log, eval, task (data.source=task)
+(+ run_dir). Every key is declared below with its type and default; an unknown key, a wrong type or an
+out-of-range value is a ValueError naming the dotted field (e.g. `train.micro_batch_size`). Overrides use dotted paths and
 YAML values (`curriculum=paper`, `model.overrides={hidden_size: 256}`, `train.tokens=1e6`).
 """
 from __future__ import annotations

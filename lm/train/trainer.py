@@ -501,7 +501,7 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                     "final_loss": last_loss, "run_dir": str(run_dir)})
     if last_saved != step and cfg.checkpoint.at_end:
         _save(engine, train_reader, dist, cfg, root, step, total_steps, phases, phase_i, bad_in_row, logger,
-                  budget)
+              budget)
         last_saved = step
     if last_saved == step:
         summary["checkpoint"] = str(root / ckpt_lib.tag_of(step))
