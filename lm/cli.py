@@ -18,7 +18,7 @@ COMMANDS = {
     "ppl": ("lm.eval.ppl:main", "held-out perplexity by context length"),
     "duality": ("lm.eval.duality:main", "sequential vs simultaneous agreement of an implicit model"),
     "generate": ("lm.eval.generate:main", "generate text from a checkpoint"),
-    "synth": ("lm.data.synthetic.run:main", "train/evaluate on a synthetic state-tracking task"),
+    "synth": ("lm.train.synth:main", "train/evaluate on a synthetic state-tracking task"),
     "bench": ("lm.benchmarks:main", "kernel and training benchmarks (GPU)"),
     "info": ("lm.models.presets:info_main", "parameter count and training FLOPs of a preset"),
     "selftest": ("lm.selftest:main", "check this installation: every family, a training step, lm-eval"),

@@ -9,7 +9,7 @@
 # The small synthetic models leave an H100 mostly idle; 8 concurrent runs fit in memory and CPU.
 #
 # Longer than one allocation: MINUTES is then the whole budget and SLICE=m stops every run after m
-# minutes with OUT_DIR/NAME/checkpoint.pt; the same command again resumes each run from its checkpoint
+# minutes with a checkpoint in OUT_DIR/NAME/checkpoints; the same command again resumes each run from it
 # (the LR schedule counts the training time of every slice):
 #   SLICE=8 scripts/gpu_synth.sh SUITE 16 runs/synth_gpu   # twice
 set -uo pipefail
@@ -26,9 +26,9 @@ while read -r name recipe rest || [[ -n "${name:-}" ]]; do
   done
   if [[ -n "${SLICE:-}" ]]; then overrides+=("train.stop_after_minutes=$SLICE"); fi
   how="started"
-  if [[ -f "$OUT_DIR/$name/checkpoint.pt" ]]; then  # an earlier slice of this run
+  if [[ -f "$OUT_DIR/$name/checkpoints/latest" ]]; then  # an earlier slice of this run
     if grep -q '"complete": true' "$OUT_DIR/$name/results.json" 2>/dev/null; then echo "done: $name"; continue; fi
-    overrides+=("resume=$OUT_DIR/$name/checkpoint.pt"); how="resumed"
+    overrides+=("resume=auto"); how="resumed"
   fi
   env "${envs[@]}" python -m lm.cli synth "$recipe" name="$name" output_dir="$OUT_DIR/$name" \
     device="${DEVICE:-cuda}" --quiet train.max_minutes="$MINUTES" train.eval_every=0 "${overrides[@]}" \
@@ -40,7 +40,7 @@ for p in "${pids[@]}"; do wait "$p"; done
 python - "$OUT_DIR" <<'EOF'
 import json, sys
 from pathlib import Path
-from lm.data.synthetic.run import iterations_of
+from lm.eval.synthetic import iterations_of
 out = Path(sys.argv[1])
 rows = []
 for f in sorted(out.glob("*/results.json")):

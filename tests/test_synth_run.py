@@ -1,8 +1,10 @@
-"""The `lm synth` runner: recipes and overrides, training, per-length evaluation (JSON + PNG), fixed-point
-iterations per length, and a one-layer model that learns a tiny S3 word problem."""
+"""Synthetic tasks in `lm train` (data.source=task) and its `lm synth` front-end: recipes and overrides,
+the task reader, per-length evaluation (JSON + PNG), fixed-point iterations per length, time budgets,
+slices and resume, and a one-layer model that learns a tiny S3 word problem."""
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,8 +14,10 @@ import torch.nn as nn
 import lm  # noqa: F401  registers the model types
 from lm.resources import configs_dir
 from lm.data.synthetic import build_task, monoid_by_name
-from lm.data.synthetic.run import (TrainingData, compare_runs, evaluate, load_recipe, lr_at, main, run,
-                                   summarize)
+from lm.data.synthetic.source import TaskReader
+from lm.eval.synthetic import compare_runs, evaluate, summarize
+from lm.train.budget import TimeBudget
+from lm.train.synth import load_recipe, main, model_parameters, run
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNTH = configs_dir("synth")
@@ -31,7 +35,7 @@ def one_thread():
 
 def test_one_layer_model_learns_tiny_s3(tmp_path, one_thread):
     cfg = load_recipe(SYNTH / "s3_tiny_cpu.yaml", [f"output_dir={tmp_path}"])
-    assert cfg["model"]["num_hidden_layers"] == 1
+    assert cfg.model.overrides["num_hidden_layers"] == 1 and cfg.data.source == "task"
     res = run(cfg, progress=False)
     acc = res["eval"]["3"]["token_accuracy"]
     assert acc > 0.95, res["train_log"]
@@ -60,12 +64,14 @@ class PrefixProductOracle(nn.Module):
         self.m = monoid_by_name(group)
         self.table = torch.tensor(np.array(self.m.table))
 
-    def forward(self, x):
+    def forward(self, input_ids):
+        x = input_ids
         out = torch.empty_like(x)
         out[:, 0] = x[:, 0]
         for t in range(1, x.shape[1]):
             out[:, t] = self.table[out[:, t - 1], x[:, t]]
-        return nn.functional.one_hot(out, self.m.order).float(), {"mean_sample_iterations": float(x.shape[1])}
+        return SimpleNamespace(logits=nn.functional.one_hot(out, self.m.order).float(),
+                               fixed_point_stats={"mean_sample_iterations": float(x.shape[1])})
 
 
 def test_evaluate_per_length_with_an_oracle():
@@ -89,8 +95,8 @@ def test_evaluation_set_is_fixed_by_seed():
             super().__init__()
             self.emb = nn.Embedding(6, 6)
 
-        def forward(self, x):
-            return self.emb(x), None
+        def forward(self, input_ids):
+            return SimpleNamespace(logits=self.emb(input_ids), fixed_point_stats=None)
 
     wrapped = Guess()
     a = evaluate(wrapped, task, [5], 64, 16, 3, torch.device("cpu"))
@@ -101,7 +107,7 @@ def test_evaluation_set_is_fixed_by_seed():
 
 
 def test_implicit_model_records_iterations_per_length(tmp_path, one_thread):
-    cfg = load_recipe({
+    recipe = {
         "name": "implicit_tiny", "device": "cpu", "output_dir": str(tmp_path),
         "task": {"name": "word_problem", "group": "S3"},
         "model": {"model_type": "lm_mamba2", "hidden_size": 16, "num_hidden_layers": 1, "d_state": 8,
@@ -109,16 +115,16 @@ def test_implicit_model_records_iterations_per_length(tmp_path, one_thread):
                   "implicit": {"max_iter": 2, "tol": 0.3, "phantom_steps": 1, "eval_factor": 4.0}},
         "train": {"steps": 2, "batch_size": 4, "lengths": [4, 6], "log_every": 1},
         "eval": {"lengths": [2, 8], "examples": 8, "batch_size": 8},
-    })
-    res = run(cfg, progress=False)
+    }
+    res = run(load_recipe(recipe), progress=False)
     for n in ("2", "8"):
         fp = res["eval"][n]["fixed_point"]
         assert 1 <= fp["mean_sample_iterations"] <= 8  # eval cap = eval_factor * max_iter
     assert "mean_iterations" in res["summary"]
-    assert "fp_mean_sample_iterations" in res["train_log"][0]
+    assert "fp/mean_sample_iterations" in res["train_log"][0]
     assert (tmp_path / "accuracy_per_length.png").exists()
     # overlay with a second (explicit) run
-    explicit = load_recipe(cfg, ["model.implicit=null", f"output_dir={tmp_path / 'explicit'}", "name=explicit"])
+    explicit = load_recipe(recipe, ["model.implicit=null", f"output_dir={tmp_path / 'explicit'}", "name=explicit"])
     run(explicit, progress=False)
     table = compare_runs([tmp_path, tmp_path / "explicit" / "results.json"], tmp_path / "cmp.png")
     assert set(table) == {"implicit_tiny", "explicit"} and set(table["explicit"]) == {2, 8}
@@ -153,43 +159,62 @@ def test_compression_head_fixed_training_set_and_ood_eval(tmp_path, one_thread):
     assert "train_distribution" in res["summary"] and res["eval_train_distribution"]["8"]["examples"] == 4
 
 
-def test_training_data_pool_and_fresh_batches():
+def test_task_reader_pool_fresh_batches_prefetch_and_resume():
     task = build_task("word_problem", group="S3")
-    pool = TrainingData(task, (5, 5), 4, examples=10, seed=0)
+    pool = TaskReader(task, (5, 5), 4, seed=0, examples=10)
     rows = {tuple(r) for r in pool.pool.inputs}
-    seen = [pool.next() for _ in range(6)]
-    assert all(tuple(r) in rows for b in seen for r in b.inputs)
-    assert len({tuple(r) for b in seen for r in b.inputs}) == 10  # epochs cover the whole set
-    fresh_a = TrainingData(task, (3, 9), 4, None, seed=1)
-    fresh_b = TrainingData(task, (3, 9), 4, None, seed=1)
+    seen = [next(pool) for _ in range(5)]
+    assert all(tuple(r) in rows for b in seen for r in b["input_ids"].tolist())
+    assert len({tuple(r) for b in seen for r in b["input_ids"].tolist()}) == 10  # epochs cover the whole set
+    fresh_a, fresh_b = TaskReader(task, (3, 9), 4, seed=1), TaskReader(task, (3, 9), 4, seed=1)
     for _ in range(5):
-        a, b = fresh_a.next(), fresh_b.next()
-        assert np.array_equal(a.inputs, b.inputs) and 3 <= a.inputs.shape[1] <= 9
+        a, b = next(fresh_a), next(fresh_b)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and 3 <= a["input_ids"].shape[1] <= 9
+        assert a["targets"].shape == a["mask"].shape == a["input_ids"].shape
+        assert (a["targets"][a["mask"]] != -100).all()
     with pytest.raises(ValueError, match="one training length"):
-        TrainingData(task, (3, 9), 4, examples=10, seed=0)
+        TaskReader(task, (3, 9), 4, seed=0, examples=10)
+    # the state (batches consumed) resumes the sequence exactly, with the fixed set too
+    for kw in ({}, {"examples": 6}):
+        lengths = (5, 5) if kw else (3, 9)
+        ref = TaskReader(task, lengths, 4, seed=3, **kw)
+        full = [next(ref)["input_ids"] for _ in range(6)]
+        cut = TaskReader(task, lengths, 4, seed=3, **kw)
+        cut.load_state_dict({**ref.state_dict(), "consumed": 2})
+        assert all(torch.equal(next(cut)["input_ids"], x) for x in full[2:])
+    with pytest.raises(ValueError, match="lengths"):
+        TaskReader(task, (3, 8), 4, seed=3).load_state_dict(TaskReader(task, (3, 9), 4, seed=3).state_dict())
+    # two ranks never share a batch; rank 0 of 2 takes the global batches 0, 2, 4 of one rank
+    one, r0, r1 = (TaskReader(task, (3, 9), 4, seed=5, rank=r, world_size=w) for r, w in ((0, 1), (0, 2), (1, 2)))
+    single = [next(one)["input_ids"] for _ in range(4)]
+    assert torch.equal(next(r0)["input_ids"], single[0]) and torch.equal(next(r1)["input_ids"], single[1])
     # the background producer yields the same sequence of batches and stops on close()
-    plain, fetched = TrainingData(task, (3, 9), 4, None, seed=2), TrainingData(task, (3, 9), 4, None, seed=2, prefetch=2)
+    plain, fetched = TaskReader(task, (3, 9), 4, seed=2), TaskReader(task, (3, 9), 4, seed=2, prefetch=2)
     try:
         for _ in range(5):
-            assert np.array_equal(plain.next().inputs, fetched.next().inputs)
+            assert torch.equal(next(plain)["input_ids"], next(fetched)["input_ids"])
+        thread = fetched._thread
     finally:
         fetched.close()
-    assert not fetched._thread.is_alive()
+    assert not thread.is_alive()
+    assert fetched.state_dict()["consumed"] == 5
 
 
-def test_lr_schedules():
-    assert lr_at(0, 100, 1.0, "cosine", 10, 0.0) == pytest.approx(0.1)
-    assert lr_at(9, 100, 1.0, "cosine", 10, 0.0) == pytest.approx(1.0)
-    assert lr_at(10, 100, 1.0, "cosine", 10, 0.1) == pytest.approx(1.0)
-    assert lr_at(55, 100, 1.0, "cosine", 10, 0.0) == pytest.approx(0.5)
-    assert lr_at(100, 100, 1.0, "cosine", 10, 0.1) == pytest.approx(0.1)
-    assert lr_at(55, 100, 1.0, "linear", 10, 0.0) == pytest.approx(0.5)
-    assert lr_at(99, 100, 1.0, "constant", 0, 0.0) == 1.0
-    # a wall-clock budget moves the decay on when it runs out first; the step budget still counts
-    assert lr_at(20, 100, 1.0, "cosine", 10, 0.0, time_frac=0.5) == pytest.approx(0.5)
-    assert lr_at(20, 100, 1.0, "cosine", 10, 0.1, time_frac=1.0) == pytest.approx(0.1)
-    assert lr_at(55, 100, 1.0, "cosine", 10, 0.0, time_frac=0.1) == pytest.approx(0.5)
-    assert lr_at(5, 100, 1.0, "cosine", 10, 0.0, time_frac=0.9) == pytest.approx(0.6)  # warm-up in steps
+def test_time_budget_moves_the_schedule_on(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("lm.train.budget.time.perf_counter", lambda: clock[0])
+    b = TimeBudget(max_minutes=1.0, stop_after_minutes=0.5)
+    assert b.schedule_step(20, 100, 10) == 20 and not b.out_of_time()
+    clock[0] += 30.0  # half the budget: the schedule is at least half-way
+    assert b.schedule_step(20, 100, 10) == 50 and b.schedule_step(70, 100, 10) == 70
+    assert b.schedule_step(5, 100, 10) == 5  # warm-up in steps
+    assert b.slice_done() and not b.out_of_time()
+    b.exclude(10.0)  # evaluation time does not count
+    assert b.elapsed_s() == pytest.approx(20.0) and not b.slice_done()
+    later = TimeBudget(max_minutes=1.0)
+    later.resume(60.0)  # the earlier slices' training time
+    assert later.out_of_time() and later.schedule_step(30, 100, 10) == 99
+    assert TimeBudget().schedule_step(30, 100, 10) == 30 and not TimeBudget().out_of_time()
 
 
 def test_time_budget_stops_training_and_still_evaluates(tmp_path, one_thread):
@@ -197,42 +222,35 @@ def test_time_budget_stops_training_and_still_evaluates(tmp_path, one_thread):
                       [f"output_dir={tmp_path}", "train.steps=100000", "train.max_minutes=0.02", "train.log_every=1",
                        "train.target_accuracy=null"])
     res = run(cfg, progress=False)
-    assert 1 <= res["steps_run"] < 100000 and res["train_time_s"] < 30
+    assert 1 <= res["steps_run"] < 100000 and res["train_time_s"] < 30 and res["complete"]
     assert res["train_log"][-1]["step"] == res["steps_run"]
-    assert res["train_log"][-1]["lr"] < 0.5 * cfg["train"]["lr"]  # the cosine followed the time budget
-    assert set(res["eval"]) == {str(n) for n in cfg["eval"]["lengths"]}
+    assert res["train_log"][-1]["lr"] < 0.5 * cfg.optim.lr  # the cosine followed the time budget
+    assert set(res["eval"]) == {str(n) for n in cfg.task.eval_lengths}
     with pytest.raises(ValueError, match="train.max_minutes"):
         load_recipe(SYNTH / "s3_tiny_cpu.yaml", ["train.max_minutes=0"])
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipes_are_valid(path):
-    import transformers
-
-    from lm.models import MODEL_TYPES
-
     cfg = load_recipe(path)
-    task = build_task(cfg["task"]["name"], **{k: v for k, v in cfg["task"].items() if k != "name"})
-    lo, hi = cfg["train"]["lengths"] or task.train_lengths
+    task = build_task(cfg.task.name, **cfg.task.params)
+    lo, hi = cfg.task.lengths or task.train_lengths
+    assert cfg.data.seq_len == hi and cfg.train.global_batch_tokens == cfg.train.micro_batch_size * hi
     b = task.generate(np.random.default_rng(0), 2, lo)
-    assert b.inputs.max() < task.vocab_size
-    if cfg["eval"]["task"]:
-        build_task(cfg["task"]["name"], **{**{k: v for k, v in cfg["task"].items() if k != "name"},
-                                            **cfg["eval"]["task"]})
-    mcfg = {k: v for k, v in cfg["model"].items() if k != "model_type"}
-    assert cfg["model"]["model_type"] in MODEL_TYPES, cfg["model"]["model_type"]
-    transformers.AutoConfig.for_model(cfg["model"]["model_type"], vocab_size=task.vocab_size, **mcfg)
+    assert b.inputs.max() < task.vocab_size == cfg.model.overrides["vocab_size"]
+    assert model_parameters(cfg) > 0  # the model config is valid
 
 
 def test_recipe_errors(tmp_path, capsys):
     base = {"task": {"name": "parity"}, "model": {"model_type": "lm_llama"}}
-    with pytest.raises(ValueError, match="unknown recipe key 'train.stpes'"):
+    with pytest.raises(ValueError, match=r"unknown recipe key\(s\) \['train.stpes'\]"):
         load_recipe({**base, "train": {"stpes": 3}})
-    with pytest.raises(ValueError, match="train.lengths"):
+    with pytest.raises(ValueError, match="task.lengths"):
         load_recipe({**base, "train": {"lengths": [5, 3]}})
-    assert load_recipe(base, ["train.lr=3e-3"])["train"]["lr"] == 0.003  # YAML 1.1 reads 3e-3 as a string
-    assert load_recipe({**base, "model": {"model_type": "lm_llama", "rms_norm_eps": "1e-6"}})["model"]["rms_norm_eps"] == 1e-6
-    with pytest.raises(ValueError, match="train.lr"):
+    assert load_recipe(base, ["train.lr=3e-3"]).optim.lr == 0.003  # YAML 1.1 reads 3e-3 as a string
+    assert load_recipe({**base, "model": {"model_type": "lm_llama", "rms_norm_eps": "1e-6"}}).model.overrides[
+        "rms_norm_eps"] == 1e-6
+    with pytest.raises(ValueError, match="optim.lr"):
         load_recipe(base, ["train.lr=fast"])
     with pytest.raises(ValueError, match="key=value"):
         load_recipe(base, ["train.steps"])
@@ -240,7 +258,9 @@ def test_recipe_errors(tmp_path, capsys):
         load_recipe({"model": {"model_type": "lm_llama"}})
     with pytest.raises(ValueError, match="not found"):
         load_recipe(tmp_path / "missing.yaml")
-    assert load_recipe(base, ["train.steps=7", "model.implicit.max_iter=3"])["model"]["implicit"] == {"max_iter": 3}
+    with pytest.raises(ValueError, match="differs from the task"):
+        load_recipe({**base, "model": {"model_type": "lm_llama", "vocab_size": 7}})
+    assert load_recipe(base, ["train.steps=7", "model.implicit.max_iter=3"]).model.implicit == {"max_iter": 3}
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: {name: parity, group: S5}\nmodel: {model_type: lm_llama}\ntrain: {steps: 1}\n"
                    f"output_dir: {tmp_path}\n")
@@ -249,8 +269,8 @@ def test_recipe_errors(tmp_path, capsys):
     tiny = str(SYNTH / "s3_tiny_cpu.yaml")
     assert main([tiny, "--dry-run", "train.steps=3"]) == 0
     assert "model parameters" in capsys.readouterr().out
-    assert main([tiny, "--dry-run", "model.model_type=lm_nope"]) == 2
-    assert "not registered" in capsys.readouterr().err
+    assert main(["s3_tiny_cpu", "--dry-run", "model.model_type=lm_nope"]) == 2  # a recipe by name
+    assert "lm_nope" in capsys.readouterr().err
     assert main([tiny, "--dry-run", "model.headdim=7"]) == 2
     assert "headdim" in capsys.readouterr().err
     from lm.cli import main as lm_main
@@ -259,30 +279,82 @@ def test_recipe_errors(tmp_path, capsys):
     assert "mod_arithmetic" in capsys.readouterr().out
 
 
+def test_task_source_in_lm_train(tmp_path, one_thread):
+    """data.source=task is a data source of `lm train` itself: config checks, results.json, `lm plot` curves."""
+    from lm.train import train
+    from lm.train.config import config_from_dict
+    from lm.train.plot import plot_run
+
+    tree = {"run_dir": str(tmp_path), "data": {"source": "task", "seq_len": 4},
+            "model": {"preset": "lm_llama", "overrides": {"hidden_size": 16, "num_hidden_layers": 1,
+                                                          "num_attention_heads": 2, "intermediate_size": 32,
+                                                          "vocab_size": 6}},
+            "task": {"name": "word_problem", "params": {"group": "S3"}, "lengths": [2, 4], "eval_lengths": [2, 8],
+                     "eval_examples": 8},
+            "train": {"steps": 3, "micro_batch_size": 4, "global_batch_tokens": 16, "device": "cpu",
+                      "fused_loss": False},
+            "log": {"progress": False}, "checkpoint": {"export": False}, "eval": {"sample_tokens": 0}}
+    summary = train(config_from_dict(tree))
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert summary["complete"] and res["steps_run"] == 3 and set(res["eval"]) == {"2", "8"}
+    assert res["name"] == tmp_path.name and "running_accuracy" in res["train_log"][-1]
+    assert plot_run(tmp_path).is_file()
+    for change, field in ((("data", "seq_len", 8), "data.seq_len"), (("task", "name", None), "task.name"),
+                          (("task", "target_accuracy", 0.9), "task.target_accuracy"),
+                          (("task", "params", {"group": "Q9"}), "task"),
+                          (("checkpoint", "at_end", False), "checkpoint.at_end"),
+                          (("train", "max_minutes", -1.0), "train.max_minutes")):
+        sec, key, value = change
+        t = json.loads(json.dumps(tree))
+        t[sec][key] = value
+        if key == "target_accuracy":
+            t["train"]["fused_loss"] = True
+        if key == "at_end":
+            t["train"]["stop_after_minutes"] = 5.0
+        with pytest.raises(ValueError, match=field):
+            config_from_dict(t)
+
+
+def test_compression_head_model():
+    from lm.models import MODEL_TYPES
+    from lm.models.presets import load_config
+
+    config = load_config("lm_llama", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, vocab_size=8, head="compression")
+    model = MODEL_TYPES["lm_llama"][2](config)
+    x = torch.randint(0, 8, (2, 6))
+    out = model(input_ids=x, targets=x)
+    assert out.logits.shape == (2, 6, 8) and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert model.compression_head.unembed[1].weight.grad is not None
+    with pytest.raises(ValueError, match="targets="):
+        model(input_ids=x, labels=x)
+    with pytest.raises(ValueError, match="head"):
+        load_config("lm_llama", head="pool")
+
+
 def test_sliced_run_resumes_to_completion(tmp_path, one_thread):
-    """A run cut by train.stop_after_minutes saves checkpoint.pt; resume= continues it to the step budget."""
+    """A run cut by train.stop_after_minutes saves a checkpoint; resume= continues it to the step budget."""
     over = [f"output_dir={tmp_path}", "train.steps=60", "train.log_every=5", "train.target_accuracy=null"]
     cfg = load_recipe(SYNTH / "s3_tiny_cpu.yaml", over + ["train.stop_after_minutes=0.0005"])
     first = run(cfg, progress=False)
-    ckpt = tmp_path / "checkpoint.pt"
-    assert not first["complete"] and ckpt.is_file() and first["checkpoint"] == str(ckpt)
+    assert not first["complete"] and first["checkpoint"] and Path(first["checkpoint"]).is_dir()
     k = first["steps_run"]
     assert 1 <= k < 60 and first["train_log"][-1]["step"] == k
-    second = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", over + [f"resume={tmp_path}"]),
-                 progress=False)
+    second = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", over + ["resume=auto"]), progress=False)
     assert second["complete"] and second["steps_run"] == 60 and second["resumed_from"]["step"] == k
     steps = [r["step"] for r in second["train_log"]]
     assert steps[: len(first["train_log"])] == [r["step"] for r in first["train_log"]]  # the log goes on
     assert steps == sorted(set(steps)) and steps[-1] == 60
-    assert second["train_log"][-1]["lr"] < 0.05 * cfg["train"]["lr"]  # the cosine ran to its end over both slices
+    assert second["train_log"][-1]["lr"] < 0.05 * cfg.optim.lr  # the cosine ran to its end over both slices
 
 
 def test_resume_restores_the_model_exactly(tmp_path, one_thread):
     over = [f"output_dir={tmp_path}", "train.steps=25", "train.target_accuracy=null", "train.save_checkpoint=true"]
     done = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", over), progress=False)
-    assert done["complete"] and (tmp_path / "checkpoint.pt").is_file()
+    assert done["complete"] and done["checkpoint"]
     again = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml",
-                            over + [f"resume={tmp_path / 'checkpoint.pt'}", f"output_dir={tmp_path / 'b'}"]),
+                            over + [f"resume={done['checkpoint']}", f"output_dir={tmp_path / 'b'}"]),
                 progress=False)
     assert again["steps_run"] == 25 and again["resumed_from"]["step"] == 25  # nothing left to train
     assert again["eval"] == done["eval"]  # same weights, same fixed evaluation set
@@ -290,15 +362,17 @@ def test_resume_restores_the_model_exactly(tmp_path, one_thread):
 
 def test_resume_errors(tmp_path, one_thread):
     base = SYNTH / "s3_tiny_cpu.yaml"
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(ValueError, match="no checkpoint found"):
         run(load_recipe(base, [f"output_dir={tmp_path}", f"resume={tmp_path / 'nothing'}"]), progress=False)
-    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable synth checkpoint"):
-        run(load_recipe(base, [f"output_dir={tmp_path}", f"resume={tmp_path / 'junk.pt'}"]), progress=False)
     run(load_recipe(base, [f"output_dir={tmp_path}", "train.steps=3", "train.save_checkpoint=true"]), progress=False)
-    with pytest.raises(ValueError, match="model differ"):
+    with pytest.raises(ValueError, match="could not be loaded"):
         run(load_recipe(base, [f"output_dir={tmp_path / 'b'}", "train.steps=3", "model.hidden_size=32",
                                f"resume={tmp_path}"]), progress=False)
+    with pytest.raises(ValueError, match="task data"):
+        run(load_recipe(base, [f"output_dir={tmp_path / 'c'}", "train.steps=3", "train.lengths=[2,3]",
+                               f"resume={tmp_path}"]), progress=False)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        run(load_recipe(base, [f"output_dir={tmp_path}", "train.steps=3"]), progress=False)
     with pytest.raises(ValueError, match="train.stop_after_minutes"):
         load_recipe(base, ["train.stop_after_minutes=-1"])
 
@@ -314,6 +388,7 @@ def test_gpu_synth_script_slices_and_resumes(tmp_path):
                      "train.steps=100000 train.log_every=5 eval.examples=64\n")
     out = tmp_path / "out"
     env = {**os.environ, "DEVICE": "cpu", "SLICE": "0.01", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def call(minutes):
@@ -324,7 +399,7 @@ def test_gpu_synth_script_slices_and_resumes(tmp_path):
 
     text, first = call(0.015)
     assert "started tiny" in text and "(sliced)" in text and not first["complete"]
-    assert (out / "tiny" / "checkpoint.pt").is_file()
+    assert (out / "tiny" / "checkpoints" / "latest").is_file()
     text, second = call(0.015)
     assert "resumed tiny" in text and second["steps"] > first["steps"]
     assert json.loads((out / "tiny" / "results.json").read_text())["resumed_from"]["step"] == first["steps"]

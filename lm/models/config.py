@@ -119,6 +119,9 @@ class LMConfig(PretrainedConfig):
         "initializer_range": 0.02,
         "implicit": None,
         "injection_norm": True,
+        # "lm": logits per position from the LM head; "compression": the MAD compression decoder (every
+        # position decoded from the last position's state and a position code; lm.eval.synthetic's tasks)
+        "head": "lm",
     }
     _fields = {}
     _positive_int_fields = ("vocab_size", "hidden_size", "num_hidden_layers")
@@ -166,6 +169,8 @@ class LMConfig(PretrainedConfig):
             raise ValueError(f"intermediate_size: must be an integer >= 0 (got {self.intermediate_size!r})")
         if not (self.rms_norm_eps > 0):
             raise ValueError(f"rms_norm_eps: must be > 0 (got {self.rms_norm_eps!r})")
+        if self.head not in ("lm", "compression"):
+            raise ValueError(f"head: must be 'lm' or 'compression' (got {self.head!r})")
 
     def _check(self, cond: bool, field: str, why: str) -> None:
         if not cond:

@@ -14,6 +14,7 @@ the classes below that name them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Optional
 
@@ -290,6 +291,30 @@ class LMModel(LMPreTrainedModel):
         return torch.cat(outs, dim=1), FixedPointStats.merge(all_stats)
 
 
+def sincos_positions(n: int, dim: int) -> torch.Tensor:
+    pos = torch.arange(n, dtype=torch.float32)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    pe = torch.zeros(n, dim)
+    pe[:, 0::2] = torch.sin(pos * freq)
+    pe[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
+    return pe
+
+
+class CompressionHead(nn.Module):
+    """config.head="compression" (MAD compression): the last position's hidden state plus a sin/cos position
+    code goes through a two-layer MLP and an unembedding to predict the token at every position."""
+
+    def __init__(self, dim: int, vocab_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.mlp = nn.Sequential(RMSNorm(dim, eps), nn.Linear(dim, dim), nn.GELU(),
+                                 RMSNorm(dim, eps), nn.Linear(dim, dim), nn.GELU())
+        self.unembed = nn.Sequential(RMSNorm(dim, eps), nn.Linear(dim, vocab_size))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> logits (B, T, V)
+        x = h[:, -1:, :] + sincos_positions(h.shape[1], h.shape[2]).to(h.device, h.dtype)[None]
+        return self.unembed(self.mlp(x))
+
+
 class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     model_class: type[LMModel] = LMModel
@@ -298,6 +323,8 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.compression_head = (CompressionHead(config.hidden_size, config.vocab_size, config.rms_norm_eps)
+                                 if config.head == "compression" else None)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -346,6 +373,13 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         if use_cache is False:
             cache = None
         h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens)
+        if self.compression_head is not None:  # decodes the whole sequence from its last state
+            if labels is not None:
+                raise ValueError("labels: the compression head predicts targets aligned with input_ids (no shift); "
+                                 "pass them as targets=")
+            logits = self.compression_head(h)
+            loss = logits_cross_entropy(logits, targets) if targets is not None else None
+            return LMOutput(loss=loss, logits=logits, fixed_point_stats=stats, **{CACHE_FIELD: cache})
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         if labels is not None and targets is None:

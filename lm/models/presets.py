@@ -30,7 +30,13 @@ def list_presets() -> list[str]:
 
 
 def load_config(name_or_path: str, **overrides) -> LMConfig:
-    """A config from a preset name, a config.json file, or a directory holding config.json."""
+    """A config from a preset name, a config.json file, a directory holding config.json, or a bare model type
+    (`lm_mamba2`: that type's defaults)."""
+    if name_or_path in MODEL_TYPES:
+        try:
+            return MODEL_TYPES[name_or_path][0](**overrides)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name_or_path}: {err}") from None
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"

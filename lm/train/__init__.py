@@ -9,7 +9,8 @@
 - engine.py      TorchEngine (one process) and DeepSpeedEngine (ZeRO 0/1/2) behind one interface
 - checkpoint.py  atomic checkpoint folders with a manifest, `latest`, keep-last-K, resolve/verify
 - metrics.py     metrics.jsonl, wandb (optional), tqdm progress, MFU, memory
-- trainer.py     train(cfg): the loop
+- trainer.py     train(cfg): the loop;  budget.py: train.max_minutes / stop_after_minutes
+- synth.py       `lm synth`: a synthetic-task recipe -> a training config with data.source=task
 - export.py      `lm export`: checkpoint -> Hugging Face folder;  plot.py: `lm plot`;  cli.py: `lm train`
 """
 from .config import TrainConfig, load_train_config

@@ -2,9 +2,9 @@
 
     cfg = load_train_config("configs/train/default.yaml", ["train.tokens=2e6", "optim.lr=1e-3"])
 
-Sections: model, data, optim, schedule, curriculum, train, checkpoint, log, eval (+ run_dir). Every key
-is declared below with its type and default; an unknown key, a wrong type or an out-of-range value is
-a ValueError naming the dotted field (e.g. `train.micro_batch_size`). Overrides use dotted paths and
+Sections: model, data, optim, schedule, curriculum, train, checkpoint, log, eval, task (data.source=task)
+(+ run_dir). Every key is declared below with its type and default; an unknown key, a wrong type or an
+out-of-range value is a ValueError naming the dotted field (e.g. `train.micro_batch_size`). Overrides use dotted paths and
 YAML values (`curriculum=paper`, `model.overrides={hidden_size: 256}`, `train.tokens=1e6`).
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ class ModelSection:
 
 @dataclasses.dataclass
 class DataSection:
-    source: str = "shards"                   # "shards" (lm prepare-data output) or "synthetic" (benchmarks)
+    source: str = "shards"                   # "shards" (lm prepare-data output), "synthetic" (benchmarks) or
+                                             # "task" (a synthetic task of lm.data.synthetic: the `task` section)
     path: str = "data/shakespeare"
     seq_len: int = 256
     tokenizer: Union[str, None] = None       # None: the shipped default (must match the shards)
@@ -76,6 +77,12 @@ class TrainSection:
     stop_after_steps: Union[int, None] = None  # stop early (the schedule still spans all steps)
     num_threads: Union[int, None] = None     # torch.set_num_threads on CPU
     fused_loss: bool = True                  # LM-head cross-entropy in token chunks: no (tokens x vocab) logits held
+    # wall-clock budget of the training (evaluation time not counted): the LR schedule then runs on
+    # max(step, steps * elapsed / budget), so its decay ends when the first of the two budgets runs out
+    max_minutes: Union[float, None] = None
+    # stop this process after that much training and save a checkpoint: a run longer than one allocation
+    # goes on in slices (resume it; the schedule counts the training time of every slice)
+    stop_after_minutes: Union[float, None] = None
 
 
 @dataclasses.dataclass
@@ -117,6 +124,25 @@ class EvalSection:
 
 
 @dataclasses.dataclass
+class TaskSection:
+    """data.source=task: a synthetic task (lm.data.synthetic.registry.TASKS) as the training data, evaluated
+    per length (lm.eval.synthetic: RUN/results.json + accuracy_per_length.png) at eval.every_steps and the end."""
+    name: Union[str, None] = None            # e.g. word_problem, parity, mad_compression
+    run_name: Union[str, None] = None        # the run's label in results.json and plots (None: run_dir's name)
+    params: dict = dataclasses.field(default_factory=dict)  # the task's parameters, e.g. {group: S5}
+    lengths: Union[list, None] = None        # [min, max] training lengths, one drawn per batch (None: the task's)
+    examples: Union[int, None] = None        # None: fresh batches; N: a fixed training set of N sequences
+    prefetch: int = 0                        # batches made ahead in a background thread (GPU runs)
+    target_accuracy: Union[float, None] = None  # stop once the running training accuracy reaches it (log steps)
+    eval_lengths: Union[list, None] = None   # None: the task's
+    eval_examples: int = 512                 # sequences per evaluated length (a fixed set, seeded by eval_seed)
+    eval_batch_size: int = 256
+    eval_seed: int = 12345
+    eval_params: dict = dataclasses.field(default_factory=dict)  # task parameters changed for evaluation
+                                             # (e.g. {p: 0.5}: the training distribution is then evaluated too)
+
+
+@dataclasses.dataclass
 class TrainConfig:
     run_dir: str = "runs/default"
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
@@ -128,6 +154,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    task: TaskSection = dataclasses.field(default_factory=TaskSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -235,17 +262,20 @@ def _looks_numeric(s: str) -> bool:
         return False
 
 
+def read_tree(path: str | Path, kind: str, what: str) -> dict:
+    """The YAML mapping of a file, or of a packaged config of `kind` by name (lm.resources.config_path)."""
+    try:
+        p = config_path(path, kind)
+    except FileNotFoundError as err:
+        raise ValueError(f"{what}: {err}") from None
+    tree = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(tree, dict):
+        raise ValueError(f"{p}: expected a mapping at the top level")
+    return tree
+
+
 def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    tree: dict = {}
-    if path is not None:
-        try:
-            p = config_path(path, "train")
-        except FileNotFoundError as err:
-            raise ValueError(f"training config: {err}") from None
-        tree = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ValueError(f"{p}: expected a mapping at the top level")
-    tree = _numbers(tree)
+    tree = _numbers(read_tree(path, "train", "training config")) if path is not None else {}
     for item in overrides or []:
         apply_override(tree, item)
     cfg = _build(TrainConfig, tree, "")
@@ -262,6 +292,39 @@ def config_from_dict(tree: dict) -> TrainConfig:
 # ---------------------------------------------------------------------------------------- validation
 
 
+def _validate_task(cfg: TrainConfig) -> None:
+    """The task section (data.source=task); the data's sequence length is the longest training length."""
+    from ..data.synthetic.registry import build_task
+
+    k = cfg.task
+    _need(bool(k.name), "task.name", "missing: one of the registered tasks (lm synth --list-tasks)", k.name)
+    try:
+        task = build_task(k.name, **k.params)
+        build_task(k.name, **{**k.params, **k.eval_params})
+    except ValueError as err:
+        raise ValueError(f"task: {err}") from None
+    lengths = k.lengths if k.lengths is not None else list(task.train_lengths)
+    _need(len(lengths) == 2 and all(isinstance(n, int) for n in lengths) and 1 <= lengths[0] <= lengths[1],
+          "task.lengths", "must be [min, max] with 1 <= min <= max", k.lengths)
+    _need(k.examples is None or k.examples >= 1, "task.examples", "must be null or >= 1", k.examples)
+    _need(k.examples is None or lengths[0] == lengths[1], "task.examples",
+          "a fixed training set needs one training length (task.lengths [n, n])", k.lengths)
+    _need(k.prefetch >= 0, "task.prefetch", "must be >= 0", k.prefetch)
+    if k.target_accuracy is not None:
+        _need(0 < k.target_accuracy <= 1, "task.target_accuracy", "must be null or in (0, 1]", k.target_accuracy)
+        _need(not cfg.train.fused_loss, "task.target_accuracy",
+              "needs the logits: set train.fused_loss=false", cfg.train.fused_loss)
+    _need(k.eval_lengths is None or (len(k.eval_lengths) > 0 and all(isinstance(n, int) and n >= 1
+                                                                     for n in k.eval_lengths)),
+          "task.eval_lengths", "must be null or a non-empty list of lengths >= 1", k.eval_lengths)
+    _need("name" not in k.eval_params, "task.eval_params", "takes task parameters, not the name", k.eval_params)
+    _need(k.eval_examples >= 1, "task.eval_examples", "must be >= 1", k.eval_examples)
+    _need(k.eval_batch_size >= 1, "task.eval_batch_size", "must be >= 1", k.eval_batch_size)
+    _need(cfg.data.seq_len == lengths[1], "data.seq_len",
+          f"must be the longest training length {lengths[1]} with data.source=task (`lm synth` sets it)",
+          cfg.data.seq_len)
+
+
 def _need(cond: bool, field: str, why: str, value: Any) -> None:
     if not cond:
         raise ValueError(f"{field}: {why} (got {value!r})")
@@ -269,7 +332,8 @@ def _need(cond: bool, field: str, why: str, value: Any) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     d, o, s, t, c, lg, e = cfg.data, cfg.optim, cfg.schedule, cfg.train, cfg.checkpoint, cfg.log, cfg.eval
-    _need(d.source in ("shards", "synthetic"), "data.source", "must be 'shards' or 'synthetic'", d.source)
+    _need(d.source in ("shards", "synthetic", "task"), "data.source", "must be 'shards', 'synthetic' or 'task'",
+          d.source)
     _need(d.seq_len >= 1, "data.seq_len", "must be >= 1", d.seq_len)
     _need(d.synthetic_vocab >= 2, "data.synthetic_vocab", "must be >= 2", d.synthetic_vocab)
     _need(o.lr > 0, "optim.lr", "must be > 0", o.lr)
@@ -315,6 +379,14 @@ def validate(cfg: TrainConfig) -> None:
     _need(e.sample_tokens >= 0, "eval.sample_tokens", "must be >= 0", e.sample_tokens)
     _need(e.tasks_limit is None or e.tasks_limit >= 1, "eval.tasks_limit", "must be None or >= 1", e.tasks_limit)
     _need(e.tasks_batch_size >= 1, "eval.tasks_batch_size", "must be >= 1", e.tasks_batch_size)
+    for k in ("max_minutes", "stop_after_minutes"):
+        v = getattr(t, k)
+        _need(v is None or (v > 0 and math.isfinite(v)), f"train.{k}", "must be null or a number of minutes > 0", v)
+    _need(t.stop_after_minutes is None or c.at_end, "checkpoint.at_end",
+          "must be true with train.stop_after_minutes (a slice ends with the checkpoint the next one resumes)",
+          c.at_end)
+    if d.source == "task":
+        _validate_task(cfg)
     _need(e.include_path is None or Path(e.include_path).is_dir(), "eval.include_path",
           "must be an existing folder of task YAMLs (python -m lm.eval.local_tasks writes one)", e.include_path)
     if cfg.curriculum is not None:

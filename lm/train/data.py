@@ -1,4 +1,5 @@
-"""The trainer's data: lm.data's TrainReader/ValReader over prepared shards, or synthetic tokens.
+"""The trainer's data: lm.data's TrainReader/ValReader over prepared shards, synthetic tokens, or a synthetic
+task (data.source=task: lm.data.synthetic.source.TaskReader, build_task_data).
 
     train_reader, val_reader_fn, tokenizer = build_data(cfg.data, seed, micro_batch_size, rank, world_size)
 
@@ -66,6 +67,8 @@ def build_data(data_cfg, *, seed: int, micro_batch_size: int, rank: int, world_s
 
         return train, make_val, None, data_cfg.synthetic_vocab
 
+    if data_cfg.source == "task":
+        raise ValueError("data.source=task: build the reader with build_task_data(cfg, ...) (it needs the task section)")
     from lm.data import TokenDataset, TrainReader, ValReader, load_tokenizer
 
     path = Path(data_cfg.path)
@@ -87,6 +90,19 @@ def build_data(data_cfg, *, seed: int, micro_batch_size: int, rank: int, world_s
                          cu_seqlens=data_cfg.cu_seqlens, max_batches=max_batches)
 
     return train, make_val, tokenizer, ds.vocab_size
+
+
+def build_task_data(cfg, *, rank: int, world_size: int):
+    """data.source=task: (TaskReader over cfg.task, make_val -> [] (no held-out loss: the task is evaluated per
+    length by lm.eval.synthetic), no tokenizer, the task's vocabulary size)."""
+    from lm.data.synthetic.registry import build_task
+    from lm.data.synthetic.source import TaskReader
+
+    k = cfg.task
+    task = build_task(k.name, **k.params)
+    reader = TaskReader(task, tuple(k.lengths or task.train_lengths), cfg.train.micro_batch_size, cfg.train.seed,
+                        examples=k.examples, rank=rank, world_size=world_size, prefetch=k.prefetch)
+    return reader, lambda max_batches: [], None, task.vocab_size
 
 
 def to_model_inputs(batch: dict, device: torch.device) -> dict:

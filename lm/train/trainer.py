@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from . import checkpoint as ckpt_lib
 from .config import TrainConfig
 from .curriculum import apply_phase, parse_curriculum, phase_index, phase_start
-from .data import build_data, to_model_inputs
+from .budget import TimeBudget
+from .data import build_data, build_task_data, to_model_inputs
 from .engine import DeepSpeedEngine, TorchEngine, deepspeed_config, make_optimizer
 from .metrics import MetricsLogger, Progress, memory_gb, mfu
 from .schedule import lr_at, warmup_steps_of
@@ -303,8 +304,16 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
 
-    train_reader, make_val, tokenizer, data_vocab = build_data(
-        d, seed=t.seed, micro_batch_size=t.micro_batch_size, rank=dist.rank, world_size=dist.world)
+    if d.source == "task":  # a synthetic task: its reader, and its evaluation per length (lm.eval.synthetic)
+        from lm.eval.synthetic import TaskEvalHook
+
+        train_reader, make_val, tokenizer, data_vocab = build_task_data(cfg, rank=dist.rank, world_size=dist.world)
+        task_hook = TaskEvalHook(cfg, train_reader, run_dir, device=dist.device, is_main=dist.is_main)
+        hooks = {**hooks, "after_forward": _chain(hooks.get("after_forward"), task_hook.after_forward)}
+    else:
+        train_reader, make_val, tokenizer, data_vocab = build_data(
+            d, seed=t.seed, micro_batch_size=t.micro_batch_size, rank=dist.rank, world_size=dist.world)
+        task_hook = None
     preset_type = _preset_model_type(cfg)
     phases = parse_curriculum(cfg.curriculum, preset_type)
     model = build_model(cfg, phases, data_vocab)
@@ -335,8 +344,10 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                  decay_start_step=int(round(decay_frac * total_steps)))
 
     step, bad_in_row, phase_i = 0, 0, -1
+    budget = TimeBudget(t.max_minutes, t.stop_after_minutes)
     if resume_from is not None:
         step, bad_in_row, phase_i = _resume(resume_from, engine, train_reader, dist, cfg)
+        budget.resume(json.loads((resume_from / "client.json").read_text()).get("train_s", 0.0))
         if phases and phase_i >= 0:
             apply_phase(model.config, phases[phase_i])
 
@@ -364,7 +375,9 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
     summary: dict = {}
     window_tokens, window_time = 0, 0.0
 
-    while step < stop_at:
+    # why the loop ended before stop_at: "time budget" (complete) | "target accuracy" (complete) | "slice"
+    stopped = "time budget" if budget.out_of_time() else None
+    while step < stop_at and not stopped:
         # curriculum
         if phases:
             i = phase_index(phases, step * t.global_batch_tokens / total_tokens)
@@ -376,7 +389,7 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                 if dist.is_main:
                     progress.write(f"step {step}: curriculum phase {phases[i].describe()}")
                 phase_i = i
-        lr = lr_at(step, total_steps, **sched)
+        lr = lr_at(budget.schedule_step(step, total_steps, warmup), total_steps, **sched)
         t0 = time.perf_counter()
         micro_losses = []
         fp_stats: list[dict] = []
@@ -432,7 +445,8 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
         # metrics
         window_tokens += t.global_batch_tokens
         window_time += dt
-        if step % cfg.log.every_steps == 0 or step == stop_at:
+        stopped = "time budget" if budget.out_of_time() else "slice" if budget.slice_done() and step < stop_at else None
+        if step % cfg.log.every_steps == 0 or step == stop_at or stopped:
             tps = window_tokens / window_time if window_time > 0 else float("nan")
             key = json.dumps(model.config.implicit, sort_keys=True)
             if key not in flops_cache:
@@ -449,6 +463,10 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
                 for k in fp_stats[0]:
                     vals = [s[k] for s in fp_stats if k in s]
                     rec[f"fp/{k}"] = sum(vals) / len(vals)
+            if task_hook is not None:
+                rec.update(task_hook.log_fields())
+                if task_hook.reached_target(step):
+                    stopped = "target accuracy"
             logger.log(rec)
             postfix = {"loss": f"{step_loss:.3f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
             it = rec.get("fp/iterations", rec.get("fp/layer_iterations"))  # implicit model / FP-Mamba's layers
@@ -457,7 +475,12 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
             progress.update(step - progress.bar.n if progress.bar is not None else 0, **postfix)
             window_tokens, window_time = 0, 0.0
 
+        if stopped:
+            break
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < stop_at:
+            t_eval = time.perf_counter()
+            if task_hook is not None:
+                task_hook.evaluate(model, step, logger)
             ev = evaluate(model, make_val(cfg.eval.batches), dist.device, dist, t.precision)
             if ev:
                 logger.log({"event": "eval", "step": step, "tokens": step * t.global_batch_tokens, **ev})
@@ -466,20 +489,24 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
             tasks = run_tasks(model, tokenizer, cfg.eval, dist)
             if tasks:
                 logger.log({"event": "lm_eval", "step": step, "tokens": step * t.global_batch_tokens, **tasks})
+            budget.exclude(time.perf_counter() - t_eval)  # evaluation is not charged to the training time
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at and not skipped:
             # (no periodic checkpoint right after a skipped step: keep the last K good ones)
-            _save(engine, train_reader, dist, cfg, root, step, total_steps, phases, phase_i, bad_in_row, logger)
+            _save(engine, train_reader, dist, cfg, root, step, total_steps, phases, phase_i, bad_in_row, logger,
+                  budget)
             last_saved = step
     progress.close()
 
     summary.update({"steps": step, "total_steps": total_steps, "tokens": step * t.global_batch_tokens,
                     "final_loss": last_loss, "run_dir": str(run_dir)})
     if last_saved != step and cfg.checkpoint.at_end:
-        _save(engine, train_reader, dist, cfg, root, step, total_steps, phases, phase_i, bad_in_row, logger)
+        _save(engine, train_reader, dist, cfg, root, step, total_steps, phases, phase_i, bad_in_row, logger,
+              budget)
         last_saved = step
     if last_saved == step:
         summary["checkpoint"] = str(root / ckpt_lib.tag_of(step))
-    finished = step >= total_steps
+    finished = step >= total_steps or stopped in ("time budget", "target accuracy")
+    summary.update({"complete": finished, "stopped": stopped, "train_s": budget.elapsed_s()})
     if finished and cfg.checkpoint.export and last_saved == step:
         if dist.is_main:
             from .export import export_checkpoint
@@ -500,9 +527,18 @@ def _train(cfg: TrainConfig, dist: Dist, hooks: dict) -> dict:
     if finished and dist.is_main and cfg.eval.sample_tokens and tokenizer is not None:
         summary["sample"] = sample_text(model, tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, t.seed)
         logger.log({"event": "sample", "step": step, "text": summary["sample"]})
-    logger.log({"event": "end", **{k: v for k, v in summary.items() if k != "sample"}})
+    if task_hook is not None:
+        summary.update(task_hook.finish(model, step, summary, logger, complete=finished, train_s=budget.elapsed_s()))
+    logger.log({"event": "end", **{k: v for k, v in summary.items() if k not in ("sample", "results")}})
     logger.close()
     return summary
+
+
+def _chain(first, second):
+    """Two after_forward hooks as one (either may be None)."""
+    if first is None:
+        return second
+    return lambda step, micro, out: second(step, micro, first(step, micro, out))
 
 
 def _is_implicit(cfg: TrainConfig) -> bool:
@@ -528,7 +564,7 @@ def _preset_model_type(cfg: TrainConfig) -> str:
 
 
 def _save(engine, reader, dist: Dist, cfg: TrainConfig, root: Path, step: int, total_steps: int, phases,
-          phase_i: int, bad_in_row: int, logger: MetricsLogger) -> Path:
+          phase_i: int, bad_in_row: int, logger: MetricsLogger, budget: TimeBudget) -> Path:
     tag = ckpt_lib.tag_of(step)
     stage = ckpt_lib.staging_dir(root, tag)
     if dist.is_main:
@@ -543,7 +579,8 @@ def _save(engine, reader, dist: Dist, cfg: TrainConfig, root: Path, step: int, t
         client = {"step": step, "tokens": step * cfg.train.global_batch_tokens, "total_steps": total_steps,
                   "world_size": dist.world, "engine": dist.engine, "bad_in_row": bad_in_row,
                   "phase_index": phase_i if phases else None, "phase": phases[phase_i].name if phases else None,
-                  "implicit": engine.module.config.implicit, "train_config": cfg.to_dict()}
+                  "implicit": engine.module.config.implicit, "train_s": budget.elapsed_s(),
+                  "train_config": cfg.to_dict()}
         (stage / "client.json").write_text(json.dumps(client, indent=1))
         engine.module.config.to_json_file(str(stage / "config.json"))
         ckpt_lib.write_manifest(stage, {"step": step, "engine": dist.engine, "world_size": dist.world})
