@@ -351,8 +351,12 @@ class _AtomicFolder:
 
     def __init__(self, out: Path):
         self.out = Path(out)
-        if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
-            raise ValueError(f"--output {self.out}: exists and is not empty; choose a new folder")
+        self.check(self.out)
+
+    @staticmethod
+    def check(out: Path) -> None:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"--output {out}: exists and is not empty; choose a new folder")
 
     def __enter__(self) -> Path:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -375,6 +379,7 @@ def from_fla(src, output) -> tuple[Path, list[str]]:
     from lm.models.modeling import write_remote_code
 
     src = Path(src)
+    _AtomicFolder.check(Path(output))
     cfg, dropped = config_from_fla(read_config(src))
     sd = state_dict_from_fla(read_safetensors(src), cfg)
     config = LMDeltaProductConfig(**cfg)  # validates (names the field that is out of range)
@@ -405,6 +410,7 @@ def _lm_folder(src: Path, workdir: Path) -> Path:
 def to_fla(src, output) -> tuple[Path, list[str]]:
     """Convert an lm_deltaproduct folder (or a run / checkpoint folder) to an fla gated_deltaproduct folder."""
     src = Path(src)
+    _AtomicFolder.check(Path(output))
     with tempfile.TemporaryDirectory() as work:
         folder = _lm_folder(src, Path(work))
         lm_cfg = read_config(folder)
