@@ -78,7 +78,8 @@ for gated in (False, True):
 
         def ratio(a, b):
             return f"{b / a:.2f}x" if a and b else "-"
-        print(f"{nh:>3} {('yes' if gated else 'no'):>5} | {cell(row['fwd', 'triton']):>10} {cell(row['fwd', 'fla']):>9} "
+        gate = "yes" if gated else "no"
+        print(f"{nh:>3} {gate:>5} | {cell(row['fwd', 'triton']):>10} {cell(row['fwd', 'fla']):>9} "
               f"{ratio(row['fwd', 'triton'], row['fwd', 'fla']):>10} | {cell(row['fb', 'triton']):>10} "
               f"{cell(row['fb', 'fla']):>9} {ratio(row['fb', 'triton'], row['fb', 'fla']):>10}")
         del q, k, v, beta, g, do

@@ -51,10 +51,10 @@ def _run(backend, x, cu, nh, grad_out=None):
 
 
 CASES = [(nh, gated, False) for nh in (1, 2, 3) for gated in (False, True)] + [(2, False, True), (2, True, True)]
+IDS = [f"nh{n}-{'gated' if g else 'plain'}-{'varlen' if v else 'dense'}" for n, g, v in CASES]
 
 
-@pytest.mark.parametrize("nh,gated,varlen", CASES, ids=[f"nh{n}-{'gated' if g else 'plain'}-{'varlen' if v else 'dense'}"
-                                                          for n, g, v in CASES])
+@pytest.mark.parametrize("nh,gated,varlen", CASES, ids=IDS)
 def test_fla_matches_triton_and_reference(nh, gated, varlen):
     # K, V as scripts/gpu_fla.sh's speed table: its process finds these kernels compiled in triton's disk cache
     B, T, H, K, V = (1 if varlen else 2), 200, 2, 128, 256
