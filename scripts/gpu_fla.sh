@@ -5,6 +5,7 @@
 # backward), B8 T2048 H16 K128 V256 bf16, nh 1, 2, 3, ungated and gated, printed as a table.
 # Run from the repo root with .gpu prepared by ../shared/tools/gpu-carry.sh (carried to the machine):
 #   bash scripts/gpu_fla.sh            (OUT: where logs go, default /tmp/fla_out; about 3 min on an H100)
+#   TESTS=0 / SPEED=0 skip the tests / the table; SETS="test_model test_op_varlen" runs some test processes
 set -u
 OUT=${OUT:-/tmp/fla_out}; mkdir -p "$OUT"
 if [ -d .gpu/wheels ]; then
@@ -24,12 +25,17 @@ if [ "${TESTS:-1}" = 1 ]; then
     ( timeout 300 python3 -m pytest -m gpu "$@" -q -s -p no:cacheprovider > "$OUT/$name.log" 2>&1
       echo "exit $?" >> "$OUT/$name.log" ) &
   }
-  run test_op_plain $t -k "dense and plain"
-  run test_op_gated $t -k "dense and gated"
-  run test_op_varlen $t -k "varlen or float32"
-  run test_model tests/test_convert_fla_gpu.py
+  SETS=${SETS:-"test_op_plain test_op_gated test_op_varlen test_model"}  # a subset: SETS="test_model ..."
+  for f in $SETS; do
+    case $f in
+      test_op_plain) run $f $t -k "dense and plain" ;;
+      test_op_gated) run $f $t -k "dense and gated" ;;
+      test_op_varlen) run $f $t -k "varlen or float32" ;;
+      test_model) run $f tests/test_convert_fla_gpu.py ;;
+    esac
+  done
   wait
-  for f in test_op_plain test_op_gated test_op_varlen test_model; do
+  for f in $SETS; do
     echo "--- $f ($OUT/$f.log)"; grep -E "rel\. errors|losses|passed|failed|Error|exit" "$OUT/$f.log" | tail -30
   done
 fi
