@@ -21,6 +21,7 @@ COMMANDS = {
     "synth": ("lm.train.synth:main", "train/evaluate on a synthetic state-tracking task"),
     "bench": ("lm.benchmarks:main", "kernel and training benchmarks (GPU)"),
     "info": ("lm.models.presets:info_main", "parameter count and training FLOPs of a preset"),
+    "convert": ("lm.convert:main", "checkpoints of other projects in and out (--from fla / --to fla)"),
     "selftest": ("lm.selftest:main", "check this installation: every family, a training step, lm-eval"),
 }
 

@@ -15,8 +15,9 @@ final_state is float32 (float64 for float64 inputs) or None; o has v's dtype.
 is one token of generation (k, v, beta: (b,nh,h,..)), on CUDA one Triton kernel (step.py).
 
 backend: None = auto (Triton on CUDA when triton imports, else the reference; the environment variable
-LM_DELTAPRODUCT_BACKEND=reference|triton overrides auto), "reference", or "triton" (on CPU only under
-TRITON_INTERPRET=1); `lm_kernels.backend.resolve_backend` decides. The Triton chunk path is chunk.py (its docstring
+LM_DELTAPRODUCT_BACKEND=reference|triton|fla overrides auto), "reference", "triton" (on CPU only under
+TRITON_INTERPRET=1), or "fla" (flash-linear-attention's kernel, fla_backend.py; fla has no one-token op, so the
+decode step runs ours); `lm_kernels.backend.resolve_backend` decides. The Triton chunk path is chunk.py (its docstring
 names the phases and their modules), the decode step step.py; reference.py and naive.py are the PyTorch forms.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .reference import chunk_deltaproduct_reference
 __all__ = ["chunk_deltaproduct", "naive_deltaproduct", "deltaproduct_step", "deltaproduct_step_reference",
            "chunk_deltaproduct_reference", "BACKENDS"]
 
-BACKENDS = ("reference", "triton")  # what `backend=` takes besides None (lm_kernels.backend.resolve_backend)
+BACKENDS = ("reference", "triton", "fla")  # what `backend=` takes besides None (lm_kernels.backend.resolve_backend)
 
 
 def _chunk_triton(*args, **kwargs):
@@ -48,9 +49,15 @@ def _step_triton(state, q, k, v, beta, g, *, scale, use_qk_l2norm):
     return deltaproduct_step_triton(state, q, k, v, beta, g, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
 
+def _chunk_fla(*args, **kwargs):
+    from .fla_backend import chunk_deltaproduct_fla
+    return chunk_deltaproduct_fla(*args, **kwargs)
+
+
 # backend -> (chunk function, decode step function), each with the signature of the reference
 _IMPLS = {"reference": (chunk_deltaproduct_reference, deltaproduct_step_reference),
-          "triton": (_chunk_triton, _step_triton)}
+          "triton": (_chunk_triton, _step_triton),
+          "fla": (_chunk_fla, _step_triton)}
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)

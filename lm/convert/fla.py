@@ -1,0 +1,427 @@
+"""flash-linear-attention `gated_deltaproduct` checkpoints <-> `lm_deltaproduct` Hugging Face folders.
+
+    from_fla(SRC, OUT):  fla folder (config.json + safetensors, as fla's save_pretrained writes it) -> lm folder
+    to_fla(SRC, OUT):    lm folder (or a run / checkpoint folder, exported first) -> fla folder
+
+The two models compute the same function (tests/test_convert_fla.py checks the logits); they differ in
+how the parameters are cut:
+
+    fla  model.layers.i.attn.{q,k,v,b,a,g}_proj   ours  model.layers.i.mixer.in_proj (rows stacked in
+                                                        that order; a only with use_forget_gate, g only
+                                                        with use_output_gate)
+    fla  model.layers.i.attn.{q,k,v}_conv1d       ours  model.layers.i.mixer.conv1d (one depthwise conv
+                                                        over the stacked q|k|v channels)
+    fla  attn.{A_log,dt_bias,o_norm,o_proj}       ours  mixer.{A_log,dt_bias,o_norm,o_proj}
+    fla  model.layers.i.{attn_norm,mlp_norm,mlp}  ours  model.layers.i.{norm,mlp_norm,mlp}
+    fla  model.embeddings / model.norm / lm_head  ours  model.embed_tokens / model.norm_f / lm_head
+
+Within k, v and beta both lay a token's rows out as (num_householder, heads, dim), so the stacked blocks
+are fla's weights unchanged. Config names: fla's norm_eps is our rms_norm_eps; fla's hidden_ratio (or
+intermediate_size) gives our intermediate_size by fla's own rule; tie_word_embeddings, the head sizes and
+the DeltaProduct switches carry over by name. Tensors keep their dtype, so from_fla then to_fla gives
+back fla's state dict bit for bit.
+
+What does not map is refused with a ValueError naming the field: an implicit model, a model without an
+MLP (intermediate_size 0), fla's hybrid attention layers (`attn`), attention residuals
+(`attnres_block_size`), a hidden_act other than swish, config fields this converter does not know.
+Fields that only steer training or kernels on one side are dropped and listed (fla: attn_mode, fuse_*,
+use_l2warp, max_position_embeddings; ours: chunk_size and the initialisation ranges).
+The output is written to a temporary folder beside OUT and renamed at the end: nothing is written on error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+FLA_MODEL_TYPE = "gated_deltaproduct"
+LM_MODEL_TYPE = "lm_deltaproduct"
+FLA_ARCHITECTURE = "GatedDeltaProductForCausalLM"
+
+# fla config fields that have a counterpart in ours (same name unless mapped in _config_from_fla)
+_FLA_MAPPED = {
+    "hidden_size", "num_hidden_layers", "vocab_size", "num_heads", "head_dim", "expand_v", "num_householder",
+    "allow_neg_eigval", "use_forget_gate", "use_output_gate", "use_short_conv", "conv_size", "norm_eps",
+    "hidden_ratio", "intermediate_size", "hidden_act", "tie_word_embeddings", "initializer_range",
+    "bos_token_id", "eos_token_id", "pad_token_id", "attn", "attnres_block_size",
+}
+# fla fields that steer its kernels, fused losses or generation only: no effect on the weights or the function
+_FLA_DROPPED = {
+    "attn_mode", "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp",
+    "max_position_embeddings", "use_cache",
+}
+# our fields that only set initialisation or the kernel's tiling
+_LM_DROPPED = {"chunk_size", "dt_min", "dt_max", "A_init_range", "rescale_o_proj", "injection_norm"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def fla_intermediate_size(hidden_size: int, hidden_ratio, intermediate_size) -> int:
+    """fla's GatedMLP width: intermediate_size if given, else 2/3 * hidden_ratio (default 4) * hidden_size
+    rounded up to a multiple of 256."""
+    if intermediate_size is not None:
+        return int(intermediate_size)
+    width = int(hidden_size * (4 if hidden_ratio is None else hidden_ratio) * 2 / 3)
+    return 256 * ((width + 255) // 256)
+
+
+def _hf_keys() -> set[str]:
+    from lm.models.config import _HF_KEYS
+
+    return _HF_KEYS
+
+
+# --- config ------------------------------------------------------------------------------------------------
+def config_from_fla(fla: dict) -> tuple[dict, list[str]]:
+    """Our lm_deltaproduct config kwargs for an fla gated_deltaproduct config.json dict, and the dropped fields."""
+    mt = fla.get("model_type")
+    if mt != FLA_MODEL_TYPE:
+        raise ValueError(f"model_type: {mt!r} is not fla's {FLA_MODEL_TYPE!r}; only fla GatedDeltaProduct "
+                         "checkpoints convert to lm_deltaproduct")
+    unknown = sorted(set(fla) - _FLA_MAPPED - _FLA_DROPPED - _hf_keys())
+    if unknown:
+        raise ValueError(f"{unknown[0]}: fla config field(s) {unknown} have no lm_deltaproduct counterpart "
+                         "that this converter knows; refusing rather than dropping them")
+    if fla.get("attn") is not None:
+        raise ValueError("attn: the fla model has hybrid attention layers (attn is set); lm_deltaproduct has "
+                         "DeltaProduct layers only")
+    if fla.get("attnres_block_size") is not None:
+        raise ValueError("attnres_block_size: fla's attention residuals have no lm_deltaproduct counterpart")
+    act = fla.get("hidden_act", "swish")
+    if act not in ("swish", "silu"):
+        raise ValueError(f"hidden_act: {act!r}; lm_deltaproduct's MLP is SwiGLU (fla 'swish') only")
+    hidden = fla.get("hidden_size", 2048)
+    cfg = {
+        "vocab_size": fla.get("vocab_size", 32000),
+        "hidden_size": hidden,
+        "num_hidden_layers": fla.get("num_hidden_layers", 21),
+        "intermediate_size": fla_intermediate_size(hidden, fla.get("hidden_ratio", 4), fla.get("intermediate_size")),
+        "rms_norm_eps": fla.get("norm_eps", 1e-6),
+        "initializer_range": fla.get("initializer_range", 0.02),
+        "num_heads": fla.get("num_heads", 6),
+        "head_dim": fla.get("head_dim", 256),
+        "expand_v": fla.get("expand_v", 2.0),
+        "num_householder": fla.get("num_householder", 1),
+        "allow_neg_eigval": fla.get("allow_neg_eigval", False),
+        "use_forget_gate": fla.get("use_forget_gate", False),
+        "use_output_gate": fla.get("use_output_gate", True),
+        "use_short_conv": fla.get("use_short_conv", True),
+        "conv_size": fla.get("conv_size", 4),
+        "tie_word_embeddings": fla.get("tie_word_embeddings", False),
+        "bos_token_id": fla.get("bos_token_id", 1),
+        "eos_token_id": fla.get("eos_token_id", 2),
+        "pad_token_id": fla.get("pad_token_id"),
+        "implicit": None,
+    }
+    return cfg, sorted(k for k in _FLA_DROPPED if k in fla)
+
+
+def config_to_fla(lm: dict) -> tuple[dict, list[str]]:
+    """fla's gated_deltaproduct config.json dict for our lm_deltaproduct config dict, and the dropped fields."""
+    mt = lm.get("model_type")
+    if mt != LM_MODEL_TYPE:
+        raise ValueError(f"model_type: {mt!r}; only {LM_MODEL_TYPE!r} models convert to fla's {FLA_MODEL_TYPE!r}")
+    from lm.models.deltaproduct import LMDeltaProductConfig
+
+    c = LMDeltaProductConfig(**{k: v for k, v in lm.items() if k not in ("architectures", "auto_map")})
+    if c.implicit is not None:
+        raise ValueError("implicit: an implicit (fixed-point) model has no fla counterpart; fla's "
+                         "GatedDeltaProduct is explicit only")
+    if c.intermediate_size == 0:
+        raise ValueError("intermediate_size: 0 (blocks without an MLP); fla's GatedDeltaProduct blocks always "
+                         "have one")
+    ratio = next((r for r in range(1, 17)
+                  if fla_intermediate_size(c.hidden_size, r, None) == c.intermediate_size), None)
+    fla = {
+        "model_type": FLA_MODEL_TYPE,
+        "architectures": [FLA_ARCHITECTURE],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "hidden_ratio": ratio,
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": "swish",
+        "norm_eps": c.rms_norm_eps,
+        "initializer_range": c.initializer_range,
+        "num_heads": c.num_heads,
+        "head_dim": c.head_dim,
+        "expand_v": float(c.expand_v),
+        "num_householder": c.num_householder,
+        "allow_neg_eigval": c.allow_neg_eigval,
+        "use_forget_gate": c.use_forget_gate,
+        "use_output_gate": c.use_output_gate,
+        "use_short_conv": c.use_short_conv,
+        "conv_size": c.conv_size,
+        "tie_word_embeddings": bool(c.tie_word_embeddings),
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "attn": None,
+        "attnres_block_size": None,
+        "attn_mode": "chunk",
+        "max_position_embeddings": 2048,
+        "fuse_norm": True,
+        "fuse_swiglu": True,
+        "fuse_cross_entropy": True,
+        "fuse_linear_cross_entropy": False,
+        "use_l2warp": False,
+        "use_cache": True,
+    }
+    return fla, sorted(k for k in _LM_DROPPED if k in lm)
+
+
+# --- weights -----------------------------------------------------------------------------------------------
+def _widths(cfg: dict) -> dict:
+    """Per-layer widths for our config kwargs (head_dim resolved)."""
+    H, nh = cfg["num_heads"], cfg["num_householder"]
+    dk = cfg["head_dim"] if cfg.get("head_dim") is not None else cfg["hidden_size"] // H
+    dv = int(dk * cfg["expand_v"])
+    return dict(H=H, nh=nh, dk=dk, dv=dv, q=H * dk, k=nh * H * dk, v=nh * H * dv, b=nh * H,
+                a=H if cfg["use_forget_gate"] else 0, g=H * dv if cfg["use_output_gate"] else 0)
+
+
+def _expected_fla_shapes(cfg: dict) -> dict[str, tuple]:
+    """fla parameter name -> shape, for our config kwargs."""
+    w = _widths(cfg)
+    d, V, I, cs = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"], cfg["conv_size"]
+    shapes = {"model.embeddings.weight": (V, d), "model.norm.weight": (d,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, d)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "attn_norm.weight"] = (d,)
+        shapes[p + "mlp_norm.weight"] = (d,)
+        shapes[p + "mlp.gate_proj.weight"] = (I, d)
+        shapes[p + "mlp.up_proj.weight"] = (I, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, I)
+        for name in "qkvbag":
+            if w[name]:
+                shapes[p + f"attn.{name}_proj.weight"] = (w[name], d)
+        if cfg["use_short_conv"]:
+            for name in "qkv":
+                shapes[p + f"attn.{name}_conv1d.weight"] = (w[name], 1, cs)
+        if cfg["use_forget_gate"]:
+            shapes[p + "attn.A_log"] = (w["H"],)
+            shapes[p + "attn.dt_bias"] = (w["H"],)
+        shapes[p + "attn.o_norm.weight"] = (w["dv"],)
+        shapes[p + "attn.o_proj.weight"] = (d, w["H"] * w["dv"])
+    return shapes
+
+
+def _check_shapes(sd: dict, shapes: dict[str, tuple], what: str, tied_head: str | None) -> None:
+    missing = [k for k in shapes if k not in sd]
+    if missing:
+        raise ValueError(f"{what}: weight {missing[0]} is missing ({len(missing)} missing in all); the "
+                         "safetensors do not hold the model its config.json describes")
+    unexpected = sorted(k for k in sd if k not in shapes and k != tied_head)
+    if unexpected:
+        raise ValueError(f"{what}: weight(s) {unexpected[:4]} have no counterpart in the converted model "
+                         f"({len(unexpected)} in all)")
+    for k, shape in shapes.items():
+        if tuple(sd[k].shape) != tuple(shape):
+            raise ValueError(f"{what}: weight {k} has shape {tuple(sd[k].shape)}, the config implies "
+                             f"{tuple(shape)}")
+
+
+def state_dict_from_fla(sd: dict, cfg: dict) -> dict:
+    """Our state dict for fla's `sd` (checked against our config kwargs `cfg`)."""
+    _check_shapes(sd, _expected_fla_shapes(cfg), "fla checkpoint",
+                  "lm_head.weight" if cfg["tie_word_embeddings"] else None)
+    w = _widths(cfg)
+    out = {"model.embed_tokens.weight": sd["model.embeddings.weight"], "model.norm_f.weight": sd["model.norm.weight"]}
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        f, o = f"model.layers.{i}.", f"model.layers.{i}."
+        out[o + "norm.weight"] = sd[f + "attn_norm.weight"]
+        out[o + "mlp_norm.weight"] = sd[f + "mlp_norm.weight"]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[o + f"mlp.{name}.weight"] = sd[f + f"mlp.{name}.weight"]
+        out[o + "mixer.in_proj.weight"] = torch.cat([sd[f + f"attn.{n}_proj.weight"] for n in "qkvbag" if w[n]], 0)
+        if cfg["use_short_conv"]:
+            out[o + "mixer.conv1d.weight"] = torch.cat([sd[f + f"attn.{n}_conv1d.weight"] for n in "qkv"], 0)
+        if cfg["use_forget_gate"]:
+            out[o + "mixer.A_log"] = sd[f + "attn.A_log"]
+            out[o + "mixer.dt_bias"] = sd[f + "attn.dt_bias"]
+        out[o + "mixer.o_norm.weight"] = sd[f + "attn.o_norm.weight"]
+        out[o + "mixer.o_proj.weight"] = sd[f + "attn.o_proj.weight"]
+    return out
+
+
+def _expected_lm_shapes(cfg: dict) -> dict[str, tuple]:
+    shapes = {}
+    for k, s in _expected_fla_shapes(cfg).items():
+        shapes.update(_lm_names(k, s, cfg))
+    return shapes
+
+
+def _lm_names(fla_key: str, shape: tuple, cfg: dict) -> dict[str, tuple]:
+    w = _widths(cfg)
+    fixed = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm_f.weight",
+             "lm_head.weight": "lm_head.weight"}
+    if fla_key in fixed:
+        return {fixed[fla_key]: shape}
+    _, _, i, rest = fla_key.split(".", 3)
+    p = f"model.layers.{i}."
+    if rest == "attn.q_proj.weight":
+        return {p + "mixer.in_proj.weight": (sum(w[n] for n in "qkvbag"), shape[1])}
+    if rest == "attn.q_conv1d.weight":
+        return {p + "mixer.conv1d.weight": (w["q"] + w["k"] + w["v"], 1, shape[2])}
+    if rest.startswith("attn.") and (rest[5] in "kvbag" and rest[6:] in ("_proj.weight", "_conv1d.weight")):
+        return {}
+    if rest == "attn_norm.weight":
+        return {p + "norm.weight": shape}
+    return {p + rest.replace("attn.", "mixer.", 1): shape}
+
+
+def state_dict_to_fla(sd: dict, cfg: dict) -> dict:
+    """fla's state dict for our `sd` (checked against our config kwargs `cfg`)."""
+    _check_shapes(sd, _expected_lm_shapes(cfg), "lm checkpoint",
+                  "lm_head.weight" if cfg["tie_word_embeddings"] else None)
+    w = _widths(cfg)
+    out = {"model.embeddings.weight": sd["model.embed_tokens.weight"], "model.norm.weight": sd["model.norm_f.weight"]}
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        f, o = f"model.layers.{i}.", f"model.layers.{i}."
+        out[f + "attn_norm.weight"] = sd[o + "norm.weight"]
+        out[f + "mlp_norm.weight"] = sd[o + "mlp_norm.weight"]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f + f"mlp.{name}.weight"] = sd[o + f"mlp.{name}.weight"]
+        names = [n for n in "qkvbag" if w[n]]
+        for n, t in zip(names, sd[o + "mixer.in_proj.weight"].split([w[n] for n in names], 0)):
+            out[f + f"attn.{n}_proj.weight"] = t.contiguous()
+        if cfg["use_short_conv"]:
+            for n, t in zip("qkv", sd[o + "mixer.conv1d.weight"].split([w["q"], w["k"], w["v"]], 0)):
+                out[f + f"attn.{n}_conv1d.weight"] = t.contiguous()
+        if cfg["use_forget_gate"]:
+            out[f + "attn.A_log"] = sd[o + "mixer.A_log"]
+            out[f + "attn.dt_bias"] = sd[o + "mixer.dt_bias"]
+        out[f + "attn.o_norm.weight"] = sd[o + "mixer.o_norm.weight"]
+        out[f + "attn.o_proj.weight"] = sd[o + "mixer.o_proj.weight"]
+    return out
+
+
+# --- folders -----------------------------------------------------------------------------------------------
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no config.json (expected a Hugging Face model folder)")
+    return json.loads(path.read_text())
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a folder's model.safetensors, or of the shards its model.safetensors.index.json lists."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json (save the model with "
+                         "save_pretrained(..., safe_serialization=True))")
+    sd: dict[str, torch.Tensor] = {}
+    for name in shards:
+        if not (folder / name).is_file():
+            raise ValueError(f"{folder}: safetensors shard {name} (listed in the index) is missing")
+        sd.update(load_file(str(folder / name)))
+    return sd
+
+
+def _save_safetensors(sd: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path), metadata={"format": "pt"})
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+class _AtomicFolder:
+    """A temporary folder beside `out`, renamed to `out` on success and removed on error."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.check(self.out)
+
+    @staticmethod
+    def check(out: Path) -> None:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"--output {out}: exists and is not empty; choose a new folder")
+
+    def __enter__(self) -> Path:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", dir=self.out.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        if self.out.is_dir():
+            self.out.rmdir()  # empty (checked above)
+        os.replace(self.tmp, self.out)
+        return False
+
+
+def from_fla(src, output) -> tuple[Path, list[str]]:
+    """Convert an fla gated_deltaproduct folder to an lm_deltaproduct folder; returns (output, dropped fields)."""
+    from lm.models.deltaproduct import LMDeltaProductConfig
+    from lm.models.modeling import write_remote_code
+
+    src = Path(src)
+    _AtomicFolder.check(Path(output))
+    cfg, dropped = config_from_fla(read_config(src))
+    sd = state_dict_from_fla(read_safetensors(src), cfg)
+    config = LMDeltaProductConfig(**cfg)  # validates (names the field that is out of range)
+    dtypes = {t.dtype for t in sd.values()}
+    if len(dtypes) == 1:
+        config.dtype = str(next(iter(dtypes))).removeprefix("torch.")
+    config.architectures = ["LMDeltaProductForCausalLM"]
+    with _AtomicFolder(output) as tmp:
+        config.save_pretrained(str(tmp))
+        write_remote_code(tmp, LMDeltaProductConfig)
+        _save_safetensors(sd, tmp / "model.safetensors")
+        _copy_tokenizer(src, tmp)
+    return Path(output), dropped
+
+
+def _lm_folder(src: Path, workdir: Path) -> Path:
+    """src itself if it is an HF folder with safetensors, else a run / checkpoint folder exported to workdir."""
+    if (src / "config.json").is_file() and ((src / "model.safetensors").is_file()
+                                             or (src / "model.safetensors.index.json").is_file()):
+        return src
+    if (src / "config.json").is_file() and not (src / "client.json").is_file():
+        read_safetensors(src)  # raises: an HF folder without safetensors
+    from lm.train.export import export_checkpoint
+
+    return export_checkpoint(src, workdir / "hf", dtype="float32")
+
+
+def to_fla(src, output) -> tuple[Path, list[str]]:
+    """Convert an lm_deltaproduct folder (or a run / checkpoint folder) to an fla gated_deltaproduct folder."""
+    src = Path(src)
+    _AtomicFolder.check(Path(output))
+    with tempfile.TemporaryDirectory() as work:
+        folder = _lm_folder(src, Path(work))
+        lm_cfg = read_config(folder)
+        fla_cfg, dropped = config_to_fla(lm_cfg)
+        cfg, _ = config_from_fla(fla_cfg)  # our kwargs with head_dim / intermediate_size resolved
+        sd = state_dict_to_fla(read_safetensors(folder), cfg)
+        dtypes = {t.dtype for t in sd.values()}
+        if len(dtypes) == 1:
+            fla_cfg["dtype"] = str(next(iter(dtypes))).removeprefix("torch.")
+        with _AtomicFolder(output) as tmp:
+            (tmp / "config.json").write_text(json.dumps(fla_cfg, indent=2, sort_keys=True) + "\n")
+            _save_safetensors(sd, tmp / "model.safetensors")
+            _copy_tokenizer(folder, tmp)
+    return Path(output), dropped
