@@ -26,10 +26,20 @@ def load_checkpoint(path, *, device: str | None = None, dtype: str | torch.dtype
 
     from lm.data.tokenizer import load_tokenizer
 
+    from lm.train.export import verify_export
+
     folder = resolve_checkpoint(path)
+    verify_export(folder)
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32)
+    except Exception as err:  # noqa: BLE001 - a damaged or foreign folder: one paragraph, not a traceback
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise ValueError(
+            f"{folder} could not be loaded as a model ({type(err).__name__}: {first}). Its config.json or weights "
+            "are damaged or incomplete, or it was not written by `lm export` / save_pretrained of an lm model: "
+            "export it again with `lm export RUN_DIR`.") from None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     has_tok = (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()

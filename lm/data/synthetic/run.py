@@ -306,7 +306,7 @@ def lr_at(step: int, total: int, base: float, schedule: str, warmup: int, min_lr
 
 
 def _optimizer(model: nn.Module, tr: dict) -> torch.optim.Optimizer:
-    from lm.optim import param_groups
+    from lm.train.optim import param_groups
 
     return torch.optim.AdamW(param_groups(model, tr["weight_decay"]), lr=tr["lr"], betas=tuple(tr["betas"]),
                              eps=tr["eps"])
