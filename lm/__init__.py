@@ -2,8 +2,9 @@
 
 `import lm` registers every model type (lm_llama, lm_mamba2, lm_deltaproduct, lm_fp_mamba, lm_lru) with
 transformers' AutoConfig / AutoModel / AutoModelForCausalLM. The `lm` command imports this package first
-(its entry point is lm.cli): there the registration waits for a command that needs it, so `lm --help` and
-`lm CMD --help` print without loading torch and transformers (lm.cli registers before running a command).
+(its entry point is lm.cli): there the registration waits for the code that needs it (which imports
+lm.models), so `lm --help`, `lm CMD --help` and early argument errors come without loading torch and
+transformers.
 """
 import os as _os
 import sys as _sys

@@ -41,8 +41,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, _ = COMMANDS[name]
     mod, fn = target.split(":")
-    if not any(a in ("-h", "--help") for a in rest):
-        importlib.import_module("lm.models")  # registers the model types (see lm/__init__.py)
     try:
         module = importlib.import_module(mod)
     except ModuleNotFoundError as e:

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A folder with config.json; a training run folder resolves to its `hf` export."""
@@ -21,15 +19,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def load_checkpoint(path, *, device: str | None = None, dtype: str | torch.dtype | None = None):
     """(model in eval mode, tokenizer). The tokenizer is the one saved with the model; the shipped default
     tokenizer is used (with a check of the vocabulary size) when the folder has none."""
-    import lm  # noqa: F401  (registers the model types)
-    from transformers import AutoModelForCausalLM
-
-    from lm.data.tokenizer import load_tokenizer
-
     from lm.train.export import verify_export
 
-    folder = resolve_checkpoint(path)
+    folder = resolve_checkpoint(path)  # (before the heavy imports: a wrong path is said at once)
     verify_export(folder)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import lm.models  # noqa: F401  (registers the model types)
+    from lm.data.tokenizer import load_tokenizer
+
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     try:

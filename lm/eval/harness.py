@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 PAPER_TASKS = ["lambada_openai", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande", "openbookqa"]
 # Which accuracy the papers report per task (acc_norm where the Mamba/GLA tables use it).
 REPORTED_METRIC = {"hellaswag": "acc_norm", "arc_challenge": "acc_norm", "lm_local_continuation": "acc_norm"}
@@ -131,6 +129,8 @@ def run_lm_eval(model, tokenizer, tasks: list[str], *, num_fewshot: int = 0, bat
                 limit: int | float | None = None, include_path: str | None = None,
                 max_length: int | None = None) -> dict:
     """Run lm-eval on an in-memory model; returns {"results": {task: {metric: value}}, "table": [...]}."""
+    import torch
+
     lm_eval, HFLM, _ = _import_lm_eval()
     was_training = model.training
     model.eval()

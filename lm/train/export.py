@@ -42,7 +42,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     """Write the HF folder for a checkpoint (or a run folder's latest checkpoint); returns its path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import lm  # noqa: F401  (registers the model types)
+    import lm.models  # noqa: F401  (registers the model types)
 
     ckpt = ckpt_lib.resolve(checkpoint)
     config = AutoConfig.from_pretrained(str(ckpt))

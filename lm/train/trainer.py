@@ -130,7 +130,7 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     model = build_model(cfg, model_config, phases, data[3])
 
     lock = RunLock(cfg.run_dir)
-    dist.on_main(lock.acquire)
+    dist.on_main(lambda: bool(lock.acquire()))  # every rank gets rank 0's refusal, if any
     try:
         with StopSignals(cfg.run_dir) as signals:
             return _run(cfg, dist, plan, phases, model, data, resume_from, signals, hooks or {})
