@@ -132,18 +132,22 @@ class DeepSpeedEngine:
         return applied and math.isfinite(norm), norm
 
     def save(self, staging_root: Path, tag: str, writer) -> None:
-        ce = self.engine.checkpoint_engine
-        plain = ce.save
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-        def save(state_dict, path):  # DeepSpeed's TorchCheckpointEngine.save, through the hashing writer
+        ce = self.engine.checkpoint_engine
+        if type(ce) is not TorchCheckpointEngine:  # another engine (async, Nebula): the manifest reads its files
+            self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
+            return
+
+        def save(state_dict, path):  # TorchCheckpointEngine.save, through the hashing writer
             with writer(Path(path)) as f:
-                torch.save(state_dict, f, _use_new_zipfile_serialization=getattr(ce, "zipfile_serialization", True))
+                torch.save(state_dict, f, _use_new_zipfile_serialization=ce.zipfile_serialization)
 
         ce.save = save
         try:
             self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
         finally:
-            ce.save = plain
+            del ce.save  # the class's method again
 
     def load(self, ckpt: Path) -> None:
         if not any(ckpt.glob("mp_rank_*_model_states.pt")):
