@@ -256,8 +256,8 @@ def save(root: Path, step: int, *, engine, reader, dist, keep_last: int, client:
     return root / tag
 
 
-def load(ckpt: Path, *, engine, reader, dist) -> dict:
-    """Restore engine (model, optimizer), data position and RNG state from a verified checkpoint; its client.json."""
+def check_resumable(ckpt: Path, dist) -> dict:
+    """The checkpoint's client.json when this run's ranks and engine can load it; ValueError otherwise."""
     client = read_client(ckpt)
     if client["world_size"] != dist.world:
         raise ValueError(f"checkpoint.resume: {ckpt} was written by {client['world_size']} ranks, this run has "
@@ -265,6 +265,12 @@ def load(ckpt: Path, *, engine, reader, dist) -> dict:
     if client["engine"] != dist.engine:
         raise ValueError(f"checkpoint.resume: {ckpt} was written by the {client['engine']} engine, this run uses "
                          f"{dist.engine}; set train.engine={client['engine']}")
+    return client
+
+
+def load(ckpt: Path, *, engine, reader, dist) -> dict:
+    """Restore engine (model, optimizer), data position and RNG state from a verified checkpoint; its client.json."""
+    client = check_resumable(ckpt, dist)
     try:
         engine.load(ckpt)
         rank_state = torch.load(ckpt / f"client_rank{dist.rank}.pt", weights_only=False)

@@ -82,7 +82,7 @@ def curriculum_phases(value, model_type: str) -> list[Phase] | None:
     """The phases of a parsed curriculum for a model type ("paper" depends on it)."""
     if value == "paper":
         return paper_curriculum(model_type)
-    return value
+    return parse_curriculum(value)  # Phases as they are; dicts of a config built in code are read here
 
 
 def phase_index(phases: list[Phase], fraction: float) -> int:

@@ -51,5 +51,5 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for s, h in self._previous.items():
-            signal.signal(s, h)
+            signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: a handler not set from Python
         self._previous.clear()

@@ -123,6 +123,7 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
         if done >= plan.total_steps:
             return {"finished": True, "steps": done, "total_steps": plan.total_steps, "run_dir": cfg.run_dir,
                     "checkpoint": str(resume_from), "tokens": done * plan.tokens_per_step}
+        ckpt.check_resumable(resume_from, dist)  # same ranks and engine
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
