@@ -270,3 +270,38 @@ def test_lm_help_is_fast_and_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.splitlines()[-1].split()
     assert out[1:] == ["False", "False"] and float(out[0]) < 1.0
+
+
+def test_a_second_signal_exits_at_once_with_latest_intact(tmp_path):
+    run = tmp_path / "run"
+    script = textwrap.dedent("""
+        import json, sys, time
+        from lm.train.config import config_from_dict
+        from lm.train.trainer import train
+        def slow(step, micro, out):
+            if step >= 3:  # the 4th step waits: the signals arrive during it
+                time.sleep(120)
+            return out
+        train(config_from_dict(json.loads(sys.argv[1])), hooks={"after_forward": slow})
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script, json.dumps(_tree(run))], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not ((run / "metrics.jsonl").is_file() and any(r.get("step") == 3 and "loss" in r for r in _records(run))):
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "second signal (SIGTERM): exiting now without a checkpoint" in err
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    from lm.train.checkpoint import resolve
+
+    assert resolve(run).name == "step_00000002"
