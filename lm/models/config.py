@@ -65,9 +65,10 @@ class ImplicitSettings:
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(f"implicit: unknown key(s) {unknown}; valid keys are {sorted(names)}")
-        s = cls(**value)
-        s.validate()
-        return s
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         def bad(field, why):
