@@ -305,3 +305,13 @@ def test_a_second_signal_exits_at_once_with_latest_intact(tmp_path):
     from lm.train.checkpoint import resolve
 
     assert resolve(run).name == "step_00000002"
+
+
+def test_metrics_are_cut_back_to_the_resumed_checkpoint(tmp_path):
+    from lm.train.rundir import truncate_metrics
+
+    lines = [{"step": 3, "loss": 1.0}, {"step": 4, "loss": 0.9}, {"event": "checkpoint", "step": 4},
+             {"event": "phase_switch", "step": 4}, {"step": 5, "loss": 0.8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 6, "lo')
+    assert truncate_metrics(tmp_path, 4) == 3  # the switch logged after the checkpoint is logged again
+    assert _records(tmp_path) == lines[:3]

@@ -118,24 +118,27 @@ def archive_metrics(run_dir: Path) -> None:
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:
-    """Keep the records with step <= `step` (the resumed checkpoint's) and drop the rest, and a line cut short
-    by a kill; rewritten atomically. Returns the number of records dropped."""
+    """Cut the log back to the resumed checkpoint: everything after its {"event": "checkpoint", "step": step}
+    record is dropped (what followed was trained after the checkpoint, and is trained again); without that
+    record, the records with a step > `step`. A line cut short by a kill goes too. Rewritten atomically;
+    returns the number of records dropped."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         return 0
-    keep, dropped = [], 0
+    records = []
     for line in metrics.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            dropped += 1
-            continue
-        if isinstance(rec.get("step"), int) and rec["step"] > step:
-            dropped += 1
-            continue
-        keep.append(line)
+        if line.strip():
+            try:
+                records.append((line, json.loads(line)))
+            except ValueError:
+                records.append((line, None))
+    marks = [i for i, (_, r) in enumerate(records) if r and r.get("event") == "checkpoint" and r.get("step") == step]
+    if marks:
+        keep = [line for line, r in records[:marks[-1] + 1] if r is not None]
+    else:
+        keep = [line for line, r in records if r is not None and not (isinstance(r.get("step"), int)
+                                                                     and r["step"] > step)]
+    dropped = len(records) - len(keep)
     if dropped:
         tmp = metrics.with_name("metrics.jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
