@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from lm.train.config import config_from_dict
 from lm.train.preempt import EXIT_PREEMPTED, Preempted

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if main_rank:
             print(f"lm train: {cfg.run_dir} is finished: its checkpoint {summary['checkpoint']} is at step "
                   f"{summary['steps']} of {summary['total_steps']}; nothing was trained or changed. To train longer, "
-                  "raise train.steps / train.tokens; to start over, use another run_dir.", file=sys.stderr)
+                  "raise train.steps / train.tokens; to start over, use another run_dir (`lm export "
+                  f"{cfg.run_dir}` writes its Hugging Face folder again).", file=sys.stderr)
         return 0
     if main_rank:
         print(f"\ntrained {summary['steps']} steps, {summary['tokens']:,} tokens; final training loss "

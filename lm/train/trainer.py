@@ -229,31 +229,16 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         skipped = (not applied) or nonfinite > 0
         if skipped:
             bad_in_row += 1
-            _warn_skipped(step, nonfinite, bad_in_row, t.max_bad_steps, dist, progress, logger)
-            if bad_in_row >= t.max_bad_steps:
-                logger.log({"event": "stopped", "step": step, "reason": f"{bad_in_row} non-finite steps in a row"})
-                logger.close()
-                progress.close()
-                latest = ckpt.latest_tag(run_dir)
-                kept = (f"the last checkpoint ({root / latest}) is intact" if latest else "no checkpoint was written")
-                raise TrainingStopped(
-                    f"stopped at step {step}: {bad_in_row} steps in a row had a non-finite loss or gradient; {kept}. "
-                    "Lower optim.lr or optim.grad_clip, or check the data, then resume.")
+            _skipped(step, nonfinite, bad_in_row, t.max_bad_steps, dist, progress, logger, run_dir)
         else:
             bad_in_row = 0
             last_loss = step_loss
         if step % cfg.log.every_steps == 0 or step == stop_at or stops:
             rec = {"step": step, "tokens": step * plan.tokens_per_step, "loss": step_loss, "lr": lr,
                    "grad_norm": grad_norm, **window.record(model.config), "mem_gb": memory_gb(dist.device),
-                   "skipped": skipped}
-            if phases:
-                rec["phase"] = phases[phase_i].name
+                   "skipped": skipped, **({"phase": phases[phase_i].name} if phases else {})}
             logger.log(rec)
-            postfix = {"loss": f"{step_loss:.3f}", "lr": f"{lr:.2e}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
-            it = rec.get("fp/iterations", rec.get("fp/layer_iterations"))  # implicit model / FP-Mamba's layers
-            if it is not None:
-                postfix["it"] = f"{it:.1f}"
-            progress.update(step - progress.bar.n if progress.bar is not None else 0, **postfix)
+            _show(progress, step, rec)
         if stops:
             stop_signal = signals.signal_name or "a signal on another rank"
             break
@@ -270,7 +255,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         last_saved = step
     if last_saved == step:
         summary["checkpoint"] = str(root / ckpt.tag_of(step))
-    if stop_signal:
+    if stop_signal and step < total_steps:  # (a signal in the last step: the run finishes, without final eval)
         logger.log({"event": "preempted", "step": step, "signal": stop_signal, "checkpoint": summary["checkpoint"]})
         logger.close()
         raise Preempted(f"stopped by {stop_signal} after step {step} of {total_steps}; checkpoint "
@@ -310,11 +295,31 @@ def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: 
     return torch.stack(losses), fp_stats, result
 
 
-def _warn_skipped(step, nonfinite, bad_in_row, limit, dist, progress, logger) -> None:
+def _skipped(step, nonfinite, bad_in_row, limit, dist, progress, logger, run_dir: Path) -> None:
+    """Warn about a skipped step; raise TrainingStopped at `limit` skipped steps in a row."""
     why = "non-finite loss" if nonfinite else "non-finite gradient"
     msg = (f"warning: step {step} skipped ({why}; parameters unchanged), "
            f"{bad_in_row} in a row (limit train.max_bad_steps={limit})")
     if dist.is_main:
         progress.write(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
     logger.log({"event": "skip", "step": step, "reason": why, "in_a_row": bad_in_row})
+    if bad_in_row >= limit:
+        logger.log({"event": "stopped", "step": step, "reason": f"{bad_in_row} non-finite steps in a row"})
+        logger.close()
+        progress.close()
+        latest = ckpt.latest_tag(run_dir)
+        kept = (f"the last checkpoint ({ckpt.checkpoints_root(run_dir) / latest}) is intact" if latest
+                else "no checkpoint was written")
+        raise TrainingStopped(
+            f"stopped at step {step}: {bad_in_row} steps in a row had a non-finite loss or gradient; {kept}. "
+            "Lower optim.lr or optim.grad_clip, or check the data, then resume.")
+
+
+def _show(progress, step: int, rec: dict) -> None:
+    """The progress bar's postfix: loss, lr, tokens/s and the solver's iterations (model or FP-Mamba layers)."""
+    postfix = {"loss": f"{rec['loss']:.3f}", "lr": f"{rec['lr']:.2e}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
+    it = rec.get("fp/iterations", rec.get("fp/layer_iterations"))
+    if it is not None:
+        postfix["it"] = f"{it:.1f}"
+    progress.update(step - progress.bar.n if progress.bar is not None else 0, **postfix)
