@@ -314,3 +314,16 @@ def test_metrics_are_cut_back_to_the_resumed_checkpoint(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 6, "lo')
     assert truncate_metrics(tmp_path, 4) == 3  # the switch logged after the checkpoint is logged again
     assert _records(tmp_path) == lines[:3]
+
+
+def test_init_from_an_export_with_other_solver_settings(tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(run, train={"steps": 2}, checkpoint={"export": True}))
+    new = tmp_path / "new"
+    s = train(_cfg(new, train={"steps": 2}, checkpoint={"export": True},
+                   model={"init_from": str(run / "hf"), "implicit": {"max_iter": 2, "phantom_steps": 1}}))
+    assert s["steps"] == 2
+    assert json.loads((new / "hf" / "config.json").read_text())["implicit"]["max_iter"] == 2
+    (run / "hf" / "config.json").write_text((run / "hf" / "config.json").read_text().replace("32", "33", 1))
+    with pytest.raises(ValueError, match=r"model folder .*hf is corrupt: config.json has"):
+        train(_cfg(tmp_path / "third", train={"steps": 2}, model={"init_from": str(run / "hf")}))

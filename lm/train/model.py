@@ -18,6 +18,9 @@ def load_model_config(cfg):
                              "with config.json)")
         from transformers import AutoConfig
 
+        from .export import verify_export
+
+        verify_export(m.init_from)  # its manifest (lm export writes one): a damaged file is named here
         return AutoConfig.from_pretrained(m.init_from)
     from lm.models.presets import load_config
 
