@@ -274,6 +274,14 @@ def test_fp_mamba_trains_and_logs_its_layer_solvers(tmp_path, corpus):
     steps = [r for r in recs if "event" not in r]
     assert len(steps) == 2 and all(1 <= r["fp/layer_iterations"] <= 3 for r in steps)
     assert "fp/iterations" not in steps[0]
+    # MFU counts the layer iterations run (no-grad solve + n_backwards steps), not one application per layer
+    from lm.models.presets import flops_per_token, load_config
+
+    config = load_config("lm_fp_mamba-tiny", **cfg.model.overrides)
+    for r in steps:
+        counted = flops_per_token(config, 32, layer_iterations=r["fp/layer_iterations"])["train"]
+        assert r["flops_per_token"] == pytest.approx(counted)
+        assert r["flops_per_token"] > flops_per_token(config, 32)["train"]
     from lm.train.plot import main as plot_main
 
     assert plot_main([str(run)]) == 0 and (run / "curves.png").stat().st_size > 10_000

@@ -63,10 +63,12 @@ def count_parameters(config: LMConfig) -> dict[str, int]:
     return {"total": total, "embedding": emb, "non_embedding": total - emb}
 
 
-def flops_per_token(config: LMConfig, seq_len: int = 2048, iterations: float | None = None) -> dict[str, float]:
+def flops_per_token(config: LMConfig, seq_len: int = 2048, iterations: float | None = None,
+                    layer_iterations: float | None = None) -> dict[str, float]:
     """Forward and training FLOPs per token (see the module docstring). `iterations`: the solver iterations
     an implicit model actually ran (the trainer's measured mean; a tolerance stops the solve before
-    max_iter); None counts max_iter."""
+    max_iter); None counts max_iter. `layer_iterations`: those of layers that iterate inside (FP-Mamba's
+    measured mean; counted in explicit stacks), None: not counted (one application per layer)."""
     model = build_model(config)
     matmul = 0
     for name, mod in model.named_modules():
@@ -82,6 +84,9 @@ def flops_per_token(config: LMConfig, seq_len: int = 2048, iterations: float | N
     s = config.implicit
     if s is None:
         train = 3 * (stack_fwd + head_fwd)
+        if layer_iterations is not None:
+            train += sum(layer.mixer.solver_flops_per_token(seq_len, layer_iterations)
+                         for layer in model.model.layers if hasattr(layer.mixer, "solver_flops_per_token"))
     else:
         iters = s.max_iter if iterations is None else iterations
         train = (iters + 3 * s.phantom_steps) * stack_fwd + 3 * (head_fwd + inj_fwd)

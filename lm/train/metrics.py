@@ -26,8 +26,8 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world_si
 class StepWindow:
     """Throughput, MFU and the solver's statistics over the steps since the last step record.
 
-    MFU counts the FLOPs of the solver iterations the implicit model actually ran (the mean of its
-    fp/iterations over the window), not max_iter: a tolerance stops the solve early.
+    MFU counts the FLOPs of the solver iterations actually run (the window's mean fp/iterations of an
+    implicit model, fp/layer_iterations of FP-Mamba's layers), not the caps: a tolerance stops the solves early.
     """
 
     def __init__(self, seq_len: int, tokens_per_step: int, peak_flops: float, world_size: int):
@@ -44,21 +44,22 @@ class StepWindow:
         self.time += seconds
         self.fp.extend(fp_stats)
 
-    def _flops_per_token(self, config, iterations: float | None) -> float:
-        """Training FLOPs per token: a + b * iterations for an implicit model (a, b cached per settings)."""
+    def _flops_per_token(self, config, iterations: float | None, layer_iterations: float | None) -> float:
+        """Training FLOPs per token: a + b * iterations (an implicit model's solve) + c * layer_iterations
+        (FP-Mamba's per-layer solves); a, b, c cached per solver settings."""
         from lm.models.presets import flops_per_token
 
         key = config.implicit
         if key not in self._flops:
-            if key is None:
-                self._flops[key] = (flops_per_token(config, self.seq_len)["train"], 0.0)
-            else:
-                f0 = flops_per_token(config, self.seq_len, iterations=0)["train"]
-                self._flops[key] = (f0, flops_per_token(config, self.seq_len, iterations=1)["train"] - f0)
-        a, b = self._flops[key]
+            def f(it, layer_it):
+                return flops_per_token(config, self.seq_len, iterations=it, layer_iterations=layer_it)["train"]
+
+            f0 = f(0 if key is not None else None, 0)
+            self._flops[key] = (f0, f(1, 0) - f0 if key is not None else 0.0, f(0 if key is not None else None, 1) - f0)
+        a, b, c = self._flops[key]
         if key is not None and iterations is None:
             iterations = key.max_iter
-        return a + b * (iterations or 0.0)
+        return a + b * (iterations or 0.0) + c * (layer_iterations or 0.0)
 
     def record(self, config) -> dict:
         """The window's averages (then reset): tokens_per_s, step_time, mfu, flops_per_token, fp/<stat>."""
@@ -67,7 +68,7 @@ class StepWindow:
         for k in (self.fp[0] if self.fp else {}):
             vals = [s[k] for s in self.fp if k in s]
             rec[f"fp/{k}"] = sum(vals) / len(vals)
-        fpt = self._flops_per_token(config, rec.get("fp/iterations"))
+        fpt = self._flops_per_token(config, rec.get("fp/iterations"), rec.get("fp/layer_iterations"))
         rec["flops_per_token"] = fpt
         rec["mfu"] = mfu(tps, fpt, self.peak_flops, self.world_size)
         self.reset()
