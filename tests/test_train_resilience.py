@@ -288,7 +288,8 @@ def test_a_second_signal_exits_at_once_with_latest_intact(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240
-        while not ((run / "metrics.jsonl").is_file() and any(r.get("step") == 3 and "loss" in r for r in _records(run))):
+        while not ((run / "metrics.jsonl").is_file()
+                   and any(r.get("step") == 3 and "loss" in r for r in _records(run))):
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)

@@ -86,7 +86,8 @@ class Evaluator:
         if out:
             self.logger.log({"event": "eval", "step": step, "tokens": tokens, **out})
             if self.dist.is_main:
-                self.progress.write(f"step {step}: held-out loss {out['val_loss']:.4f}, perplexity {out['val_ppl']:.2f}")
+                self.progress.write(f"step {step}: held-out loss {out['val_loss']:.4f}, "
+                                    f"perplexity {out['val_ppl']:.2f}")
         tasks = run_tasks(self.model, self.tokenizer, self.cfg, self.dist)
         if tasks:
             self.logger.log({"event": "lm_eval", "step": step, "tokens": tokens, **tasks})
