@@ -141,32 +141,54 @@ def test_a_second_trainer_is_refused_and_a_stale_lock_taken_over(tmp_path):
     assert not (run / "lock").exists()
 
 
-def test_kill_9_then_resume_leaves_every_step_once_in_metrics(tmp_path, reference):
-    run = tmp_path / "run"
+def _slow_run(run, hang_from: int, **popen):
+    """A training process (the _tree config) whose step `hang_from` + 1 hangs, started once step `hang_from`
+    is logged (and the checkpoint before it written)."""
     script = textwrap.dedent(f"""
         import json, sys, time
         from lm.train.config import config_from_dict
         from lm.train.trainer import train
         def slow(step, micro, out):
-            if step >= 5:  # step 6 never ends: killed there, after the checkpoint at 4 and the record of 5
+            if step >= {hang_from}:
                 time.sleep(120)
             return out
         train(config_from_dict(json.loads(sys.argv[1])), hooks={{"after_forward": slow}})
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", script, json.dumps(_tree(run))], env=env)
+    return _wait_logged(subprocess.Popen([sys.executable, "-c", script, json.dumps(_tree(run))], env=env, **popen),
+                        run, hang_from)
+
+
+def _wait_logged(proc, run, step: int):
+    """Wait until the training process `proc` has logged the record of `step` in run/metrics.jsonl."""
+    deadline = time.time() + 240
+    while not ((run / "metrics.jsonl").is_file()
+               and any(r.get("step") == step and "loss" in r for r in _records(run))):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"step {step} was not logged (process exit {proc.poll()})")
+        time.sleep(0.5)
+    return proc
+
+
+def _signal(proc, *signals) -> str:
+    """Send the signals a second apart, wait for the process to end; its stderr."""
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if (run / "metrics.jsonl").is_file() and any(r.get("step") == 5 and "loss" in r for r in _records(run)):
-                break
-            assert proc.poll() is None, "the training process ended early"
-            time.sleep(0.5)
-        else:
-            pytest.fail("step 5 was not logged in time")
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(1.0)
+            proc.send_signal(sig)
+        return proc.communicate(timeout=120)[1]
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_kill_9_then_resume_leaves_every_step_once_in_metrics(tmp_path, reference):
+    run = tmp_path / "run"
+    proc = _slow_run(run, 5)  # killed in step 6, after the checkpoint at 4 and the record of 5
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
     assert json.loads((run / "lock").read_text())["pid"] == proc.pid  # left behind by kill -9
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     train(_cfg(run, checkpoint={"resume": "auto"}))  # the dead holder's lock is taken over
@@ -213,17 +235,8 @@ def test_sigterm_through_the_cli_exits_75(tmp_path):
            "train.engine=torch", "log.progress=false", "checkpoint.export=false", "eval.at_end=false",
            "model.overrides={hidden_size: 32, num_hidden_layers: 1, d_state: 8, headdim: 16, vocab_size: 64}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        deadline = time.time() + 240
-        while not ((run / "metrics.jsonl").is_file() and any("loss" in r for r in _records(run))):
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = _wait_logged(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path), run, 1)
+    err = _signal(proc, signal.SIGTERM)
     assert proc.returncode == EXIT_PREEMPTED, err
     assert "SIGTERM received: finishing this step" in err and "stopped by SIGTERM after step" in err
     assert "Traceback" not in err
@@ -273,32 +286,8 @@ def test_lm_help_is_fast_and_imports_no_torch(tmp_path):
 
 def test_a_second_signal_exits_at_once_with_latest_intact(tmp_path):
     run = tmp_path / "run"
-    script = textwrap.dedent("""
-        import json, sys, time
-        from lm.train.config import config_from_dict
-        from lm.train.trainer import train
-        def slow(step, micro, out):
-            if step >= 3:  # the 4th step waits: the signals arrive during it
-                time.sleep(120)
-            return out
-        train(config_from_dict(json.loads(sys.argv[1])), hooks={"after_forward": slow})
-    """)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", script, json.dumps(_tree(run))], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 240
-        while not ((run / "metrics.jsonl").is_file()
-                   and any(r.get("step") == 3 and "loss" in r for r in _records(run))):
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = _slow_run(run, 3, stderr=subprocess.PIPE, text=True)  # the signals arrive during step 4
+    err = _signal(proc, signal.SIGTERM, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "second signal (SIGTERM): exiting now without a checkpoint" in err
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
