@@ -23,7 +23,10 @@ gpus=${GPUS_PER_NODE:-$(python3 -c 'import torch; print(max(1, torch.cuda.device
 nnodes=${NNODES:-1}
 port=${MASTER_PORT:-29500}
 hostfile=${HOSTFILE:-hostfile}
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# CPU threads per rank: this node's cores shared by its ranks (the GPUs do the work; data loading and the
+# optimizer's host side use a few), unless OMP_NUM_THREADS is set
+cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / gpus > 0 ? cores / gpus : 1 ))}
 
 case "$launcher" in
   deepspeed)

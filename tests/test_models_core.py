@@ -102,7 +102,7 @@ def test_packed_sequences_equal_separate(family, implicit):
     with torch.no_grad():
         lp = model(packed, cu_seqlens=cu).logits
         if implicit:  # the solver runs per batch row: compare at a fixed iteration count
-            assert model.config.implicit["tol"] is None
+            assert model.config.implicit.tol is None
         la, lb = model(a).logits, model(b).logits
     torch.testing.assert_close(lp, torch.cat([la, lb], dim=1), rtol=1e-4, atol=1e-4)
 

@@ -129,7 +129,7 @@ def test_save_load_roundtrip(tmp_path, name, implicit):
     model.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "lm_deltaproduct" and cfg["implicit"] == (
-        None if implicit is None else model.config.implicit)
+        None if implicit is None else model.config.implicit.to_dict())
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is LMDeltaProductForCausalLM
     with torch.no_grad():

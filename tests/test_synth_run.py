@@ -260,7 +260,7 @@ def test_recipe_errors(tmp_path, capsys):
         load_recipe(tmp_path / "missing.yaml")
     with pytest.raises(ValueError, match="differs from the task"):
         load_recipe({**base, "model": {"model_type": "lm_llama", "vocab_size": 7}})
-    assert load_recipe(base, ["train.steps=7", "model.implicit.max_iter=3"]).model.implicit == {"max_iter": 3}
+    assert load_recipe(base, ["train.steps=7", "model.implicit.max_iter=3"]).model.implicit.max_iter == 3
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: {name: parity, group: S5}\nmodel: {model_type: lm_llama}\ntrain: {steps: 1}\n"
                    f"output_dir: {tmp_path}\n")
@@ -353,11 +353,17 @@ def test_resume_restores_the_model_exactly(tmp_path, one_thread):
     over = [f"output_dir={tmp_path}", "train.steps=25", "train.target_accuracy=null", "train.save_checkpoint=true"]
     done = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", over), progress=False)
     assert done["complete"] and done["checkpoint"]
-    again = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml",
-                            over + [f"resume={done['checkpoint']}", f"output_dir={tmp_path / 'b'}"]),
-                progress=False)
-    assert again["steps_run"] == 25 and again["resumed_from"]["step"] == 25  # nothing left to train
-    assert again["eval"] == done["eval"]  # same weights, same fixed evaluation set
+    # a finished run resumed: nothing trained or written, its results as they were
+    again = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", over + ["resume=auto"]), progress=False)
+    assert again == json.loads(json.dumps(done, default=str))
+    # its checkpoint resumed into a new run with more steps: the same weights, then 5 more steps
+    more = run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", [f"output_dir={tmp_path / 'b'}", "train.steps=30",
+                                                       "train.target_accuracy=null", f"resume={done['checkpoint']}"]),
+               progress=False)
+    assert more["steps_run"] == 30 and more["resumed_from"]["step"] == 25
+    with pytest.raises(ValueError, match="nothing to train"):
+        run(load_recipe(SYNTH / "s3_tiny_cpu.yaml", over + [f"resume={done['checkpoint']}",
+                                                            f"output_dir={tmp_path / 'c'}"]), progress=False)
 
 
 def test_resume_errors(tmp_path, one_thread):
@@ -366,10 +372,10 @@ def test_resume_errors(tmp_path, one_thread):
         run(load_recipe(base, [f"output_dir={tmp_path}", f"resume={tmp_path / 'nothing'}"]), progress=False)
     run(load_recipe(base, [f"output_dir={tmp_path}", "train.steps=3", "train.save_checkpoint=true"]), progress=False)
     with pytest.raises(ValueError, match="could not be loaded"):
-        run(load_recipe(base, [f"output_dir={tmp_path / 'b'}", "train.steps=3", "model.hidden_size=32",
+        run(load_recipe(base, [f"output_dir={tmp_path / 'b'}", "train.steps=6", "model.hidden_size=32",
                                f"resume={tmp_path}"]), progress=False)
     with pytest.raises(ValueError, match="task data"):
-        run(load_recipe(base, [f"output_dir={tmp_path / 'c'}", "train.steps=3", "train.lengths=[2,3]",
+        run(load_recipe(base, [f"output_dir={tmp_path / 'c'}", "train.steps=6", "train.lengths=[2,3]",
                                f"resume={tmp_path}"]), progress=False)
     with pytest.raises(ValueError, match="already holds checkpoints"):
         run(load_recipe(base, [f"output_dir={tmp_path}", "train.steps=3"]), progress=False)

@@ -87,7 +87,7 @@ def test_curriculum_switch_resume_export_plot(tmp_path, corpus):
 
     hf = AutoModelForCausalLM.from_pretrained(str(full / "hf"))
     tok = AutoTokenizer.from_pretrained(str(full / "hf"))
-    assert hf.config.implicit["max_iter"] == 6 and tok.eos_token_id is not None
+    assert hf.config.implicit.max_iter == 6 and tok.eos_token_id is not None
     sd = torch.load(root / "step_00000006" / "model_optim.pt", weights_only=False)["model"]
     assert torch.equal(hf.state_dict()["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
 
@@ -145,7 +145,8 @@ def test_nan_steps_skipped_then_stop(tmp_path, corpus):
 
 
 def test_parameters_unchanged_on_skipped_step(tmp_path, corpus):
-    from lm.train.engine import TorchEngine, make_optimizer
+    from lm.train.engine import TorchEngine
+    from lm.train.optim import make_optimizer
     from lm.models.presets import build_model, load_config
 
     model = build_model(load_config("lm_mamba2-tiny", **TINY, implicit={"max_iter": 2}), device="cpu")
@@ -213,15 +214,23 @@ def test_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path, corpus):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
-def test_cli_errors(tmp_path, capsys):
+def test_cli_errors(tmp_path, capsys, monkeypatch):
     from lm.train.cli import main
 
+    monkeypatch.chdir(tmp_path)  # the default run_dir is relative: runs/default
     assert main(["train.tokenz=5"]) == 2
     assert "unknown config key(s) ['train.tokenz']" in capsys.readouterr().err
     assert main(["--print-config", "train.tokens=1e6"]) == 0
     assert json.loads(capsys.readouterr().out)["train"]["tokens"] == 1_000_000
+    # a failed start writes and renames nothing in an existing run folder
+    run = tmp_path / "runs" / "default"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
     assert main([f"data.path={tmp_path}/nodata", "train.engine=torch"]) == 2
     assert "lm prepare-data --input SOURCE --output" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert main(["model.overrides={hidden_size: 256"]) == 2
+    assert "is not valid YAML" in capsys.readouterr().err
 
 
 def test_activation_checkpointing_and_bf16_runs(tmp_path, corpus):
@@ -265,6 +274,14 @@ def test_fp_mamba_trains_and_logs_its_layer_solvers(tmp_path, corpus):
     steps = [r for r in recs if "event" not in r]
     assert len(steps) == 2 and all(1 <= r["fp/layer_iterations"] <= 3 for r in steps)
     assert "fp/iterations" not in steps[0]
+    # MFU counts the layer iterations run (no-grad solve + n_backwards steps), not one application per layer
+    from lm.models.presets import flops_per_token, load_config
+
+    config = load_config("lm_fp_mamba-tiny", **cfg.model.overrides)
+    for r in steps:
+        counted = flops_per_token(config, 32, layer_iterations=r["fp/layer_iterations"])["train"]
+        assert r["flops_per_token"] == pytest.approx(counted)
+        assert r["flops_per_token"] > flops_per_token(config, 32)["train"]
     from lm.train.plot import main as plot_main
 
     assert plot_main([str(run)]) == 0 and (run / "curves.png").stat().st_size > 10_000

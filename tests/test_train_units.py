@@ -7,7 +7,7 @@ import pytest
 
 from lm.train import checkpoint as ck
 from lm.train.config import config_from_dict, load_train_config
-from lm.train.curriculum import apply_phase, paper_curriculum, parse_curriculum, phase_index
+from lm.train.curriculum import paper_curriculum, parse_curriculum, phase_index
 from lm.train.schedule import lr_at, warmup_steps_of
 
 
@@ -95,27 +95,60 @@ def test_schedules():
 def test_paper_curriculum_and_phase_index():
     m = paper_curriculum("lm_mamba2")
     assert [p.name for p in m] == ["bounded", "free"] and m[0].until == 0.8
-    assert (m[0].implicit["max_iter"], m[0].implicit["phantom_steps"], m[0].implicit["tol"]) == (4, 1, None)
-    assert (m[1].implicit["max_iter"], m[1].implicit["phantom_steps"], m[1].implicit["tol"]) == (24, 4, 0.05)
+    assert (m[0].implicit.max_iter, m[0].implicit.phantom_steps, m[0].implicit.tol) == (4, 1, None)
+    assert (m[1].implicit.max_iter, m[1].implicit.phantom_steps, m[1].implicit.tol) == (24, 4, 0.05)
     ll = paper_curriculum("lm_llama")
-    assert (ll[1].implicit["max_iter"], ll[1].implicit["phantom_steps"]) == (32, 4)
+    assert (ll[1].implicit.max_iter, ll[1].implicit.phantom_steps) == (32, 4)
     assert [phase_index(m, f) for f in (0.0, 0.79, 0.8, 0.99, 1.0)] == [0, 0, 1, 1, 1]
-    from lm.models.presets import load_config
+    from lm.models.presets import build_model, load_config
 
-    cfg = load_config("lm_mamba2-tiny", implicit=m[0].implicit)
-    apply_phase(cfg, m[1])
-    assert cfg.implicit_settings.max_iter == 24 and cfg.implicit_settings.tol == 0.05
+    model = build_model(load_config("lm_mamba2-tiny", implicit=m[0].implicit), device="cpu")
+    model.set_solver(m[1].implicit)  # the model reads config.implicit (one ImplicitSettings) at every forward
+    assert model.config.implicit is m[1].implicit and model.config.implicit.max_iter == 24
+    explicit = build_model(load_config("lm_mamba2-tiny"), device="cpu")
+    with pytest.raises(ValueError, match="built explicit"):
+        explicit.set_solver(m[1].implicit)
+
+
+def test_solver_settings_are_one_typed_object_from_yaml_to_the_model(tmp_path):
+    from lm.models import ImplicitSettings
+
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  steps: 3\nmodel:\n  implicit: {max_iter: 3, tol: 0.1}\n")
+    cfg = load_train_config(p)
+    assert cfg.model.implicit == ImplicitSettings(max_iter=3, tol=0.1)
+    with pytest.raises(ValueError, match=r"model.implicit.max_iter: must be an integer >= 1"):
+        load_train_config(p, ["model.implicit={max_iter: 0}"])
+    cur = load_train_config(None, ["train.steps=3", "curriculum=[{until: 1.0, implicit: {max_iter: 2}}]"])
+    assert isinstance(cur.curriculum[0].implicit, ImplicitSettings)
+    # the dict form round-trips (train_config.json, client.json, resume)
+    assert config_from_dict(json.loads(json.dumps(cur.to_dict()))).curriculum == cur.curriculum
+    # config.json stores a dict; from_pretrained gives the typed object back
+    from transformers import AutoModelForCausalLM
+
+    from lm.models.presets import build_model, load_config
+
+    model = build_model(load_config("lm_mamba2-tiny", implicit=cfg.model.implicit), device="cpu")
+    model.save_pretrained(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["implicit"]["tol"] == 0.1
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.implicit == cfg.model.implicit
+
+
+def test_malformed_yaml_override_is_one_paragraph():
+    with pytest.raises(ValueError, match=r"override 'model.overrides=\{hidden_size: 256': the value .* is not "
+                                         r"valid YAML .*quote the whole item"):
+        load_train_config(None, ["train.steps=3", "model.overrides={hidden_size: 256"])
 
 
 def test_curriculum_validation():
     with pytest.raises(ValueError, match=r"curriculum\[1\].until"):
-        parse_curriculum([{"until": 0.5, "implicit": {}}, {"until": 0.4, "implicit": {}}], "lm_mamba2")
+        parse_curriculum([{"until": 0.5, "implicit": {}}, {"until": 0.4, "implicit": {}}])
     with pytest.raises(ValueError, match=r"last phase must end at 1.0"):
-        parse_curriculum([{"until": 0.5, "implicit": {}}], "lm_mamba2")
+        parse_curriculum([{"until": 0.5, "implicit": {}}])
     with pytest.raises(ValueError, match=r"curriculum\[0\].implicit: unknown key"):
-        parse_curriculum([{"until": 1.0, "implicit": {"iters": 3}}], "lm_mamba2")
+        parse_curriculum([{"until": 1.0, "implicit": {"iters": 3}}])
     with pytest.raises(ValueError, match=r"curriculum\[0\]: unknown key"):
-        parse_curriculum([{"until": 1.0, "implicit": {}, "lr": 1}], "lm_mamba2")
+        parse_curriculum([{"until": 1.0, "implicit": {}, "lr": 1}])
 
 
 # --------------------------------------------------------------------------------------- checkpoint
@@ -138,8 +171,14 @@ def test_checkpoint_publish_latest_prune_and_verify(tmp_path):
     assert ck.verify(root / "step_00000002")["step"] == 2
     # truncated file -> corrupt
     (root / "step_00000003" / "weights.pt").write_bytes(b"x" * 10)
-    with pytest.raises(ValueError, match=r"corrupt: weights.pt has 10 bytes.*Other checkpoints: .*step_00000002"):
+    with pytest.raises(ValueError, match=r"corrupt: weights.pt has 10 bytes.*earlier checkpoints: .*step_00000002"):
         ck.resolve(tmp_path)
+    # same size, other bytes (changed in place): the content hash names the file and the earlier checkpoints
+    (root / "step_00000003" / "weights.pt").write_bytes(b"y" * 100)
+    with pytest.raises(ValueError, match=r"corrupt: weights.pt has other bytes than were written.*"
+                                         r"earlier checkpoints: .*step_00000002"):
+        ck.resolve(tmp_path)
+    assert ck.resolve(tmp_path, hashes=False) == root / "step_00000003"  # sizes alone do not see it
     # a folder without manifest (a save that died before publishing) -> partial
     (root / "step_00000004").mkdir()
     with pytest.raises(ValueError, match="is partial"):
@@ -154,7 +193,7 @@ def test_checkpoint_publish_latest_prune_and_verify(tmp_path):
 
 def test_no_weight_decay_on_norms_biases_alog_dtbias():
     from lm.models.presets import build_model, load_config
-    from lm.train.engine import param_groups
+    from lm.train.optim import param_groups
 
     model = build_model(load_config("lm_mamba2-tiny", implicit={"max_iter": 2}), device="cpu")
     decay, no_decay = param_groups(model, 0.1)
@@ -173,17 +212,37 @@ def test_paper_curriculum_only_for_the_paper_families():
 
     from lm.train.curriculum import paper_curriculum
 
-    assert paper_curriculum("lm_llama")[1].implicit["max_iter"] == 32
-    assert paper_curriculum("lm_mamba2")[1].implicit["max_iter"] == 24
+    assert paper_curriculum("lm_llama")[1].implicit.max_iter == 32
+    assert paper_curriculum("lm_mamba2")[1].implicit.max_iter == 24
     with pytest.raises(ValueError, match="give the phases explicitly"):
         paper_curriculum("lm_deltaproduct")
 
 
 def test_auto_engine_is_plain_torch_for_one_process():
-    from lm.train.trainer import resolve_auto_engine
+    from lm.train.distributed import resolve_auto_engine
 
     assert resolve_auto_engine(1, None, True) == "torch"  # one GPU: DeepSpeed only adds overhead
     assert resolve_auto_engine(2, None, True) == "deepspeed"
     assert resolve_auto_engine(1, "configs/deepspeed/zero2_offload.json", True) == "deepspeed"
     assert resolve_auto_engine(1, None, False) == "torch"
     assert resolve_auto_engine(4, None, False) == "torch"  # Dist then refuses torch with several ranks
+
+
+def test_manifest_hashes_come_from_the_bytes_as_written(tmp_path):
+    import hashlib
+
+    import torch
+
+    hashes = {}
+    with ck.HashingWriter(tmp_path / "w.pt", hashes) as f:
+        torch.save({"x": torch.arange(1000)}, f)
+    digest, size = hashes[str((tmp_path / "w.pt").resolve())]
+    data = (tmp_path / "w.pt").read_bytes()
+    assert digest == hashlib.sha256(data).hexdigest() and size == len(data)
+    assert torch.equal(torch.load(tmp_path / "w.pt")["x"], torch.arange(1000))
+    # the manifest takes the recorded hash (no second read of the file); files written otherwise are read
+    (tmp_path / "small.json").write_text("{}")
+    hashes[str((tmp_path / "w.pt").resolve())] = ("recorded", size)
+    files = ck.file_records(tmp_path, hashes)
+    assert files["w.pt"] == {"bytes": size, "sha256": "recorded"}
+    assert files["small.json"]["sha256"] == hashlib.sha256(b"{}").hexdigest()

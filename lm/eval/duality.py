@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
     batches = [(b["input_ids"].to(dev), b["targets"].to(dev))
                for b in ValReader(ds, args.seq_len, 1, max_batches=args.windows)]
     res = duality(model, batches)
-    res.update(checkpoint=str(args.checkpoint), implicit=model.config.implicit, seq_len=args.seq_len)
+    res.update(checkpoint=str(args.checkpoint), seq_len=args.seq_len,
+               implicit=model.config.implicit.to_dict() if model.config.implicit is not None else None)
     if not model.config.implicit:
         print("note: explicit model; both modes are the same computation (cached vs parallel)")
     out = Path(args.output) if args.output else resolve_checkpoint(args.checkpoint) / "duality.json"

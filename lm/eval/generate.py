@@ -47,9 +47,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
 
+    import sys
+
     from .checkpoint import load_checkpoint
 
-    model, tok = load_checkpoint(args.checkpoint, device=args.device)
+    try:
+        model, tok = load_checkpoint(args.checkpoint, device=args.device)
+    except ValueError as err:
+        print(f"lm generate: {err}", file=sys.stderr)
+        return 2
     text, st = generate_text(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)

@@ -1,13 +1,16 @@
 """Model types, registered with transformers' Auto classes on import.
 
-    lm_llama, lm_mamba2 (here), and the families added beside them (lm_deltaproduct, lm_fp_mamba, lm_lru).
+    lm_llama, lm_mamba2, lm_deltaproduct, lm_fp_mamba, lm_lru.
 Each family file defines `<Family>Config`, its mixer, `<Family>Model` and `<Family>ForCausalLM`.
 """
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import LMCache
 from .config import ImplicitSettings, LMConfig
+from .deltaproduct import LMDeltaProductConfig, LMDeltaProductForCausalLM, LMDeltaProductModel
+from .fp_mamba import LMFPMambaConfig, LMFPMambaForCausalLM, LMFPMambaModel
 from .llama import LMLlamaConfig, LMLlamaForCausalLM, LMLlamaModel
+from .lru import LMLRUConfig, LMLRUForCausalLM, LMLRUModel
 from .mamba2 import LMMamba2Config, LMMamba2ForCausalLM, LMMamba2Model
 from .modeling import LMForCausalLM, LMModel, LMOutput, Mixer
 
@@ -24,21 +27,16 @@ def register(config_cls, model_cls, lm_cls) -> None:
 
 register(LMLlamaConfig, LMLlamaModel, LMLlamaForCausalLM)
 register(LMMamba2Config, LMMamba2Model, LMMamba2ForCausalLM)
-
-# Families added in their own files register themselves here when present.
-for _mod in ("deltaproduct", "fp_mamba", "lru"):
-    try:
-        _m = __import__(f"{__name__}.{_mod}", fromlist=["MODEL_CLASSES"])
-    except ModuleNotFoundError as e:  # family not built yet
-        if e.name != f"{__name__}.{_mod}":
-            raise
-        continue
-    register(*_m.MODEL_CLASSES)
-    for _cls in _m.MODEL_CLASSES:
-        globals()[_cls.__name__] = _cls
+register(LMDeltaProductConfig, LMDeltaProductModel, LMDeltaProductForCausalLM)
+register(LMFPMambaConfig, LMFPMambaModel, LMFPMambaForCausalLM)
+register(LMLRUConfig, LMLRUModel, LMLRUForCausalLM)
 
 __all__ = [
-    "ImplicitSettings", "LMCache", "LMConfig", "LMForCausalLM", "LMModel", "LMOutput", "Mixer",
+    "ImplicitSettings", "LMCache", "LMConfig", "LMForCausalLM", "LMModel", "LMOutput", "Mixer", "MODEL_TYPES",
+    "register",
+    "LMDeltaProductConfig", "LMDeltaProductForCausalLM", "LMDeltaProductModel",
+    "LMFPMambaConfig", "LMFPMambaForCausalLM", "LMFPMambaModel",
     "LMLlamaConfig", "LMLlamaForCausalLM", "LMLlamaModel",
-    "LMMamba2Config", "LMMamba2ForCausalLM", "LMMamba2Model", "MODEL_TYPES", "register",
+    "LMLRUConfig", "LMLRUForCausalLM", "LMLRUModel",
+    "LMMamba2Config", "LMMamba2ForCausalLM", "LMMamba2Model",
 ]

@@ -1,7 +1,9 @@
 """Configuration shared by every model type: HF-standard sizes, validation, and the `implicit` field.
 
-`implicit` is None for the explicit model, or a dict of solver settings (see `ImplicitSettings`):
-the whole block stack is then the fixed-point map z <- F(z, inj(x)) (paper 003).
+`implicit` is None for the explicit model, or the solver settings (`ImplicitSettings`, one typed object from
+the training YAML to `solve`): the whole block stack is then the fixed-point map z <- F(z, inj(x)) (paper 003).
+A dict assigned to it (config.json, a preset, user code) is validated into `ImplicitSettings`; config.json
+stores it as a dict.
 Every config rejects unknown keys and out-of-range values with a ValueError that names the field.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ _HF_KEYS = set(PretrainedConfig().__dict__) | {
 }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ImplicitSettings:
     """Fixed-point solver settings of an implicit model (paper 003, sec. 2-3).
 
@@ -52,6 +54,7 @@ class ImplicitSettings:
 
     @classmethod
     def from_value(cls, value: Any) -> "ImplicitSettings | None":
+        """None, an ImplicitSettings, or a dict of its fields (validated; unknown keys rejected)."""
         if value is None:
             return None
         if isinstance(value, ImplicitSettings):
@@ -62,9 +65,10 @@ class ImplicitSettings:
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(f"implicit: unknown key(s) {unknown}; valid keys are {sorted(names)}")
-        s = cls(**value)
-        s.validate()
-        return s
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         def bad(field, why):
@@ -146,15 +150,20 @@ class LMConfig(PretrainedConfig):
         kwargs.setdefault("pad_token_id", 0)
         kwargs.pop("use_cache", None)
         for k, v in values.items():
-            setattr(self, k, v)
-        impl = ImplicitSettings.from_value(values["implicit"])
-        self.implicit = impl.to_dict() if impl is not None else None
+            setattr(self, k, v)  # implicit: validated into ImplicitSettings by __setattr__
         super().__init__(**kwargs)
         self.validate()
 
-    @property
-    def implicit_settings(self) -> ImplicitSettings | None:
-        return ImplicitSettings.from_value(self.implicit)
+    def __setattr__(self, key, value):
+        if key == "implicit":
+            value = ImplicitSettings.from_value(value)
+        super().__setattr__(key, value)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if isinstance(out.get("implicit"), ImplicitSettings):  # config.json holds plain JSON
+            out["implicit"] = out["implicit"].to_dict()
+        return out
 
     @property
     def is_implicit(self) -> bool:

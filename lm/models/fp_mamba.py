@@ -250,6 +250,16 @@ class FPMambaMixer(Mixer):
         scan = 2 * h * (c / 2) * (n + p) + 2 * 2 * h * p * n
         return scan + (self.q_mixer.flops_per_token() if self.q_mixer is not None else 0.0)
 
+    def solver_flops_per_token(self, seq_len: int, iterations: float) -> float:
+        """Training FLOPs per token of the layer's solve beyond the one application with autograd that
+        flops_per_token and the Linear layers count: `iterations` no-grad applications of the layer map and
+        n_backwards - 1 more with autograd (forward + backward = 3x). One application = the scan, Q, and the
+        per-iteration Linear layers (Q's projections, bc_y_proj)."""
+        linear = [self.bc_y_proj, self.q_mixer]
+        per_iter = self.flops_per_token(seq_len) + 2.0 * sum(
+            m.weight.numel() for mod in linear if mod is not None for m in mod.modules() if isinstance(m, nn.Linear))
+        return (iterations + 3.0 * (self.fp_config.n_backwards - 1)) * per_iter
+
     # --- pieces -------------------------------------------------------------------------------------
     def _inputs(self, x, injection, conv_state, cu_seqlens):
         zxbcdt = self.in_proj(x)

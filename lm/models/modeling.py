@@ -26,7 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache
-from .config import LMConfig
+from .config import ImplicitSettings, LMConfig
 from .layers import RMSNorm, SwiGLU
 from .loss import linear_cross_entropy, logits_cross_entropy
 
@@ -235,7 +235,7 @@ class LMModel(LMPreTrainedModel):
     def forward(self, input_ids, *, cache: LMCache | None = None, cu_seqlens=None):
         """Returns (hidden states after the final norm (b, t, d), stats dict or None)."""
         emb = self.embed_tokens(input_ids)
-        settings = self.config.implicit_settings
+        settings = self.config.implicit
         if settings is not None and self.injection is None:
             raise ValueError("config.implicit is set on a model built explicit (it has no injection module): "
                              "build the model from a config with implicit={...} instead of setting it afterwards")
@@ -254,6 +254,15 @@ class LMModel(LMPreTrainedModel):
         if inner:
             stats.update({f"layer_{k}": v for k, v in FixedPointStats.merge(inner).items()})
         return h, (stats or None)
+
+    def set_solver(self, settings: ImplicitSettings) -> None:
+        """Switch the fixed-point solver settings (a curriculum phase); every later forward reads them."""
+        if self.injection is None:
+            raise ValueError("set_solver: this model was built explicit (it has no injection module); build it "
+                             "from a config with implicit={...} to train or run it as an implicit model")
+        if not isinstance(settings, ImplicitSettings):
+            raise TypeError(f"set_solver: expected ImplicitSettings, got {type(settings).__name__}")
+        self.config.implicit = settings
 
     def _solver_args(self, settings):
         if self.training:
@@ -338,6 +347,10 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value):
         self.lm_head = value
+
+    def set_solver(self, settings: ImplicitSettings) -> None:
+        """Switch the implicit model's solver settings (see LMModel.set_solver)."""
+        self.model.set_solver(settings)
 
     def forward(
         self,

@@ -69,8 +69,12 @@ def count_parameters(config: LMConfig) -> dict[str, int]:
     return {"total": total, "embedding": emb, "non_embedding": total - emb}
 
 
-def flops_per_token(config: LMConfig, seq_len: int = 2048) -> dict[str, float]:
-    """Forward and training FLOPs per token (see the module docstring)."""
+def flops_per_token(config: LMConfig, seq_len: int = 2048, iterations: float | None = None,
+                    layer_iterations: float | None = None) -> dict[str, float]:
+    """Forward and training FLOPs per token (see the module docstring). `iterations`: the solver iterations
+    an implicit model actually ran (the trainer's measured mean; a tolerance stops the solve before
+    max_iter); None counts max_iter. `layer_iterations`: those of layers that iterate inside (FP-Mamba's
+    measured mean; counted in explicit stacks), None: not counted (one application per layer)."""
     model = build_model(config)
     matmul = 0
     for name, mod in model.named_modules():
@@ -83,11 +87,15 @@ def flops_per_token(config: LMConfig, seq_len: int = 2048) -> dict[str, float]:
     inj_fwd = 0
     if model.model.injection is not None:
         inj_fwd = 2 * model.model.injection.proj.weight.numel()
-    s = config.implicit_settings
+    s = config.implicit
     if s is None:
         train = 3 * (stack_fwd + head_fwd)
+        if layer_iterations is not None:
+            train += sum(layer.mixer.solver_flops_per_token(seq_len, layer_iterations)
+                         for layer in model.model.layers if hasattr(layer.mixer, "solver_flops_per_token"))
     else:
-        train = (s.max_iter + 3 * s.phantom_steps) * stack_fwd + 3 * (head_fwd + inj_fwd)
+        iters = s.max_iter if iterations is None else iterations
+        train = (iters + 3 * s.phantom_steps) * stack_fwd + 3 * (head_fwd + inj_fwd)
     return {"forward_stack": stack_fwd, "forward_head": head_fwd, "train": train}
 
 
@@ -95,7 +103,8 @@ def info(name_or_path: str, seq_len: int = 2048) -> dict:
     cfg = load_config(name_or_path)
     params = count_parameters(cfg)
     fl = flops_per_token(cfg, seq_len)
-    return {"preset": name_or_path, "model_type": cfg.model_type, "implicit": cfg.implicit,
+    implicit = cfg.implicit.to_dict() if cfg.implicit is not None else None
+    return {"preset": name_or_path, "model_type": cfg.model_type, "implicit": implicit,
             "seq_len": seq_len, **{f"params_{k}": v for k, v in params.items()},
             "train_flops_per_token": fl["train"], "forward_flops_per_token": fl["forward_stack"] + fl["forward_head"]}
 

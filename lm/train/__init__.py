@@ -1,24 +1,33 @@
 """Pretraining: config, DeepSpeed/torch engine, curriculum, LR schedules, checkpoints, logging, export.
 
     from lm.train import load_train_config, train
-    summary = train(load_train_config("configs/train/default.yaml", ["train.tokens=1e6"]))
+    summary = train(load_train_config("default", ["train.tokens=1e6"]))
 
-- config.py      TrainConfig (typed sections, unknown keys rejected), load_train_config(path, overrides)
-- schedule.py    lr_at(step, total, kind=cosine|wsd|constant_sqrt|constant, ...)
-- curriculum.py  Phase, paper_curriculum(model_type), parse_curriculum, phase_index, apply_phase
-- engine.py      TorchEngine (one process) and DeepSpeedEngine (ZeRO 0/1/2) behind one interface
-- checkpoint.py  atomic checkpoint folders with a manifest, `latest`, keep-last-K, resolve/verify
-- metrics.py     metrics.jsonl, wandb (optional), tqdm progress, MFU, memory
-- trainer.py     train(cfg): the loop;  budget.py: train.max_minutes / stop_after_minutes
-- synth.py       `lm synth`: a synthetic-task recipe -> a training config with data.source=task
-- export.py      `lm export`: checkpoint -> Hugging Face folder;  plot.py: `lm plot`;  cli.py: `lm train`
+- config.py       TrainConfig (typed sections, unknown keys rejected), load_train_config(path, overrides)
+- trainer.py      train(cfg): the loop, wiring the components below;  budget.py: train.max_minutes / stop_after_minutes
+- distributed.py  Dist: ranks, device, engine kind, collectives
+- model.py        the model config (read once), checks, the model with its first solver settings
+- data.py         the training / validation readers (prepared shards or synthetic tokens)
+- engine.py       TorchEngine (one process) and DeepSpeedEngine (ZeRO 0/1/2) behind one interface
+- optim.py        AdamW and its parameter groups
+- schedule.py     lr_at(step, total, kind=cosine|wsd|constant_sqrt|constant, ...)
+- curriculum.py   Phase, paper_curriculum(model_type), parse_curriculum, phase_index
+- checkpoint.py   atomic checkpoint folders with a hashed manifest, `latest`, keep-last-K, save / resume
+- rundir.py       one trainer per run folder (lock), metrics.jsonl across restarts
+- preempt.py      SIGTERM / SIGINT: finish the step, checkpoint, stop
+- evaluation.py   held-out loss, lm-eval tasks, samples during training
+- metrics.py      metrics.jsonl, wandb (optional), tqdm progress, MFU, memory
+- synth.py        `lm synth`: a synthetic-task recipe -> a training config with data.source=task
+- export.py       `lm export`: checkpoint -> Hugging Face folder;  plot.py: `lm plot`;  cli.py: `lm train`
 """
-from .config import TrainConfig, load_train_config
-
 __all__ = ["TrainConfig", "load_train_config", "train"]
 
 
-def __getattr__(name):
+def __getattr__(name):  # lazy: `lm train --help` imports neither torch nor transformers
+    if name in ("TrainConfig", "load_train_config"):
+        from . import config
+
+        return getattr(config, name)
     if name == "train":
         from .trainer import train
 

@@ -1,25 +1,35 @@
-"""Checkpoint folders: atomic publication, a manifest that proves completeness, `latest`, keep-last-K.
+"""Checkpoints: atomic folders with a manifest of content hashes, `latest`, keep-last-K, save and resume.
 
 Layout of a run:  RUN/checkpoints/step_00001000/{manifest.json, client.json, client_rank*.pt,
 config.json, engine files (DeepSpeed's mp_rank_*/zero_pp_rank_* or model_optim.pt)}, RUN/checkpoints/latest.
 
 Saving (every rank writes its part into RUN/checkpoints/.tmp/<tag>; then rank 0):
-write_manifest (every file with its size) -> rename .tmp/<tag> to <tag> -> write `latest` (atomic
-replace) -> prune to the last K. A crash at any point leaves the previous checkpoint and `latest`
+write_manifest (every file with its size and sha256) -> rename .tmp/<tag> to <tag> -> write `latest`
+(atomic replace) -> prune to the last K. A crash at any point leaves the previous checkpoint and `latest`
 intact; a folder without a valid manifest is never resumed from (`verify` says why).
+
+The sha256 of a file is computed from its bytes as they are written (HashingWriter under torch.save, also
+inside DeepSpeed's save), so saving never reads a multi-GB file back. Resuming re-reads and checks every
+file: a file changed in place (same size, other bytes) is named, with the earlier checkpoints to use.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import re
 import shutil
 from pathlib import Path
+
+import numpy as np
+import torch
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP = ".tmp"
 _TAG = re.compile(r"^step_(\d{8,})$")
+_CHUNK = 1 << 24
 
 
 def tag_of(step: int) -> str:
@@ -34,6 +44,65 @@ def staging_dir(root: Path, tag: str) -> Path:
     return root / TMP / tag
 
 
+# ------------------------------------------------------------------------------------- content hashes
+
+
+class HashingWriter:
+    """A binary file opened for writing that hashes what passes through it (torch.save takes it as a file).
+    On close the (sha256, bytes) pair is recorded in `hashes[path]`."""
+
+    def __init__(self, path: Path, hashes: dict):
+        self.path, self.hashes = Path(path), hashes
+        self._f = open(self.path, "wb")
+        self._h = hashlib.sha256()
+        self._n = 0
+
+    def write(self, data) -> int:
+        self._h.update(data)
+        n = self._f.write(data)
+        self._n += n
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            self.hashes[str(self.path.resolve())] = (self._h.hexdigest(), self._n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_records(folder: Path, hashes: dict | None = None, skip: tuple[str, ...] = (MANIFEST,)) -> dict:
+    """{relative path: {"bytes", "sha256"}} of every file under `folder`: the hash recorded while writing when
+    there is one for that path and size, else read from the file (small files DeepSpeed copies in)."""
+    hashes = hashes or {}
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if not p.is_file() or p.name in skip:
+            continue
+        size = p.stat().st_size
+        rec = hashes.get(str(p.resolve()))
+        digest = rec[0] if rec is not None and rec[1] == size else sha256_of(p)
+        out[str(p.relative_to(folder))] = {"bytes": size, "sha256": digest}
+    return out
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -43,21 +112,37 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(ckpt: Path, meta: dict) -> None:
-    files = {}
-    for p in sorted(ckpt.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            files[str(p.relative_to(ckpt))] = p.stat().st_size
-    _write_atomic(ckpt / MANIFEST, json.dumps({"files": files, **meta}, indent=1))
+def write_manifest(folder: Path, meta: dict, hashes: dict | None = None) -> None:
+    _write_atomic(folder / MANIFEST, json.dumps({"files": file_records(folder, hashes), **meta}, indent=1))
 
 
-def verify(ckpt: str | os.PathLike) -> dict:
-    """The manifest of a complete checkpoint; ValueError naming the problem otherwise."""
+def check_files(folder: Path, files: dict, what: str, hint: str) -> None:
+    """Sizes, then content hashes, of the manifest's files; ValueError naming the first that differs."""
+    for rel, rec in files.items():
+        size, digest = (rec, None) if isinstance(rec, int) else (rec["bytes"], rec.get("sha256"))
+        p = folder / rel
+        if not p.is_file():
+            raise ValueError(f"{what} {folder} is corrupt: {rel} is missing; {hint}")
+        if p.stat().st_size != size:
+            raise ValueError(f"{what} {folder} is corrupt: {rel} has {p.stat().st_size} bytes, "
+                             f"the manifest says {size}; {hint}")
+    for rel, rec in files.items():
+        digest = None if isinstance(rec, int) else rec.get("sha256")
+        if digest is not None and sha256_of(folder / rel) != digest:
+            raise ValueError(f"{what} {folder} is corrupt: {rel} has other bytes than were written (its sha256 "
+                             f"differs from the manifest's; the file was changed in place after the save); {hint}")
+
+
+def verify(ckpt: str | os.PathLike, *, hashes: bool = True) -> dict:
+    """The manifest of a complete checkpoint whose files match it; ValueError naming the problem otherwise."""
     ckpt = Path(ckpt)
-    hint = ("resume from an earlier checkpoint with checkpoint.resume=<path to step_...> "
-            "or remove this folder (nothing else is touched)")
     if not ckpt.is_dir():
         raise ValueError(f"checkpoint {ckpt} does not exist")
+    m = _TAG.match(ckpt.name)
+    earlier = [str(c) for s, c in list_checkpoints(ckpt.parent) if m and s < int(m.group(1))]
+    hint = ("resume from an earlier checkpoint with checkpoint.resume=<path to step_...> "
+            + (f"(earlier checkpoints: {', '.join(earlier)}) " if earlier else "(there is no earlier one) ")
+            + "or remove this folder (nothing else is touched)")
     mpath = ckpt / MANIFEST
     if not mpath.is_file():
         raise ValueError(f"checkpoint {ckpt} is partial: it has no {MANIFEST} (its save did not finish); {hint}")
@@ -66,13 +151,9 @@ def verify(ckpt: str | os.PathLike) -> dict:
         files = manifest["files"]
     except (ValueError, KeyError) as err:
         raise ValueError(f"checkpoint {ckpt} is corrupt: {MANIFEST} is unreadable ({err}); {hint}") from None
-    for rel, size in files.items():
-        p = ckpt / rel
-        if not p.is_file():
-            raise ValueError(f"checkpoint {ckpt} is corrupt: {rel} is missing; {hint}")
-        if p.stat().st_size != size:
-            raise ValueError(f"checkpoint {ckpt} is corrupt: {rel} has {p.stat().st_size} bytes, "
-                             f"the manifest says {size}; {hint}")
+    if not hashes:
+        files = {k: (v if isinstance(v, int) else v["bytes"]) for k, v in files.items()}
+    check_files(ckpt, files, "checkpoint", hint)
     return manifest
 
 
@@ -97,11 +178,16 @@ def publish(root: Path, tag: str, keep_last: int) -> Path:
     return dst
 
 
-def resolve(path_or_run: str | os.PathLike) -> Path:
+def latest_tag(run_dir: str | os.PathLike) -> str | None:
+    latest = checkpoints_root(run_dir) / LATEST
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def resolve(path_or_run: str | os.PathLike, *, hashes: bool = True) -> Path:
     """A checkpoint folder from itself, a run folder or a checkpoints folder (via `latest`), verified."""
     p = Path(path_or_run)
     if (p / MANIFEST).is_file() or _TAG.match(p.name):
-        verify(p)
+        verify(p, hashes=hashes)
         return p
     root = p if (p / LATEST).is_file() or p.name == "checkpoints" else checkpoints_root(p)
     latest = root / LATEST
@@ -113,9 +199,86 @@ def resolve(path_or_run: str | os.PathLike) -> Path:
     tag = latest.read_text().strip()
     ckpt = root / tag
     try:
-        verify(ckpt)
+        verify(ckpt, hashes=hashes)
     except ValueError as err:
-        have = [str(c) for _, c in list_checkpoints(root) if c != ckpt]
-        raise ValueError(f"{latest} points to {tag}, which is not usable: {err}"
-                         + (f". Other checkpoints: {have}" if have else "")) from None
+        raise ValueError(f"{latest} points to {tag}, which is not usable: {err}") from None
     return ckpt
+
+
+def read_client(ckpt: Path) -> dict:
+    return json.loads((ckpt / "client.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------- save / resume
+
+
+def _rng_state() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save(root: Path, step: int, *, engine, reader, dist, keep_last: int, client: dict) -> Path:
+    """Write checkpoint `step` (every rank its part, hashed as written), publish it on rank 0; returns its path.
+    `client` (rank 0's training state: step, phase, config, ...) goes to client.json."""
+    tag = tag_of(step)
+    stage = staging_dir(root, tag)
+    if dist.is_main:
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    hashes: dict = {}
+
+    def writer(path):
+        return HashingWriter(path, hashes)
+
+    engine.save(stage.parent, tag, writer)
+    stage.mkdir(parents=True, exist_ok=True)
+    with writer(stage / f"client_rank{dist.rank}.pt") as f:
+        torch.save({"rng": _rng_state(), "data": reader.state_dict()}, f)
+    every = dist.gather(hashes)
+    if dist.is_main:
+        merged = {k: v for h in every for k, v in h.items()}
+        (stage / "client.json").write_text(json.dumps(client, indent=1))
+        engine.module.config.to_json_file(str(stage / "config.json"))
+        write_manifest(stage, {"step": step, "engine": dist.engine, "world_size": dist.world}, merged)
+        publish(root, tag, keep_last)
+    dist.barrier()
+    return root / tag
+
+
+def check_resumable(ckpt: Path, dist) -> dict:
+    """The checkpoint's client.json when this run's ranks and engine can load it; ValueError otherwise."""
+    client = read_client(ckpt)
+    if client["world_size"] != dist.world:
+        raise ValueError(f"checkpoint.resume: {ckpt} was written by {client['world_size']} ranks, this run has "
+                         f"{dist.world}; resume with the same number of ranks")
+    if client["engine"] != dist.engine:
+        raise ValueError(f"checkpoint.resume: {ckpt} was written by the {client['engine']} engine, this run uses "
+                         f"{dist.engine}; set train.engine={client['engine']}")
+    return client
+
+
+def load(ckpt: Path, *, engine, reader, dist) -> dict:
+    """Restore engine (model, optimizer), data position and RNG state from a verified checkpoint; its client.json."""
+    client = check_resumable(ckpt, dist)
+    try:
+        engine.load(ckpt)
+        rank_state = torch.load(ckpt / f"client_rank{dist.rank}.pt", weights_only=False)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged file: say which checkpoint
+        raise ValueError(f"checkpoint {ckpt} could not be loaded ({type(err).__name__}: {err}); it may be corrupt: "
+                         "resume from an earlier one with checkpoint.resume=<path>") from None
+    reader.load_state_dict(rank_state["data"])
+    _set_rng_state(rank_state["rng"])
+    return client

@@ -4,8 +4,12 @@ CONFIG is a YAML file or the name of a packaged recipe (`default`, `dpile-mamba2
 `configs/train/NAME.yaml` also names one). Without CONFIG the packaged default (a small implicit Mamba2 on the
 Shakespeare corpus, a few minutes on CPU) is used. Overrides are dotted keys with YAML values:
     lm train configs/train/default.yaml train.tokens=2e6 optim.lr=1e-3 run_dir=runs/try
-Several processes: `deepspeed --num_gpus 8 -m lm.train CFG ...` or `torchrun --nproc_per_node 8 -m
-lm.train CFG ...` (scripts/launch.sh for several nodes).
+Several processes: `deepspeed --num_gpus 8 --module lm.train CFG ...` or `torchrun --nproc_per_node 8 -m
+lm.train CFG ...` (scripts/launch.sh for several nodes, scripts/slurm/train.sbatch on SLURM).
+
+SIGTERM or Ctrl-C: the current step finishes, a checkpoint is written and the command exits with code 75
+(a second signal exits at once; the last complete checkpoint stays). `--resume` continues; on a finished run
+it says so and changes nothing. One trainer per run_dir (RUN/lock names the holder).
 """
 from __future__ import annotations
 
@@ -58,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.to_dict(), indent=1))
         return 0
 
+    from .preempt import EXIT_PREEMPTED, Preempted
     from .trainer import TrainingStopped, shutdown, train
 
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     try:
         summary = train(cfg)
     except ValueError as err:
@@ -68,9 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as err:
         print(f"lm train: {err}", file=sys.stderr)
         return 1
+    except Preempted as err:
+        if main_rank:
+            print(f"lm train: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:  # Ctrl-C before the training loop (which handles it) started
+        print("lm train: interrupted before training started; nothing to resume from this attempt", file=sys.stderr)
+        return 130
     finally:
         shutdown()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if summary.get("finished"):
+        if main_rank:
+            print(f"lm train: {cfg.run_dir} is finished: its checkpoint {summary['checkpoint']} is at step "
+                  f"{summary['steps']} of {summary['total_steps']}; nothing was trained or changed. To train longer, "
+                  "raise train.steps / train.tokens; to start over, use another run_dir (`lm export "
+                  f"{cfg.run_dir}` writes its Hugging Face folder again).", file=sys.stderr)
+        return 0
+    if main_rank:
         print(f"\ntrained {summary['steps']} steps, {summary['tokens']:,} tokens; final training loss "
               f"{summary['final_loss']:.4f}")
         if "val_ppl" in summary:

@@ -6,6 +6,8 @@ Sections: model, data, optim, schedule, curriculum, train, checkpoint, log, eval
 (+ run_dir). Every key is declared below with its type and default; an unknown key, a wrong type or an
 out-of-range value is a ValueError naming the dotted field (e.g. `train.micro_batch_size`). Overrides use dotted paths and
 YAML values (`curriculum=paper`, `model.overrides={hidden_size: 256}`, `train.tokens=1e6`).
+Solver settings are typed when read: `model.implicit` becomes an ImplicitSettings and a curriculum list
+a list of Phase (each with its ImplicitSettings), the objects the model's `set_solver` takes.
 """
 from __future__ import annotations
 
@@ -18,14 +20,25 @@ from typing import Any, Union
 
 import yaml
 
+from lm.models.config import ImplicitSettings
+
 from ..resources import config_path
+from .curriculum import parse_curriculum
+
+
+def _implicit(value):
+    try:
+        return ImplicitSettings.from_value(value)
+    except ValueError as err:
+        raise ValueError(f"model.{err}") from None
 
 
 @dataclasses.dataclass
 class ModelSection:
     preset: str = "lm_mamba2-tiny"          # preset name (configs/models) or a config.json path / HF folder
     overrides: dict = dataclasses.field(default_factory=dict)  # model config fields, e.g. {hidden_size: 256}
-    implicit: Union[dict, None] = None       # solver settings when there is no curriculum (None: explicit)
+    # solver settings when there is no curriculum (None: those of the preset, explicit when it has none)
+    implicit: Union[ImplicitSettings, None] = dataclasses.field(default=None, metadata={"parse": _implicit})
     init_from: Union[str, None] = None       # an HF folder (lm export output) to start from
     activation_checkpointing: bool = False   # model.gradient_checkpointing_enable()
     compile: bool = False                    # torch.compile each block (the scan kernels stay opaque calls)
@@ -149,7 +162,8 @@ class TrainConfig:
     data: DataSection = dataclasses.field(default_factory=DataSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
     schedule: ScheduleSection = dataclasses.field(default_factory=ScheduleSection)
-    curriculum: Union[str, list, None] = None  # None, "paper", or a list of phases {name, until, implicit}
+    # None, "paper", or a list of phases {name, until, implicit} (read into a list of curriculum.Phase)
+    curriculum: Union[str, list, None] = dataclasses.field(default=None, metadata={"parse": parse_curriculum})
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
@@ -208,6 +222,9 @@ def _build(cls, data: Any, prefix: str):
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, path)
             continue
+        parse = fields[name].metadata.get("parse")
+        if parse is not None:
+            value = parse(value)
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not _type_ok(value, tp):
@@ -240,7 +257,14 @@ def apply_override(tree: dict, item: str) -> None:
             if not isinstance(node[p], dict):
                 raise ValueError(f"override {item!r}: {p} is not a section")
         node = node[p]
-    node[parts[-1]] = _parse_value(text)
+    try:
+        node[parts[-1]] = _parse_value(text)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(
+            f"override {item!r}: the value {text!r} is not valid YAML ({problem}). Values are read as YAML: "
+            "close every bracket and quote, and quote the whole item for the shell, e.g. "
+            "'model.overrides={hidden_size: 256}'") from None
 
 
 def _numbers(tree: Any) -> Any:
@@ -268,7 +292,10 @@ def read_tree(path: str | Path, kind: str, what: str) -> dict:
         p = config_path(path, kind)
     except FileNotFoundError as err:
         raise ValueError(f"{what}: {err}") from None
-    tree = yaml.safe_load(p.read_text()) or {}
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{p}: not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise ValueError(f"{p}: expected a mapping at the top level")
     return tree
@@ -390,8 +417,5 @@ def validate(cfg: TrainConfig) -> None:
     _need(e.include_path is None or Path(e.include_path).is_dir(), "eval.include_path",
           "must be an existing folder of task YAMLs (python -m lm.eval.local_tasks writes one)", e.include_path)
     if cfg.curriculum is not None:
-        from .curriculum import parse_curriculum  # validates the phases
-
-        parse_curriculum(cfg.curriculum, "lm_mamba2")
         _need(cfg.model.implicit is None, "model.implicit",
               "set either model.implicit (fixed settings) or curriculum (phases), not both", cfg.model.implicit)

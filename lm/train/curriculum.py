@@ -1,12 +1,13 @@
 """The implicit models' solver curriculum: phases by fraction of the training tokens (paper 003, sec. 3).
 
-    phases = parse_curriculum("paper", "lm_mamba2")
+    phases = curriculum_phases("paper", "lm_mamba2")
     #  bounded: until 0.8, (4+1), no tolerance       free: until 1.0, (24+4), tol 0.05 (Llama: 32+4)
     i = phase_index(phases, tokens_seen / total_tokens)
-    apply_phase(model.config, phases[i])    # the model reads config.implicit_settings at every forward
+    model.set_solver(phases[i].implicit)    # the model reads config.implicit at every forward
 
 A phase is {name, until, implicit}: it runs while the fraction of training tokens already seen is
-< `until`; `implicit` are the solver settings (lm.models.config.ImplicitSettings keys) of the phase.
+< `until`; `implicit` holds the phase's solver settings (lm.models.config.ImplicitSettings), validated
+once when the training config is read.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import dataclasses
 from lm.models.config import ImplicitSettings
 
 PAPER_FREE = {
-    "lm_mamba2": {"max_iter": 24, "tol": 0.05, "phantom_steps": 4},
-    "lm_llama": {"max_iter": 32, "tol": 0.05, "phantom_steps": 4},
+    "lm_mamba2": ImplicitSettings(max_iter=24, tol=0.05, phantom_steps=4),
+    "lm_llama": ImplicitSettings(max_iter=32, tol=0.05, phantom_steps=4),
 }
-PAPER_BOUNDED = {"max_iter": 4, "tol": None, "phantom_steps": 1}
+PAPER_BOUNDED = ImplicitSettings(max_iter=4, tol=None, phantom_steps=1)
 PAPER_SWITCH = 0.8
 
 
@@ -26,10 +27,10 @@ PAPER_SWITCH = 0.8
 class Phase:
     name: str
     until: float
-    implicit: dict  # full ImplicitSettings dict
+    implicit: ImplicitSettings
 
     def describe(self) -> str:
-        s = ImplicitSettings.from_value(self.implicit)
+        s = self.implicit
         tol = "no tol" if s.tol is None else f"tol {s.tol:g}"
         return f"{self.name} ({s.max_iter}+{s.phantom_steps}, {tol}) until {self.until:.0%} of tokens"
 
@@ -41,24 +42,21 @@ def paper_curriculum(model_type: str) -> list[Phase]:
             f"curriculum: 'paper' is defined for {sorted(PAPER_FREE)} (paper 003), not {model_type}; give the "
             "phases explicitly, e.g. [{name: bounded, until: 0.8, implicit: {max_iter: 4, phantom_steps: 1}}, "
             "{name: free, until: 1.0, implicit: {max_iter: 24, tol: 0.05, phantom_steps: 4}}]")
-    free = PAPER_FREE[model_type]
-    return [
-        Phase("bounded", PAPER_SWITCH, ImplicitSettings.from_value(dict(PAPER_BOUNDED)).to_dict()),
-        Phase("free", 1.0, ImplicitSettings.from_value(dict(free)).to_dict()),
-    ]
+    return [Phase("bounded", PAPER_SWITCH, PAPER_BOUNDED), Phase("free", 1.0, PAPER_FREE[model_type])]
 
 
-def parse_curriculum(value, model_type: str) -> list[Phase] | None:
-    """None, "paper", or a list of {name, until, implicit} with increasing `until`, the last = 1.0."""
-    if value is None:
-        return None
-    if value == "paper":
-        return paper_curriculum(model_type)
+def parse_curriculum(value):
+    """The config's curriculum: None, "paper" (resolved per model type by curriculum_phases), or a list of
+    {name, until, implicit} with increasing `until`, the last = 1.0 -> a list of Phase."""
+    if value is None or value == "paper":
+        return value
     if not isinstance(value, list) or not value:
         raise ValueError(f"curriculum: expected null, 'paper' or a non-empty list of phases, got {value!r}")
     phases, prev = [], 0.0
     for i, item in enumerate(value):
         where = f"curriculum[{i}]"
+        if isinstance(item, Phase):
+            item = {"name": item.name, "until": item.until, "implicit": item.implicit}
         if not isinstance(item, dict):
             raise ValueError(f"{where}: expected a mapping {{name, until, implicit}}, got {item!r}")
         unknown = sorted(set(item) - {"name", "until", "implicit"})
@@ -67,17 +65,24 @@ def parse_curriculum(value, model_type: str) -> list[Phase] | None:
         until = item.get("until")
         if not isinstance(until, (int, float)) or isinstance(until, bool) or not (prev < until <= 1.0):
             raise ValueError(f"{where}.until: must be a fraction in ({prev}, 1] and increase (got {until!r})")
-        if not isinstance(item.get("implicit"), dict):
+        if not isinstance(item.get("implicit"), (dict, ImplicitSettings)):
             raise ValueError(f"{where}.implicit: expected a mapping of solver settings (got {item.get('implicit')!r})")
         try:
-            settings = ImplicitSettings.from_value(dict(item["implicit"]))
+            settings = ImplicitSettings.from_value(item["implicit"])
         except ValueError as err:
             raise ValueError(f"{where}.{err}") from None
-        phases.append(Phase(str(item.get("name", f"phase{i}")), float(until), settings.to_dict()))
+        phases.append(Phase(str(item.get("name", f"phase{i}")), float(until), settings))
         prev = until
     if phases[-1].until != 1.0:
         raise ValueError(f"curriculum[{len(phases) - 1}].until: the last phase must end at 1.0 (got {phases[-1].until})")
     return phases
+
+
+def curriculum_phases(value, model_type: str) -> list[Phase] | None:
+    """The phases of a parsed curriculum for a model type ("paper" depends on it)."""
+    if value == "paper":
+        return paper_curriculum(model_type)
+    return parse_curriculum(value)  # Phases as they are; dicts of a config built in code are read here
 
 
 def phase_index(phases: list[Phase], fraction: float) -> int:
@@ -90,8 +95,3 @@ def phase_index(phases: list[Phase], fraction: float) -> int:
 
 def phase_start(phases: list[Phase], index: int) -> float:
     return 0.0 if index == 0 else phases[index - 1].until
-
-
-def apply_phase(config, phase: Phase) -> None:
-    """Switch the model's solver settings (the model reads config.implicit_settings at every forward)."""
-    config.implicit = ImplicitSettings.from_value(dict(phase.implicit)).to_dict()

@@ -8,8 +8,8 @@
     engine.save(staging_root, tag) / engine.load(ckpt_dir)
     engine.module                                   (the model)
 
-AdamW: weight decay on matrices only; none on norms, biases and parameters marked
-`p._no_weight_decay = True` (A_log, dt_bias, D).
+Checkpoint files go through `writer(path)` (checkpoint.HashingWriter: the manifest's content hash is computed
+from the bytes as they are written).
 """
 from __future__ import annotations
 
@@ -19,13 +19,6 @@ import math
 from pathlib import Path
 
 import torch
-
-from lm.optim import param_groups  # noqa: F401  (re-exported)
-
-
-def make_optimizer(model, *, lr, betas, eps, weight_decay, device) -> torch.optim.Optimizer:
-    kw = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps, **kw)
 
 
 def _set_lr(optimizer, lr: float) -> None:
@@ -66,10 +59,11 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return applied, norm
 
-    def save(self, staging_root: Path, tag: str) -> None:
+    def save(self, staging_root: Path, tag: str, writer) -> None:
         d = staging_root / tag
         d.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, d / "model_optim.pt")
+        with writer(d / "model_optim.pt") as f:
+            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, f)
 
     def load(self, ckpt: Path) -> None:
         path = ckpt / "model_optim.pt"
@@ -137,8 +131,23 @@ class DeepSpeedEngine:
         norm = float(norm) if norm is not None else float("nan")
         return applied and math.isfinite(norm), norm
 
-    def save(self, staging_root: Path, tag: str) -> None:
-        self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
+    def save(self, staging_root: Path, tag: str, writer) -> None:
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        ce = self.engine.checkpoint_engine
+        if type(ce) is not TorchCheckpointEngine:  # another engine (async, Nebula): the manifest reads its files
+            self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
+            return
+
+        def save(state_dict, path):  # TorchCheckpointEngine.save, through the hashing writer
+            with writer(Path(path)) as f:
+                torch.save(state_dict, f, _use_new_zipfile_serialization=ce.zipfile_serialization)
+
+        ce.save = save
+        try:
+            self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
+        finally:
+            del ce.save  # the class's method again
 
     def load(self, ckpt: Path) -> None:
         if not any(ckpt.glob("mp_rank_*_model_states.pt")):

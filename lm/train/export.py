@@ -2,7 +2,8 @@
 (safetensors + config.json + tokenizer) that `AutoModelForCausalLM.from_pretrained(DIR)` loads after
 `import lm`. DeepSpeed ZeRO checkpoints are consolidated to fp32 (DeepSpeed's zero_to_fp32); the
 torch engine's checkpoints hold fp32 weights already. The exported config carries the solver
-settings of the curriculum phase the checkpoint was in.
+settings of the curriculum phase the checkpoint was in. The folder gets a manifest.json (size and sha256 of
+every file) that the loaders check (`verify_export`), so a file changed or cut short later is named.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     """Write the HF folder for a checkpoint (or a run folder's latest checkpoint); returns its path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import lm  # noqa: F401  (registers the model types)
+    import lm.models  # noqa: F401  (registers the model types)
 
     ckpt = ckpt_lib.resolve(checkpoint)
     config = AutoConfig.from_pretrained(str(ckpt))
@@ -67,7 +68,24 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
         from lm.data import load_tokenizer
 
         load_tokenizer(tokenizer).save_pretrained(str(out))
+    # save_pretrained writes through safetensors (no file object to hash through): hash the fresh files
+    ckpt_lib.write_manifest(out, {"checkpoint": str(ckpt), "dtype": dtype})
     return out
+
+
+def verify_export(folder: str | os.PathLike) -> None:
+    """Check an exported folder against its manifest.json (sizes, then sha256); folders without one pass."""
+    folder = Path(folder)
+    mpath = folder / ckpt_lib.MANIFEST
+    if not mpath.is_file():
+        return
+    hint = ("export it again from its training checkpoint (`lm export RUN_DIR`), or copy the folder again "
+            "from where it came")
+    try:
+        files = json.loads(mpath.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"model folder {folder}: {ckpt_lib.MANIFEST} is unreadable ({err}); {hint}") from None
+    ckpt_lib.check_files(folder, files, "model folder", hint)
 
 
 def main(argv: list[str] | None = None) -> int:

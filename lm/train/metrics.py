@@ -1,8 +1,9 @@
 """Run logging on rank 0: a JSONL metrics file, an optional wandb run, a tqdm bar, MFU and memory.
 
 Every line of RUN/metrics.jsonl is one JSON object: a step record ({"step", "tokens", "loss", "lr",
-"grad_norm", "tokens_per_s", "mfu", "step_time", "mem_gb", "phase", "fp/<stat>", "skipped"}) or an
-event ({"event": "phase_switch" | "eval" | "checkpoint" | "skip" | "start" | "end", ...}).
+"grad_norm", "tokens_per_s", "mfu", "flops_per_token", "step_time", "mem_gb", "phase", "fp/<stat>",
+"skipped"}) or an event ({"event": "phase_switch" | "eval" | "checkpoint" | "skip" | "start" | "preempted" |
+"end", "step", ...}). A resumed run first drops the records past its checkpoint (rundir.truncate_metrics).
 """
 from __future__ import annotations
 
@@ -20,6 +21,58 @@ import torch
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world_size: int = 1) -> float:
     """Model FLOPs utilisation: achieved training FLOP/s over the devices' peak."""
     return tokens_per_s * flops_per_token / (peak_flops * world_size)
+
+
+class StepWindow:
+    """Throughput, MFU and the solver's statistics over the steps since the last step record.
+
+    MFU counts the FLOPs of the solver iterations actually run (the window's mean fp/iterations of an
+    implicit model, fp/layer_iterations of FP-Mamba's layers), not the caps: a tolerance stops the solves early.
+    """
+
+    def __init__(self, seq_len: int, tokens_per_step: int, peak_flops: float, world_size: int):
+        self.seq_len, self.tokens_per_step = seq_len, tokens_per_step
+        self.peak_flops, self.world_size = peak_flops, world_size
+        self._flops: dict = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.time, self.fp = 0, 0.0, []
+
+    def add(self, seconds: float, fp_stats: list[dict]) -> None:
+        self.steps += 1
+        self.time += seconds
+        self.fp.extend(fp_stats)
+
+    def _flops_per_token(self, config, iterations: float | None, layer_iterations: float | None) -> float:
+        """Training FLOPs per token: a + b * iterations (an implicit model's solve) + c * layer_iterations
+        (FP-Mamba's per-layer solves); a, b, c cached per solver settings."""
+        from lm.models.presets import flops_per_token
+
+        key = config.implicit
+        if key not in self._flops:
+            def f(it, layer_it):
+                return flops_per_token(config, self.seq_len, iterations=it, layer_iterations=layer_it)["train"]
+
+            f0 = f(0 if key is not None else None, 0)
+            self._flops[key] = (f0, f(1, 0) - f0 if key is not None else 0.0, f(0 if key is not None else None, 1) - f0)
+        a, b, c = self._flops[key]
+        if key is not None and iterations is None:
+            iterations = key.max_iter
+        return a + b * (iterations or 0.0) + c * (layer_iterations or 0.0)
+
+    def record(self, config) -> dict:
+        """The window's averages (then reset): tokens_per_s, step_time, mfu, flops_per_token, fp/<stat>."""
+        tps = self.steps * self.tokens_per_step / self.time if self.time > 0 else float("nan")
+        rec = {"tokens_per_s": tps, "step_time": self.time / max(1, self.steps)}
+        for k in (self.fp[0] if self.fp else {}):
+            vals = [s[k] for s in self.fp if k in s]
+            rec[f"fp/{k}"] = sum(vals) / len(vals)
+        fpt = self._flops_per_token(config, rec.get("fp/iterations"), rec.get("fp/layer_iterations"))
+        rec["flops_per_token"] = fpt
+        rec["mfu"] = mfu(tps, fpt, self.peak_flops, self.world_size)
+        self.reset()
+        return rec
 
 
 def memory_gb(device: torch.device) -> float:
@@ -86,7 +139,10 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     out = []
     for line in path.read_text().splitlines():
         if line.strip():
-            out.append(json.loads(line))
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # the last line of a killed run can be cut short
+                continue
     return out
 
 

@@ -143,7 +143,15 @@ def run(cfg: TrainConfig, progress: bool = True) -> dict:
 
     cfg = copy.deepcopy(cfg)
     cfg.log.progress = progress
-    return train(cfg)["results"]
+    summary = train(cfg)
+    if "results" in summary:
+        return summary["results"]
+    # resuming a finished run trains and changes nothing (as `lm train --resume`): its results are those it wrote
+    done = Path(cfg.run_dir) / "results.json"
+    if summary.get("finished") and done.is_file():
+        return json.loads(done.read_text())
+    raise ValueError(f"{cfg.run_dir}: the checkpoint it resumes from ({summary.get('checkpoint')}) is already at its last "
+                     f"step ({summary.get('steps')}): nothing to train; raise train.steps to train on")
 
 
 def model_parameters(cfg: TrainConfig) -> int:
