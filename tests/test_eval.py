@@ -129,7 +129,9 @@ def test_duality_command(checkpoint, corpus, tmp_path, capsys):
                  "--output", str(out), "--device", "cpu"]) == 0
     res = json.loads(out.read_text())
     assert 0 <= res["match_rate"] <= 1 and res["tokens"] == 32
-    assert "token match rate" in capsys.readouterr().out
+    assert 0 <= res["prefill_match_rate"] <= 1 and res["prefill_generated_tokens"] == 2 * 32
+    out = capsys.readouterr().out
+    assert "token match rate" in out and "parallel vs sequential prefill" in out
 
 
 def test_generate_command(checkpoint, capsys):
