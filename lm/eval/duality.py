@@ -63,7 +63,7 @@ def prefill_agreement(model, prompt, new_tokens: int, **generate_kwargs) -> dict
     Returns {agree, tokens, rate, first_divergence (per row: index of the first differing generated token,
     -1 if none)}; the generated tokens after the prompt are compared position by position."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-              eos_token_id=None, **generate_kwargs)
+              eos_token_id=None, attention_mask=torch.ones_like(prompt), **generate_kwargs)
     par = model.generate(prompt, prefill="parallel", **kw)[:, prompt.shape[1]:]
     seq = model.generate(prompt, prefill="sequential", **kw)[:, prompt.shape[1]:]
     same = par == seq
