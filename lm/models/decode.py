@@ -50,7 +50,7 @@ def resolve_decode(mode: str | None, device: torch.device) -> str | None:
 def decoder_for(model, batch: int, graph: bool) -> "StaticDecoder":
     """The model's decoder for this batch size and mode (made on first use)."""
     p = model.get_input_embeddings().weight
-    key = (batch, graph, p.device, p.dtype, p.data_ptr())
+    key = (batch, graph, p.device, p.dtype, p.data_ptr(), torch.is_autocast_enabled(p.device.type))
     table = _DECODERS.setdefault(model, {})
     dec = table.get(key)
     if dec is None:
