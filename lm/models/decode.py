@@ -20,6 +20,7 @@ larger buffers (room for twice as many new tokens) and the step is captured agai
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -152,11 +153,18 @@ class StaticDecoder:
                 self._run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._run()
-        for v, s in zip(bufs, saved):
-            v.copy_(s)
-        self.graph = graph
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self._run()
+        except RuntimeError as e:  # an op in the step synchronises with the host (e.g. Anderson's linalg.solve)
+            warnings.warn(f"{type(self.model).__name__}: the decode step could not be captured in a CUDA graph "
+                          f"({e}); decoding with static buffers without a graph instead", stacklevel=3)
+            self.use_graph = False
+        finally:
+            for v, s in zip(bufs, saved):
+                v.copy_(s)
+        if self.use_graph:
+            self.graph = graph
 
     @torch.no_grad()
     def step(self, cache: LMCache, input_ids: torch.Tensor) -> torch.Tensor:
@@ -170,6 +178,7 @@ class StaticDecoder:
         if self.use_graph:
             if self.graph is None:
                 self._capture()
+        if self.use_graph:
             self.graph.replay()
             logits = self.logits.clone()
         else:
