@@ -15,6 +15,8 @@ with lm_llama-350m's dims (eager attention, its default cache). For each batch s
 - decode_ms_per_token: greedy `generate` of --new-tokens tokens (min = max, so none stop early) timed whole,
   minus prefill_ms, divided by the new tokens after the first; the HF generation loop is included, as users
   see it. One warm-up `generate` before (captures the CUDA graph for the shape);
+- graph_step_ms (lm models, CUDA graph): one replay of the captured step alone; decode_ms_per_token minus
+  this is what the generation loop around it costs;
 - eager_decode_ms_per_token (lm models, B = 1, first prompt length): the same with decode="eager"
   (--eager-tokens tokens), the per-token Python path the graph replaces.
 
@@ -112,6 +114,12 @@ def measure(model, name, batch, prompt_len, new_tokens, decode, eager_tokens, sy
     row["decode_ms_per_token"] = max(total - row["prefill_ms"], 0.0) / max(new_tokens - 1, 1)
     if ours:
         row["decode"] = decode
+        from lm.models import decode as D
+
+        dec = [d for k, d in D._DECODERS.get(model, {}).items() if k[0] == batch and d.graph is not None]
+        if dec:  # the captured step alone (no generation loop around it): what the HF loop adds is the rest
+            dec[0].graph.replay()
+            row["graph_step_ms"] = timed(lambda: [dec[0].graph.replay() for _ in range(20)], sync) / 20
         if eager_tokens:
             generate(2, "eager")
             t = timed(lambda: generate(eager_tokens, "eager"), sync)
@@ -152,8 +160,8 @@ def main(argv=None) -> int:
         return 2
 
     rows = []
-    print(f"{'model':16s} {'B':>3s} {'prompt':>6s} {'prefill ms':>11s} {'decode ms/tok':>14s} {'eager ms/tok':>13s}"
-          f" {'simult. ms':>11s}")
+    print(f"{'model':16s} {'B':>3s} {'prompt':>6s} {'prefill ms':>11s} {'decode ms/tok':>14s} {'graph step':>11s}"
+          f" {'eager ms/tok':>13s} {'simult. ms':>11s}")
     for name in names:
         torch.manual_seed(0)
         model = build(name, args.quick, device, dtype)
@@ -163,6 +171,7 @@ def main(argv=None) -> int:
                 row = measure(model, name, b, prompt_len, new_tokens, decode, et, sync, device)
                 rows.append(row)
                 print(f"{name:16s} {b:3d} {prompt_len:6d} {row['prefill_ms']:11.2f} {row['decode_ms_per_token']:14.3f}"
+                      f" {row.get('graph_step_ms', float('nan')):11.3f}"
                       f" {row.get('eager_decode_ms_per_token', float('nan')):13.3f}"
                       f" {row.get('simultaneous_ms', float('nan')):11.2f}", flush=True)
         del model

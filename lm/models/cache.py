@@ -46,6 +46,7 @@ class LMCache:
         self.static = False
         self.position: torch.Tensor | None = None  # (1,) long: position of the first new token
         self.capacity = 0  # K/V slots
+        self._step_tensors = None  # (positions, attention mask) of the current step, see begin_step
 
     @classmethod
     def static_like(cls, layers: dict, capacity: int, device) -> "LMCache":
@@ -98,18 +99,29 @@ class LMCache:
             self.update(layer_idx, k=k, v=v)
             return k, v, None
         bufs = self.layers[layer_idx]
-        t = k.shape[2]
-        q_pos = self.position + torch.arange(t, device=k.device)
+        q_pos, mask = self._step(k.shape[2], k.device)
         bufs["k"].index_copy_(2, q_pos, k)
         bufs["v"].index_copy_(2, q_pos, v)
-        mask = torch.arange(self.capacity, device=k.device).unsqueeze(0) <= q_pos.unsqueeze(1)
         return bufs["k"], bufs["v"], mask
 
     def positions(self, t: int, device) -> torch.Tensor:
         """Positions (t,) of the next t tokens: from `seen_tokens` (dynamic) or the `position` tensor (static)."""
         if self.static:
-            return self.position + torch.arange(t, device=device)
+            return self._step(t, device)[0]
         return torch.arange(self.seen_tokens, self.seen_tokens + t, device=device)
+
+    def begin_step(self, t: int) -> None:
+        """Static caches: forget the positions / attention mask of the previous step (they are computed once
+        per step from `position`, not once per layer)."""
+        self._step_tensors = None
+
+    def _step(self, t: int, device):
+        st = self._step_tensors
+        if st is None or st[0].shape[0] != t:
+            q_pos = self.position + torch.arange(t, device=device)
+            mask = torch.arange(self.capacity, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            st = self._step_tensors = (q_pos, mask)
+        return st
 
     @contextlib.contextmanager
     def freeze(self):

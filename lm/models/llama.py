@@ -65,9 +65,9 @@ class Attention(Mixer):
         # causal QK^T and AV: 2 matmuls of (t x d) average length t/2, 2 FLOPs per MAC
         return 2 * 2 * self.n_heads * self.head_dim * seq_len / 2
 
-    def shared_inputs(self, t: int, cu_seqlens, device) -> dict:
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None) -> dict:
         """The rotary tables (cos, sin), float32 (t, head_dim), computed once per model forward."""
-        pos = position_in_document(t, cu_seqlens, device)
+        pos = position_in_document(t, cu_seqlens, device) if positions is None else positions
         return {"rope": rotary_cos_sin(pos, self.head_dim, self.rope_theta, torch.float32)}
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None):
@@ -83,7 +83,8 @@ class Attention(Mixer):
 
         if cache is not None and cu_seqlens is not None:
             raise ValueError("Attention: cu_seqlens (packed training) cannot be combined with a generation cache")
-        pos = cache.positions(t, x.device) if cache is not None else position_in_document(t, cu_seqlens, x.device)
+        if rope is None or cu_seqlens is not None:
+            pos = cache.positions(t, x.device) if cache is not None else position_in_document(t, cu_seqlens, x.device)
         if rope is None:
             cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)
         else:  # the model's tables for this forward (float32; same values, rounded here as above)

@@ -61,9 +61,10 @@ class Mixer(nn.Module):
         """Forward FLOPs per token beyond the mixer's Linear layers (attention scores, scans)."""
         return 0.0
 
-    def shared_inputs(self, t: int, cu_seqlens, device) -> dict:
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None) -> dict:
         """Extra keyword inputs that every layer's forward receives, computed once per model forward
-        (not per layer and not per fixed-point iteration) when no cache is used; {} for most mixers.
+        (not per layer and not per fixed-point iteration); {} for most mixers. `positions` (t,): the tokens'
+        positions when a cache is used (else they start at 0 in every document of cu_seqlens).
         Attention returns its rotary tables here: computed inside a compiled block, inductor fuses the
         sin/cos into the rotation and evaluates them per element of q and k (~1 ms per layer call at
         16 x 2048 tokens on an H100)."""
@@ -229,10 +230,11 @@ class LMModel(LMPreTrainedModel):
         return h
 
     def _shared(self, h, cache, cu_seqlens) -> dict:
-        """The mixers' shared inputs for this forward (see Mixer.shared_inputs); none with a cache."""
-        if cache is not None or not len(self.layers):
+        """The mixers' shared inputs for this forward (see Mixer.shared_inputs), at the cache's positions."""
+        if not len(self.layers):
             return {}
-        return self.layers[0].mixer.shared_inputs(h.shape[1], cu_seqlens, h.device)
+        pos = cache.positions(h.shape[1], h.device) if cache is not None else None
+        return self.layers[0].mixer.shared_inputs(h.shape[1], cu_seqlens, h.device, positions=pos)
 
     def fixed_point_map(self, inj, cache=None, cu_seqlens=None, shared=None):
         """F(z) = norm_f(blocks(z, inj)): the implicit model's map."""
@@ -285,9 +287,11 @@ class LMModel(LMPreTrainedModel):
         committing pass. `cache.seen_tokens` is not advanced (the decoder owns the position)."""
         emb = self.embed_tokens(input_ids)
         settings = self.config.implicit_settings
+        cache.begin_step(input_ids.shape[1])
+        shared = self._shared(emb, cache, None)
         if settings is None:
-            return self.norm_f(self._blocks(emb, None, cache))
-        f = self.fixed_point_map(self.injection(emb), cache)
+            return self.norm_f(self._blocks(emb, None, cache, None, shared))
+        f = self.fixed_point_map(self.injection(emb), cache, None, shared)
         with cache.freeze():
             z, _ = solve(f, torch.zeros_like(emb), max_iter=settings.eval_max_iter, tol=None,
                          damping=settings.damping, norm=settings.norm, anderson=settings.anderson)
