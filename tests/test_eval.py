@@ -75,7 +75,7 @@ def test_in_process_lm_eval(checkpoint, local_tasks):
     print(format_table(res["table"]))
 
 
-def test_generation_task_through_the_static_decode_path(checkpoint, local_tasks):
+def test_generation_task_through_the_static_decode_path(checkpoint, local_tasks, monkeypatch):
     """lm_local_generate (generate_until) runs the models' generate; the static-cache decode path gives the
     eager path's results (explicit model: identical tokens)."""
     import time
@@ -87,6 +87,9 @@ def test_generation_task_through_the_static_decode_path(checkpoint, local_tasks)
     tok = load_tokenizer()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(load_config("lm_mamba2-tiny", num_hidden_layers=2))
+    steps = []
+    real_step = D.StaticDecoder.step
+    monkeypatch.setattr(D.StaticDecoder, "step", lambda self, *a: steps.append(1) or real_step(self, *a))
     res, secs = {}, {}
     for mode in ("eager", "static"):
         t0 = time.perf_counter()
@@ -95,7 +98,8 @@ def test_generation_task_through_the_static_decode_path(checkpoint, local_tasks)
         secs[mode] = time.perf_counter() - t0
     print(f"lm_local_generate x4: eager {secs['eager']:.2f} s, static {secs['static']:.2f} s: {res['static']}")
     assert res["static"] == res["eager"] and 0 <= res["static"]["exact_match"] <= 1
-    assert D._DECODERS.get(model) and model.decode_mode == "auto"
+    assert steps, "the static decode path did not run"
+    assert model.decode_mode == "auto" and not D._DECODERS.get(model)  # released after the run
 
 
 def test_lm_eval_cli_on_export(checkpoint, local_tasks, tmp_path):

@@ -71,6 +71,9 @@ def run_lm_eval(model, tokenizer, tasks: list[str], *, num_fewshot: int = 0, bat
         model.train(was_training)
         if old_decode is not None:
             model.decode_mode = old_decode
+            from lm.models.decode import release_decoders
+
+            release_decoders(model)  # the static buffers / graphs of generation tasks (K/V: GBs at large B)
     results = {t: {k.split(",")[0]: v for k, v in r.items() if isinstance(v, (int, float)) and "stderr" not in k}
                for t, r in out["results"].items()}
     return {"results": results, "table": paper_table(results)}

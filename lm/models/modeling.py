@@ -446,8 +446,11 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         elif use_cache:
             cache = LMCache(self.config.num_hidden_layers)
             cache.decode = resolve_decode(decode or self.decode_mode, self.lm_head.weight.device)
-        return {"input_ids": input_ids, "cache": cache, "use_cache": use_cache, "attention_mask": attention_mask,
-                "prefill": prefill}
+        out = {"input_ids": input_ids, "cache": cache, "use_cache": use_cache, "attention_mask": attention_mask,
+               "prefill": prefill}
+        if kwargs.get("logits_to_keep") is not None:  # generate asks for the last position's logits only
+            out["logits_to_keep"] = kwargs["logits_to_keep"]
+        return out
 
     def _reorder_cache(self, cache, beam_idx):
         cache.reorder_cache(beam_idx)
