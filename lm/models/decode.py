@@ -144,6 +144,10 @@ class StaticDecoder:
         return model.lm_head(h)
 
     def _capture(self) -> None:
+        with torch.cuda.device(self.ids.device):  # the model's GPU, not necessarily the current one
+            self._capture_on_device()
+
+    def _capture_on_device(self) -> None:
         bufs = [v for d in self.cache.layers.values() for v in d.values()]
         saved = [v.clone() for v in bufs]
         side = torch.cuda.Stream()
