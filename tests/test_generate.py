@@ -59,6 +59,13 @@ def test_static_decode_implicit_fixed_iterations_equals_eager(family):
     assert torch.equal(gen(model, prompt, "static"), gen(model, prompt, "eager"))
 
 
+def test_static_decode_implicit_anderson_equals_eager():
+    """Anderson acceleration in the step (on CUDA its linalg.solve may refuse capture: then static buffers)."""
+    model = make("llama", implicit=dict(max_iter=2, tol=None, anderson=2))
+    prompt = torch.randint(1, V, (2, 6))
+    assert torch.equal(gen(model, prompt, "static", max_new_tokens=5), gen(model, prompt, "eager", max_new_tokens=5))
+
+
 def test_static_decode_sampling_beams_and_stopping():
     model = make("mamba2")
     prompt = torch.randint(1, V, (2, 5))
