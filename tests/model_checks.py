@@ -23,7 +23,8 @@ def greedy_by_full_forward(model, ids, n: int, sequential: bool = False):
     for _ in range(n):
         with torch.no_grad():
             if sequential:
-                logits = model(ids, cache=LMCache(model.config.num_hidden_layers), use_cache=True).logits
+                logits = model(ids, cache=LMCache(model.config.num_hidden_layers), use_cache=True,
+                               prefill="sequential").logits
             else:
                 logits = model(ids).logits
         ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
@@ -51,7 +52,7 @@ def assert_generation_and_packing(model, implicit: bool, vocab: int = 256):
     prompt = torch.randint(1, vocab, (2, 7), device=dev)
     with torch.no_grad():
         gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
+                             pad_token_id=0, eos_token_id=None, prefill="sequential")
         assert torch.equal(gen, greedy_by_full_forward(model, prompt, 10, sequential=implicit))
         docs = torch.randint(0, vocab, (3, 70), device=dev)
         batch = model(docs).logits

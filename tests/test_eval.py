@@ -75,6 +75,33 @@ def test_in_process_lm_eval(checkpoint, local_tasks):
     print(format_table(res["table"]))
 
 
+def test_generation_task_through_the_static_decode_path(checkpoint, local_tasks, monkeypatch):
+    """lm_local_generate (generate_until) runs the models' generate; the static-cache decode path gives the
+    eager path's results (explicit model: identical tokens)."""
+    import time
+
+    from lm.eval.harness import run_lm_eval
+    from lm.models import decode as D
+
+    assert (local_tasks / "generate.jsonl").read_text().strip()
+    tok = load_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(load_config("lm_mamba2-tiny", num_hidden_layers=2))
+    steps = []
+    real_step = D.StaticDecoder.step
+    monkeypatch.setattr(D.StaticDecoder, "step", lambda self, *a: steps.append(1) or real_step(self, *a))
+    res, secs = {}, {}
+    for mode in ("eager", "static"):
+        t0 = time.perf_counter()
+        res[mode] = run_lm_eval(model, tok, ["lm_local_generate"], batch_size=1, limit=4,
+                                include_path=local_tasks, decode=mode)["results"]["lm_local_generate"]
+        secs[mode] = time.perf_counter() - t0
+    print(f"lm_local_generate x4: eager {secs['eager']:.2f} s, static {secs['static']:.2f} s: {res['static']}")
+    assert res["static"] == res["eager"] and 0 <= res["static"]["exact_match"] <= 1
+    assert steps, "the static decode path did not run"
+    assert model.decode_mode == "auto" and not D._DECODERS.get(model)  # released after the run
+
+
 def test_lm_eval_cli_on_export(checkpoint, local_tasks, tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
@@ -129,7 +156,9 @@ def test_duality_command(checkpoint, corpus, tmp_path, capsys):
                  "--output", str(out), "--device", "cpu"]) == 0
     res = json.loads(out.read_text())
     assert 0 <= res["match_rate"] <= 1 and res["tokens"] == 32
-    assert "token match rate" in capsys.readouterr().out
+    assert 0 <= res["prefill_match_rate"] <= 1 and res["prefill_generated_tokens"] == 2 * 32
+    out = capsys.readouterr().out
+    assert "token match rate" in out and "parallel vs sequential prefill" in out
 
 
 def test_generate_command(checkpoint, capsys):

@@ -75,7 +75,7 @@ def test_cached_greedy_generation_equals_full_forward(family, implicit):
     torch.manual_seed(2)
     model = AutoModelForCausalLM.from_config(small_config(family, implicit)).eval()
     prompt = torch.randint(0, V, (1, 7))
-    out = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, prefill="sequential")
     ref = greedy_by_full_forward(model, prompt, 10, sequential=implicit is not None)
     assert torch.equal(out, ref), (out, ref)
 
@@ -211,7 +211,7 @@ def test_duality_sequential_vs_simultaneous():
     test = _markov_corpus(4, 24, seed=1)
     with torch.no_grad():
         simultaneous = model(test).logits.argmax(-1)
-        sequential = model(test, cache=LMCache(), use_cache=True).logits.argmax(-1)
+        sequential = model(test, cache=LMCache(), use_cache=True, prefill="sequential").logits.argmax(-1)
     rate = (simultaneous == sequential).float().mean().item()
     print(f"duality token match rate: {rate:.4f} (paper: 0.976), final train loss {loss.item():.3f}")
     assert rate >= 0.97
@@ -347,7 +347,7 @@ def test_llama_rotary_tables_once_per_forward_equal_per_layer(implicit, packed, 
         shared = model(ids, cu_seqlens=cu).logits
         n_shared = len(calls)
         calls.clear()
-        monkeypatch.setattr(llama_mod.Attention, "shared_inputs", lambda self, t, c, d: {})
+        monkeypatch.setattr(llama_mod.Attention, "shared_inputs", lambda self, t, c, d, positions=None: {})
         per_layer = model(ids, cu_seqlens=cu).logits
     assert n_shared == 1
     assert len(calls) >= 2  # every layer call computed its own tables

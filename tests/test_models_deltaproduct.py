@@ -146,7 +146,7 @@ def test_cached_generation_equals_full_forward_greedy(name, implicit):
     prompt = torch.randint(1, 64, (2, 5))
     with torch.no_grad():
         gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
+                             pad_token_id=0, eos_token_id=None, prefill="sequential")
     ref = greedy_by_full_forward(model, prompt, 8, sequential=implicit is not None)
     assert torch.equal(gen, ref)
 

@@ -4,7 +4,9 @@
     lm eval CKPT --tasks lm_local_lastword,lm_local_continuation --include-path data/lm_tasks
 
 Implicit models evaluate in simultaneous mode at the evaluation cap (eval_factor x max_iter). The
-training hook calls `run_lm_eval` on the live model.
+training hook calls `run_lm_eval` on the live model. Generation tasks (generate_until, e.g.
+lm_local_generate) run the models' `generate`: a parallel prefill and, on CUDA, the CUDA-graph decode step
+(`--decode eager` for the per-token Python path, to compare).
 """
 from __future__ import annotations
 
@@ -127,12 +129,17 @@ def task_manager(include_path: str | None = None):
 
 def run_lm_eval(model, tokenizer, tasks: list[str], *, num_fewshot: int = 0, batch_size: int = 16,
                 limit: int | float | None = None, include_path: str | None = None,
-                max_length: int | None = None) -> dict:
-    """Run lm-eval on an in-memory model; returns {"results": {task: {metric: value}}, "table": [...]}."""
+                max_length: int | None = None, decode: str | None = None) -> dict:
+    """Run lm-eval on an in-memory model; returns {"results": {task: {metric: value}}, "table": [...]}.
+    `decode`: the decode path of generation tasks (lm.models.decode: auto | graph | static | eager); None =
+    the model's `decode_mode`."""
     import torch
 
     lm_eval, HFLM, _ = _import_lm_eval()
     was_training = model.training
+    old_decode = getattr(model, "decode_mode", None)
+    if decode is not None and old_decode is not None:
+        model.decode_mode = decode
     model.eval()
     try:
         hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
@@ -150,6 +157,11 @@ def run_lm_eval(model, tokenizer, tasks: list[str], *, num_fewshot: int = 0, bat
                                           task_manager=tm, log_samples=False, bootstrap_iters=0)
     finally:
         model.train(was_training)
+        if old_decode is not None:
+            model.decode_mode = old_decode
+            from lm.models.decode import release_decoders
+
+            release_decoders(model)  # the static buffers / graphs of generation tasks (K/V: GBs at large B)
     results = {t: {k.split(",")[0]: v for k, v in r.items() if isinstance(v, (int, float)) and "stderr" not in k}
                for t, r in out["results"].items()}
     return {"results": results, "table": paper_table(results)}
@@ -189,6 +201,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--limit", type=float, default=None, help="examples per task (debugging)")
     ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs (local tasks)")
     ap.add_argument("--max-length", type=int, default=None)
+    ap.add_argument("--decode", default=None, choices=[None, "auto", "graph", "static", "eager"],
+                    help="decode path of generation tasks (default: the model's, a CUDA graph on CUDA)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     ap.add_argument("--output", default=None, help="results JSON (default: CKPT/eval_results.json)")
@@ -205,7 +219,7 @@ def main(argv: list[str]) -> int:
         limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
         t0 = time.time()
         res = run_lm_eval(model, tok, tasks, num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=limit,
-                          include_path=args.include_path, max_length=args.max_length)
+                          include_path=args.include_path, max_length=args.max_length, decode=args.decode)
     except ValueError as err:
         print(f"lm eval: {err}", file=sys.stderr)
         return 2

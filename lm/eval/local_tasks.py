@@ -2,6 +2,7 @@
 
     python -m lm.eval.local_tasks --data data/shakespeare --out data/lm_tasks
     lm eval CKPT --tasks lm_local_lastword,lm_local_continuation --include-path data/lm_tasks
+    lm eval CKPT --tasks lm_local_generate --include-path data/lm_tasks [--decode eager]   (generation)
     lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True \
         --tasks lm_local_lastword --include_path data/lm_tasks
 
@@ -20,7 +21,7 @@ import re
 from pathlib import Path
 
 TEMPLATES = Path(__file__).resolve().parent / "tasks"
-TASKS = ("lm_local_lastword", "lm_local_continuation")
+TASKS = ("lm_local_lastword", "lm_local_continuation", "lm_local_generate")
 
 
 def _passages(texts: list[str], words_per_passage: int) -> list[list[str]]:
@@ -35,7 +36,8 @@ def _passages(texts: list[str], words_per_passage: int) -> list[list[str]]:
 def build_local_tasks(data_dir, out_dir, *, n_lastword: int = 200, n_continuation: int = 200,
                       context_words: int = 40, continuation_words: int = 8, seed: int = 0,
                       split: str = "val") -> Path:
-    """Write lastword.jsonl, continuation.jsonl and the two task YAMLs into out_dir; return it."""
+    """Write lastword.jsonl, continuation.jsonl, generate.jsonl (the continuation passages' contexts and the
+    word after each) and the task YAMLs into out_dir; return it."""
     from lm.data.reader import TokenDataset
     from lm.data.tokenizer import load_tokenizer
 
@@ -59,7 +61,7 @@ def build_local_tasks(data_dir, out_dir, *, n_lastword: int = 200, n_continuatio
     span = context_words + continuation_words
     passages = _passages(texts, span)
     rng.shuffle(passages)
-    continuation = []
+    continuation, generate = [], []
     pool = [p[context_words:] for p in passages]
     for i, words in enumerate(passages[:n_continuation]):
         true = " " + " ".join(words[context_words:])
@@ -71,13 +73,16 @@ def build_local_tasks(data_dir, out_dir, *, n_lastword: int = 200, n_continuatio
         label = rng.randrange(4)
         choices = distractors[:label] + [true] + distractors[label:]
         continuation.append({"context": " ".join(words[:context_words]), "choices": choices, "label": label})
+        first = re.sub(r"[^\w'-]+", "", words[context_words])
+        if first.isalpha():  # the generation task: the word after the context
+            generate.append({"context": " ".join(words[:context_words]), "target": first})
     if len(lastword) < 10 or len(continuation) < 10:
         raise ValueError(f"the {split} split of {data_dir} is too small to build the local tasks "
                          f"({len(lastword)} last-word, {len(continuation)} continuation examples)")
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("lastword", lastword), ("continuation", continuation)):
+    for name, rows in (("lastword", lastword), ("continuation", continuation), ("generate", generate)):
         with open(out / f"{name}.jsonl", "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")

@@ -1,15 +1,32 @@
 """Generation cache shared by every model type.
 
 One dict of tensors per layer (Mamba2: conv and SSM state; attention: K and V; DeltaProduct: recurrent
-and conv states; ...). Mixers read their layer's dict and write it back through `update`, which does
-nothing while the cache is `frozen`: implicit models iterate each new token to convergence against a
-frozen cache, then run one committing pass (paper 003, sequential mode).
+and conv states; ...). Mixers read their layer's dict and write it back through `update` (attention
+through `append_kv`), which does nothing while the cache is `frozen`: implicit models iterate each new
+token to convergence against a frozen cache, then run one committing pass (paper 003, sequential mode).
+
+Two kinds of cache:
+
+- dynamic (the default): entries are replaced by new tensors; attention's K/V grow by concatenation.
+- static (`LMCache.static_like`, used by `lm.models.decode.StaticDecoder`): every entry is a buffer
+  allocated once; `update` copies into it and `append_kv` writes the new keys/values at `position` (a
+  device tensor, so that no Python integer enters the step) into (b, h, capacity, d) buffers that attention
+  reads whole under a mask. A one-token step on a static cache touches no Python-side state, which is
+  what CUDA-graph capture needs.
+
+A dynamic cache that generation is decoding with a static decoder is *bound* to it: its states live in the
+decoder's buffers between steps. Any other use of the cache (a mixer reading it, reordering beams, ...)
+first copies them back (`_unbind`).
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+# Cache entries that grow with the sequence, and along which dim: attention's keys and values (b, h, s, d).
+# Every other entry is a fixed-size recurrent state.
+SEQ_DIM = {"k": 2, "v": 2}
 
 
 class LMCache:
@@ -20,15 +37,91 @@ class LMCache:
         self.seen_tokens = 0
         self.frozen = False
         self.num_layers = num_layers
+        # how implicit models process t > 1 new tokens ("parallel" | "sequential"); set by the model's forward
+        self.prefill: str | None = None
+        # "static" | "graph" | None: the one-token decode path generation asked for (see lm.models.decode)
+        self.decode: str | None = None
+        self._bound = None  # the StaticDecoder holding this cache's states between decode steps
+        # static caches only
+        self.static = False
+        self.position: torch.Tensor | None = None  # (1,) long: position of the first new token
+        self.capacity = 0  # K/V slots
+        self._step_tensors = None  # (positions, attention mask) of the current step, see begin_step
+
+    @classmethod
+    def static_like(cls, layers: dict, capacity: int, device) -> "LMCache":
+        """A static cache with buffers shaped like `layers` (a dynamic cache's entries); K/V get `capacity`
+        slots along their sequence dim. Buffers start at zero."""
+        st = cls(len(layers))
+        st.static = True
+        st.capacity = capacity
+        st.position = torch.zeros(1, dtype=torch.long, device=device)
+        for i, d in layers.items():
+            st.layers[i] = {}
+            for k, v in d.items():
+                shape = list(v.shape)
+                if k in SEQ_DIM:
+                    shape[SEQ_DIM[k]] = capacity
+                st.layers[i][k] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        return st
 
     # --- used by mixers -----------------------------------------------------------------------------
     def get(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        if self._bound is not None:
+            self._unbind()
         return self.layers.get(layer_idx, {})
 
     def update(self, layer_idx: int, **state: torch.Tensor) -> None:
         if self.frozen:
             return
+        if self.static:
+            bufs = self.layers[layer_idx]
+            for k, v in state.items():
+                bufs[k].copy_(v)
+            return
+        if self._bound is not None:
+            self._unbind()
         self.layers.setdefault(layer_idx, {}).update(state)
+
+    def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Attention: append the new keys/values (b, h, t, d) after the cached ones. Returns (keys, values, mask):
+        all keys/values to attend to (b, h, s, d) and mask (t, s) bool of what each new token sees, or None
+        for the plain case (the cached s - t positions and the new ones causally).
+
+        Dynamic: concatenation, stored unless frozen. Static: written at slots position .. position + t - 1 of
+        the (b, h, capacity, d) buffers, also while frozen (an implicit model's iterations rewrite the same
+        slots and its committing pass writes them last), and the whole buffers are returned under a mask."""
+        if not self.static:
+            past = self.get(layer_idx)
+            if "k" in past:
+                k = torch.cat([past["k"], k], dim=2)
+                v = torch.cat([past["v"], v], dim=2)
+            self.update(layer_idx, k=k, v=v)
+            return k, v, None
+        bufs = self.layers[layer_idx]
+        q_pos, mask = self._step(k.shape[2], k.device)
+        bufs["k"].index_copy_(2, q_pos, k)
+        bufs["v"].index_copy_(2, q_pos, v)
+        return bufs["k"], bufs["v"], mask
+
+    def positions(self, t: int, device) -> torch.Tensor:
+        """Positions (t,) of the next t tokens: from `seen_tokens` (dynamic) or the `position` tensor (static)."""
+        if self.static:
+            return self._step(t, device)[0]
+        return torch.arange(self.seen_tokens, self.seen_tokens + t, device=device)
+
+    def begin_step(self, t: int) -> None:
+        """Static caches: forget the positions / attention mask of the previous step (they are computed once
+        per step from `position`, not once per layer)."""
+        self._step_tensors = None
+
+    def _step(self, t: int, device):
+        st = self._step_tensors
+        if st is None or st[0].shape[0] != t:
+            q_pos = self.position + torch.arange(t, device=device)
+            mask = torch.arange(self.capacity, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            st = self._step_tensors = (q_pos, mask)
+        return st
 
     @contextlib.contextmanager
     def freeze(self):
@@ -39,24 +132,34 @@ class LMCache:
         finally:
             self.frozen = old
 
+    # --- binding to a static decoder ------------------------------------------------------------------
+    def _unbind(self) -> None:
+        """Copy the states back from the static decoder this cache is bound to (see module docstring)."""
+        dec, self._bound = self._bound, None
+        if dec is not None:
+            self.layers = dec.export(self)
+
     # --- used by generation -------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
     def __len__(self) -> int:
+        if self._bound is not None:
+            self._unbind()
         return len(self.layers)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def _map(self, fn) -> None:
+        if self._bound is not None:
+            self._unbind()
         for d in self.layers.values():
             for k, v in d.items():
-                d[k] = v.index_select(0, beam_idx.to(v.device))
+                d[k] = fn(v)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda v: v.index_select(0, beam_idx.to(v.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        for d in self.layers.values():
-            for k, v in d.items():
-                d[k] = v.repeat_interleave(repeats, dim=0)
+        self._map(lambda v: v.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for d in self.layers.values():
-            for k, v in d.items():
-                d[k] = v[indices]
+        self._map(lambda v: v[indices])

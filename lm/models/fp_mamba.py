@@ -371,7 +371,7 @@ class FPMambaMixer(Mixer):
         inp, conv = self._inputs(x, injection, state.get("conv"), None)
         ssm, y_prev = state.get("ssm"), state.get("y")
         args = self._solver_args()
-        if x.shape[1] > 1 and self.fp_config.prefill == "parallel":
+        if x.shape[1] > 1 and (cache.prefill or self.fp_config.prefill) == "parallel":
             return self._parallel_prefill(inp, conv, ssm, y_prev, args, cache)
         outs = []
         for i in range(x.shape[1]):
@@ -417,6 +417,8 @@ class LMFPMambaForCausalLM(LMForCausalLM):
     config_class = LMFPMambaConfig
     mixer_class = FPMambaMixer
     model_class = LMFPMambaModel
+    # each layer's per-token solve stops at its tolerance (a host decision per iteration): no graph capture
+    decode_mode = "eager"
 
 
 MODEL_CLASSES = (LMFPMambaConfig, LMFPMambaModel, LMFPMambaForCausalLM)

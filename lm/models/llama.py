@@ -65,9 +65,9 @@ class Attention(Mixer):
         # causal QK^T and AV: 2 matmuls of (t x d) average length t/2, 2 FLOPs per MAC
         return 2 * 2 * self.n_heads * self.head_dim * seq_len / 2
 
-    def shared_inputs(self, t: int, cu_seqlens, device) -> dict:
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None) -> dict:
         """The rotary tables (cos, sin), float32 (t, head_dim), computed once per model forward."""
-        pos = position_in_document(t, cu_seqlens, device)
+        pos = position_in_document(t, cu_seqlens, device) if positions is None else positions
         return {"rope": rotary_cos_sin(pos, self.head_dim, self.rope_theta, torch.float32)}
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None):
@@ -83,20 +83,17 @@ class Attention(Mixer):
 
         if cache is not None and cu_seqlens is not None:
             raise ValueError("Attention: cu_seqlens (packed training) cannot be combined with a generation cache")
-        offset = cache.seen_tokens if cache is not None else 0
-        pos = position_in_document(t, cu_seqlens, x.device) + offset
+        if rope is None or cu_seqlens is not None:
+            pos = cache.positions(t, x.device) if cache is not None else position_in_document(t, cu_seqlens, x.device)
         if rope is None:
             cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)
         else:  # the model's tables for this forward (float32; same values, rounded here as above)
             cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        if cache is not None:
-            past = cache.get(self.layer_idx)
-            if "k" in past:
-                k = torch.cat([past["k"], k], dim=2)
-                v = torch.cat([past["v"], v], dim=2)
-            cache.update(self.layer_idx, k=k, v=v)
+        mask = None
+        if cache is not None:  # all cached keys/values with the new ones appended (a static cache: under a mask)
+            k, v, mask = cache.append_kv(self.layer_idx, k, v)
 
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
@@ -106,6 +103,8 @@ class Attention(Mixer):
         s = k.shape[2]
         if cu_seqlens is not None:
             o = varlen_causal_attention(q, k, v, cu_seqlens, pos)
+        elif mask is not None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif s == t:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # new tokens attend to all cached ones and causally among themselves

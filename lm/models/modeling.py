@@ -27,6 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache
 from .config import ImplicitSettings, LMConfig
+from .decode import decoder_for, resolve_decode
 from .layers import RMSNorm, SwiGLU
 from .loss import linear_cross_entropy, logits_cross_entropy
 
@@ -61,9 +62,10 @@ class Mixer(nn.Module):
         """Forward FLOPs per token beyond the mixer's Linear layers (attention scores, scans)."""
         return 0.0
 
-    def shared_inputs(self, t: int, cu_seqlens, device) -> dict:
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None) -> dict:
         """Extra keyword inputs that every layer's forward receives, computed once per model forward
-        (not per layer and not per fixed-point iteration) when no cache is used; {} for most mixers.
+        (not per layer and not per fixed-point iteration); {} for most mixers. `positions` (t,): the tokens'
+        positions when a cache is used (else they start at 0 in every document of cu_seqlens).
         Attention returns its rotary tables here: computed inside a compiled block, inductor fuses the
         sin/cos into the rotation and evaluates them per element of q and k (~1 ms per layer call at
         16 x 2048 tokens on an H100)."""
@@ -104,6 +106,18 @@ class Injection(nn.Module):
 # its output: `cache` from transformers 5.24, `past_key_values` before. The models accept both names as input
 # and return the cache under transformers' own field, so `generate` finds it either way.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+PREFILL_MODES = ("parallel", "sequential")
+
+
+def resolve_prefill(prefill: str | None, config) -> str:
+    """How an implicit model processes t > 1 new tokens with a cache: the argument, else the config's
+    `prefill` field where it has one (FP-Mamba), else "parallel"."""
+    mode = prefill or getattr(config, "prefill", None) or "parallel"
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"prefill={mode!r} is not one of {PREFILL_MODES}")
+    return mode
 
 
 @dataclasses.dataclass
@@ -217,10 +231,11 @@ class LMModel(LMPreTrainedModel):
         return h
 
     def _shared(self, h, cache, cu_seqlens) -> dict:
-        """The mixers' shared inputs for this forward (see Mixer.shared_inputs); none with a cache."""
-        if cache is not None or not len(self.layers):
+        """The mixers' shared inputs for this forward (see Mixer.shared_inputs), at the cache's positions."""
+        if not len(self.layers):
             return {}
-        return self.layers[0].mixer.shared_inputs(h.shape[1], cu_seqlens, h.device)
+        pos = cache.positions(h.shape[1], h.device) if cache is not None else None
+        return self.layers[0].mixer.shared_inputs(h.shape[1], cu_seqlens, h.device, positions=pos)
 
     def fixed_point_map(self, inj, cache=None, cu_seqlens=None, shared=None):
         """F(z) = norm_f(blocks(z, inj)): the implicit model's map."""
@@ -232,18 +247,28 @@ class LMModel(LMPreTrainedModel):
             out.extend(layer.mixer.pop_stats())
         return out
 
-    def forward(self, input_ids, *, cache: LMCache | None = None, cu_seqlens=None):
-        """Returns (hidden states after the final norm (b, t, d), stats dict or None)."""
+    def forward(self, input_ids, *, cache: LMCache | None = None, cu_seqlens=None, prefill: str | None = None):
+        """Returns (hidden states after the final norm (b, t, d), stats dict or None).
+
+        `prefill` (implicit models, t > 1 new tokens with a cache): "parallel" solves them together in
+        simultaneous mode and commits their states in one pass, "sequential" solves them token by token (the
+        generation mode run on the prompt); None = the config's `prefill` field where it has one (FP-Mamba),
+        else "parallel"."""
         emb = self.embed_tokens(input_ids)
         settings = self.config.implicit
         if settings is not None and self.injection is None:
             raise ValueError("config.implicit is set on a model built explicit (it has no injection module): "
                              "build the model from a config with implicit={...} instead of setting it afterwards")
+        if cache is not None:
+            cache.prefill = resolve_prefill(prefill, self.config)
         stats: dict = {}
         if settings is None:
             h = self.norm_f(self._blocks(emb, None, cache, cu_seqlens, self._shared(emb, cache, cu_seqlens)))
         elif cache is None:
             h, st = self._simultaneous(emb, settings, cu_seqlens)
+            stats.update(st.as_dict())
+        elif input_ids.shape[1] > 1 and cache.prefill == "parallel":
+            h, st = self._parallel_prefill(emb, settings, cache)
             stats.update(st.as_dict())
         else:
             h, st = self._sequential(emb, settings, cache)
@@ -264,6 +289,24 @@ class LMModel(LMPreTrainedModel):
             raise TypeError(f"set_solver: expected ImplicitSettings, got {type(settings).__name__}")
         self.config.implicit = settings
 
+    @torch.no_grad()
+    def decode_step(self, input_ids, cache: LMCache) -> torch.Tensor:
+        """One token (b, 1) on a static cache (lm.models.decode), hidden states (b, 1, d); no host
+        synchronisation, so the step can be captured in a CUDA graph. Implicit models: the solve against
+        the frozen cache with its fixed iteration count (eval_max_iter, no tolerance stop), then the
+        committing pass. `cache.seen_tokens` is not advanced (the decoder owns the position)."""
+        emb = self.embed_tokens(input_ids)
+        settings = self.config.implicit
+        cache.begin_step(input_ids.shape[1])
+        shared = self._shared(emb, cache, None)
+        if settings is None:
+            return self.norm_f(self._blocks(emb, None, cache, None, shared))
+        f = self.fixed_point_map(self.injection(emb), cache, None, shared)
+        with cache.freeze():
+            z, _ = solve(f, torch.zeros_like(emb), max_iter=settings.eval_max_iter, tol=None,
+                         damping=settings.damping, norm=settings.norm, anderson=settings.anderson)
+        return f(z)
+
     def _solver_args(self, settings):
         if self.training:
             return dict(max_iter=settings.max_iter, tol=settings.tol)
@@ -281,6 +324,25 @@ class LMModel(LMPreTrainedModel):
         if torch.is_grad_enabled() and settings.phantom_steps > 0:
             z = phantom(f, z, steps=settings.phantom_steps, damping=settings.damping)
         return z, st
+
+    def _parallel_prefill(self, emb, settings, cache: LMCache):
+        """All new tokens solved together (simultaneous mode) against the frozen cache, then one committing
+        pass f(z*) that writes their states into the cache (paper 003's duality: the cache is what the
+        sequential mode would commit for the converged z*). On an empty cache the solve is exactly the
+        simultaneous forward's."""
+        inj = self.injection(emb)
+        args = dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
+        solver = dict(damping=settings.damping, stop_quantile=settings.stop_quantile, norm=settings.norm,
+                      anderson=settings.anderson, **args)
+        z0 = torch.zeros_like(emb)
+        if cache.seen_tokens == 0 and not len(cache):
+            z, st = solve(self.fixed_point_map(inj, None, None, self._shared(emb, None, None)), z0, **solver)
+        else:
+            with cache.freeze():
+                z, st = solve(self.fixed_point_map(inj, cache), z0, **solver)
+        h = self.fixed_point_map(inj, cache)(z)  # the committing pass
+        cache.seen_tokens += emb.shape[1]
+        return h, st
 
     def _sequential(self, emb, settings, cache: LMCache):
         """Token by token: iterate against the frozen cache until converged, then one committing pass."""
@@ -365,6 +427,8 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         fused_loss: bool = False,
         past_key_values: LMCache | None = None,
+        prefill: str | None = None,
+        decode: str | None = None,
         **kwargs,
     ) -> LMOutput:
         """`labels`: Hugging Face convention (shifted inside, -100 ignored). `targets`: already aligned with
@@ -372,20 +436,29 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         `fused_loss`: with labels/targets, compute the loss chunk by chunk from the hidden states
         (lm.models.loss) and return no logits: the (tokens x vocab) logits are never held (training).
         `cache` (an LMCache; `past_key_values` is the same argument under transformers' older name) carries the
-        recurrent / KV state between calls; the output returns it under CACHE_FIELD."""
+        recurrent / KV state between calls; the output returns it under CACHE_FIELD.
+        `prefill`: how implicit models process several new tokens with a cache (LMModel.forward).
+        `decode`: the one-token path with a cache, "eager" | "static" | "graph" | "auto" (lm.models.decode);
+        None = the cache's (set by `generate`), else eager."""
+        if cache is None:
+            cache = past_key_values
+        if use_cache is False:
+            cache = None
+        if decode is not None and cache is not None:
+            cache.decode = resolve_decode(decode, self.lm_head.weight.device)
+        if (cache is not None and cache.decode is not None and input_ids.shape[1] == 1 and cache.seen_tokens > 0
+                and labels is None and targets is None and not torch.is_grad_enabled()):
+            logits = decoder_for(self, input_ids.shape[0], cache.decode == "graph").step(cache, input_ids)
+            return LMOutput(loss=None, logits=logits, **{CACHE_FIELD: cache})
         if attention_mask is not None and not bool(attention_mask.all()):
             warnings.warn(
                 "lm models are recurrent and ignore attention_mask: padded positions enter the state. "
                 "Use right padding (outputs at real tokens are then exact) or batch size 1.",
                 stacklevel=2,
             )
-        if cache is None:
-            cache = past_key_values
         if use_cache and cache is None:
             cache = LMCache(self.config.num_hidden_layers)
-        if use_cache is False:
-            cache = None
-        h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens)
+        h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens, prefill=prefill)
         if self.compression_head is not None:  # decodes the whole sequence from its last state
             if labels is not None:
                 raise ValueError("labels: the compression head predicts targets aligned with input_ids (no shift); "
@@ -406,16 +479,25 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         loss = logits_cross_entropy(logits, targets) if targets is not None else None
         return LMOutput(loss=loss, logits=logits, fixed_point_stats=stats, **{CACHE_FIELD: cache})
 
+    # the one-token decode path of `generate` when it is not given `decode=`: see lm.models.decode
+    decode_mode = "auto"
+
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, use_cache=True,
-                                      past_key_values=None, **kwargs):
-        """Feed only the tokens the cache has not seen; a fresh LMCache on the first call."""
+                                      past_key_values=None, prefill=None, decode=None, **kwargs):
+        """Feed only the tokens the cache has not seen; a fresh LMCache on the first call, set to decode with
+        `decode` (else `self.decode_mode`): on CUDA by default a captured CUDA graph per token."""
         if cache is None:
             cache = past_key_values
         if cache is not None and cache.seen_tokens > 0:
             input_ids = input_ids[:, cache.seen_tokens:]
         elif use_cache:
             cache = LMCache(self.config.num_hidden_layers)
-        return {"input_ids": input_ids, "cache": cache, "use_cache": use_cache, "attention_mask": attention_mask}
+            cache.decode = resolve_decode(decode or self.decode_mode, self.lm_head.weight.device)
+        out = {"input_ids": input_ids, "cache": cache, "use_cache": use_cache, "attention_mask": attention_mask,
+               "prefill": prefill}
+        if kwargs.get("logits_to_keep") is not None:  # generate asks for the last position's logits only
+            out["logits_to_keep"] = kwargs["logits_to_keep"]
+        return out
 
     def _reorder_cache(self, cache, beam_idx):
         cache.reorder_cache(beam_idx)
