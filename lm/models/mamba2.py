@@ -3,12 +3,13 @@
 Parameterisation and parameter names follow mamba_ssm's `Mamba2` (in_proj, conv1d, dt_bias, A_log, D,
 norm, out_proj; d_state, headdim, ngroups, expand, chunk_size, softplus dt with limits). In the
 implicit model the injection is added to in_proj's output, so x, B, C and dt all depend on the iterate
-(paper 003, App. D.3). The SSD runs through `lm_kernels.ssd` (Triton on CUDA, PyTorch on CPU).
+(paper 003, App. D.3). in_proj runs as three products (z, xBC, dt in separate buffers; see `project`). The SSD runs through `lm_kernels.ssd` (Triton on CUDA, PyTorch on CPU).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lm_kernels.ssd import ssd_scan, ssd_step
 
@@ -92,12 +93,22 @@ class Mamba2Mixer(Mixer):
         h, p, n = self.nheads, self.headdim, self.d_state
         return 2 * h * (c / 2) * (n + p) + 2 * 2 * h * p * n
 
+    def project(self, x, injection=None):
+        """(z, xbc, dt) = in_proj(x) [+ injection], each in its own buffer: three products with the row blocks of
+        the one in_proj weight (parameter names and checkpoints as one Linear), the injection's matching columns
+        added to each. One (tokens x 4384) output split into views would stay alive as long as any view is saved:
+        the conv saves its input xbc and the SSD dt, so the whole projection (z included) lived until the
+        backward, and in the implicit model the sum with the injection was a second such buffer. Separately,
+        the conv keeps only xbc, the SSD only dt, the gated norm only z (lm/train/BENCH.md, session 5)."""
+        parts = (self.d_inner, self.conv_dim, self.nheads)
+        out = [F.linear(x, w) for w in self.in_proj.weight.split(parts, dim=0)]
+        if injection is not None:
+            out = [o + i for o, i in zip(out, injection.split(parts, dim=-1))]
+        return out
+
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
-        zxbcdt = self.in_proj(x)
-        if injection is not None:
-            zxbcdt = zxbcdt + injection
-        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        z, xbc, dt = self.project(x, injection)
         state = cache.get(self.layer_idx) if cache is not None else {}
         xbc, conv_state = causal_conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
