@@ -6,8 +6,9 @@
 #      per-kernel breakdown of each, and the (4+1) / explicit ratio that implies             -> forward_ratio.json
 #   3. the floor: bf16 matmul rate (at each GEMM shape of the cases) and copy bandwidth, per layer FLOPs and
 #      bytes of every stage, beside each case's measured per-kernel profile                   -> floor.json, floor.txt
-# Run from the repository root: OUT=/tmp/step bash scripts/gpu_step.sh. Env: CASES, MICRO (16), STEPS (6),
-# WARMUP (3), BUDGET_S (480: whole script). STEP_DRY=1: CPU smoke run (tiny models, interpreter, fp32, no compile).
+# Run from the repository root: OUT=/tmp/step bash scripts/gpu_step.sh. Env: CASES, MICRO (16), STEPS (4),
+# WARMUP (2), BUDGET_S (480: whole script; the training cases get all but the last 140 s).
+# STEP_DRY=1: CPU smoke run (tiny models, interpreter, fp32, no compile).
 set -u
 T0=$(date +%s)
 BUDGET=${BUDGET_S:-480}
@@ -22,7 +23,7 @@ if [ "${STEP_DRY:-0}" = 1 ]; then
   COMMON=(--size tiny --seq-len 64 --precision fp32 --compile off --steps 1 --warmup 1)
   MICRO=${MICRO:-2}; CASES=mamba2-explicit,mamba2-implicit-4+1,llama-explicit
 else
-  COMMON=(--size 350m --seq-len 2048 --precision bf16 --compile on --steps "${STEPS:-6}" --warmup "${WARMUP:-3}")
+  COMMON=(--size 350m --seq-len 2048 --precision bf16 --compile on --steps "${STEPS:-4}" --warmup "${WARMUP:-2}")
   MICRO=${MICRO:-16}
 fi
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 || true
@@ -30,7 +31,7 @@ fi
   | tee "$OUT/env.txt"
 
 echo "== 1. training step ($(( $(date +%s) - T0 )) s)"
-timeout $(( $(left) - 150 )) $PY -m lm.benchmarks.train --cases "$CASES" "${COMMON[@]}" --micro "$MICRO" --engine auto \
+timeout $(( $(left) - 140 )) $PY -m lm.benchmarks.train --cases "$CASES" "${COMMON[@]}" --micro "$MICRO" --engine auto \
   --profile 2 --timeout 170 --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | grep -v "^    " | tail -30
 
 echo "== 2. no-grad vs grad forward ($(( $(date +%s) - T0 )) s)"
