@@ -50,3 +50,17 @@ def test_separate_convs_equal_one_conv(dtype, implicit, packed, gated, monkeypat
     assert grads.keys() == ref_grads.keys()
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], **tol, msg=n)
+
+
+def test_separate_convs_save_less(monkeypatch):
+    """k and v reach the op without reshape copies, so the step saves less (counted once per storage)."""
+    from lm.benchmarks.saved import saved_tensors, summarize
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(False, False)).train()
+    ids = torch.randint(0, V, (2, 32))
+    sep = summarize(saved_tensors(model, ids))["per_layer"]
+    monkeypatch.setattr(DeltaProductMixer, "_short_convs", _one_conv)
+    one = summarize(saved_tensors(model, ids))["per_layer"]
+    # at least the two copies of k and v: 2 x (2 * 32 tokens) x n_h H d floats
+    assert one - sep >= 2 * 64 * 2 * 2 * 8 * 4, (one, sep)
