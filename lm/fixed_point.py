@@ -172,7 +172,7 @@ def _solve_bounded(f, z, max_iter, damping, norm, decay, patience, damping_decay
 
 def _solve_free(f, z, max_iter, tol, damping, stop_quantile, norm, decay, patience, damping_decay, anderson):
     """tol set: a sample whose residual falls below tol is frozen at that z; one sync per iteration (the count of
-    converged samples), none after the last. Until a sample converges (as of the last sync) nothing is masked."""
+    converged samples), none at the last. While no sample has converged nothing is masked."""
     b, dev = z.shape[0], z.device
     lam = _Damping(z, damping, decay, patience, damping_decay)
     res = torch.full((b,), float("inf"), device=dev, dtype=torch.promote_types(z.dtype, torch.float32))
@@ -196,13 +196,17 @@ def _solve_free(f, z, max_iter, tol, damping, stop_quantile, norm, decay, patien
         newly = r < tol if active is None else active & (r < tol)
         done = done | newly
         still = ~done
-        z = torch.where(_bcast(still, z), lam.step(z, fz, anderson, hist_z, hist_g), z)
-        if decay:
-            lam.update(r, still)
+        z_next = lam.step(z, fz, anderson, hist_z, hist_g)
+        stop = False
         if it < max_iter:
             n_done = int(done.sum())  # the one sync per iteration
-            if n_done == b or n_done / b >= stop_quantile:
-                break
+            stop = n_done == b or n_done / b >= stop_quantile
+        # a sample converged at this z stays there; while none has, every sample takes the step
+        z = z_next if (it < max_iter and n_done == 0) else torch.where(_bcast(still, z), z_next, z)
+        if decay:
+            lam.update(r, still)
+        if stop:
+            break
     return z, FixedPointStats(it, res.detach(), sample_iters, res < tol, tol)
 
 

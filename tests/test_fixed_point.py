@@ -159,3 +159,23 @@ def test_converged_samples_stay_frozen():
     # fast samples stopped early; each returned z has a residual below tol with f itself
     assert st.sample_iterations[0] < st.sample_iterations[-1]
     assert (relative_residual(f(z), z) < 1e-5).all()
+
+
+def test_free_phase_masks_nothing_before_a_sample_converges(monkeypatch):
+    """tol set, nothing converged yet: the iterations before the last run no torch.where (plain z = f(z))."""
+    f, z0 = _contraction()
+    wheres = [0]
+    orig = torch.where
+
+    def counting(*a, **k):
+        wheres[0] += 1
+        return orig(*a, **k)
+
+    monkeypatch.setattr(torch, "where", counting)
+    z, st = solve(f, z0, max_iter=5, tol=1e-12)
+    assert not st.converged.any() and st.iterations == 5
+    assert wheres[0] == 1  # the last iteration's freeze, decided without a sync
+    ref = z0
+    for _ in range(5):
+        ref = f(ref)
+    assert torch.equal(z, ref)
