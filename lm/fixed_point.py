@@ -34,13 +34,18 @@ class FixedPointStats:
         return float(self.converged.float().mean()) if self.converged.numel() else float("nan")
 
     def as_dict(self) -> dict:
-        """Python floats for logging."""
+        """Python floats for logging (one device-to-host copy for all of them)."""
+        if self.residual.numel():
+            vals = torch.stack([self.sample_iterations.double().mean(), self.residual.double().mean(),
+                                self.residual.double().max(), self.converged.double().mean()]).tolist()
+        else:
+            vals = [float("nan")] * 4
         return {
             "iterations": float(self.iterations),
-            "mean_sample_iterations": float(self.sample_iterations.float().mean()),
-            "residual_mean": float(self.residual.mean()),
-            "residual_max": float(self.residual.max()),
-            "converged": self.converged_fraction if self.tol is not None else float("nan"),
+            "mean_sample_iterations": vals[0],
+            "residual_mean": vals[1],
+            "residual_max": vals[2],
+            "converged": vals[3] if self.tol is not None else float("nan"),
         }
 
     @staticmethod
@@ -94,47 +99,115 @@ def solve(
     damping_decay: float = 1.0,
     anderson: int = 0,
 ) -> tuple[torch.Tensor, FixedPointStats]:
-    """Iterate z <- lam f(z) + (1 - lam) z from z0 without autograd; see the module docstring."""
+    """Iterate z <- lam f(z) + (1 - lam) z from z0 without autograd; see the module docstring.
+
+    tol None (the bounded phase: exactly max_iter iterations) runs no host sync and, unless the damping can decay
+    (patience), computes the residual only at the last iteration, for the stats; with damping 1 an iteration is
+    just z = f(z). With tol (the free phase) every iteration computes the residual and synchronises once, for the
+    stopping test; frozen samples are masked only once some have converged."""
     if max_iter < 0:
         raise ValueError(f"max_iter must be >= 0 (got {max_iter})")
-    b = z0.shape[0]
-    dev = z0.device
-    z = z0
-    res = torch.full((b,), float("inf"), device=dev, dtype=torch.promote_types(z0.dtype, torch.float32))
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    sample_iters = torch.zeros(b, dtype=torch.long, device=dev)
-    lam = torch.full((b,), float(damping), device=dev)
-    best = torch.full_like(res, float("inf"))
-    stall = torch.zeros(b, dtype=torch.long, device=dev)
+    decay = patience is not None and damping_decay != 1.0
+    if tol is None:
+        return _solve_bounded(f, z0, max_iter, damping, norm, decay, patience, damping_decay, anderson)
+    return _solve_free(f, z0, max_iter, tol, damping, stop_quantile, norm, decay, patience, damping_decay, anderson)
+
+
+class _Damping:
+    """lam per sample: a Python float until it can differ between samples (decay after `patience` stalls)."""
+
+    def __init__(self, z, damping, decay, patience, damping_decay):
+        b, dev = z.shape[0], z.device
+        self.decay, self.patience, self.factor = decay, patience, damping_decay
+        acc = torch.promote_types(z.dtype, torch.float32)
+        self.lam = torch.full((b,), float(damping), device=dev, dtype=acc) if decay else float(damping)
+        if decay:
+            self.best = torch.full((b,), float("inf"), device=dev, dtype=acc)
+            self.stall = torch.zeros(b, dtype=torch.long, device=dev)
+
+    def step(self, z, fz, anderson, hist_z, hist_g):
+        """The damped (or Anderson) update of every sample."""
+        lam = self.lam
+        if anderson > 0 or not isinstance(lam, float):
+            if isinstance(lam, float):
+                lam = torch.full((z.shape[0],), lam, device=z.device, dtype=torch.promote_types(z.dtype, torch.float32))
+            lam_b = _bcast(lam, z).to(z.dtype)
+            z_next = lam_b * fz + (1 - lam_b) * z
+            if anderson > 0:
+                z_next = _anderson_step(z, fz, z_next, hist_z, hist_g, anderson, lam_b)
+            return z_next
+        return fz if lam == 1.0 else lam * fz + (1 - lam) * z
+
+    def update(self, r, active):
+        """Decay lam of the active samples whose residual has not improved for `patience` iterations."""
+        improved = r < self.best
+        self.best = torch.where(improved, r, self.best)
+        self.stall = torch.where(improved, torch.zeros_like(self.stall), self.stall + 1)
+        dec = self.stall >= self.patience
+        if active is not None:
+            dec = dec & active
+        self.lam = torch.where(dec, self.lam * self.factor, self.lam)
+        self.stall = torch.where(dec, torch.zeros_like(self.stall), self.stall)
+
+
+def _solve_bounded(f, z, max_iter, damping, norm, decay, patience, damping_decay, anderson):
+    """tol None: max_iter iterations for every sample; no sync, the residual only where needed."""
+    b, dev = z.shape[0], z.device
+    lam = _Damping(z, damping, decay, patience, damping_decay)
+    res = torch.full((b,), float("inf"), device=dev, dtype=torch.promote_types(z.dtype, torch.float32))
     hist_z: list[torch.Tensor] = []
     hist_g: list[torch.Tensor] = []
+    for it in range(1, max_iter + 1):
+        fz = f(z)
+        if decay or it == max_iter:
+            r = relative_residual(fz, z, norm)
+            if decay:
+                lam.update(r, None)
+            if it == max_iter:
+                res = r
+        z = lam.step(z, fz, anderson, hist_z, hist_g)
+    iters = torch.full((b,), max_iter, dtype=torch.long, device=dev)
+    return z, FixedPointStats(max_iter, res.detach(), iters, torch.zeros(b, dtype=torch.bool, device=dev), None)
+
+
+def _solve_free(f, z, max_iter, tol, damping, stop_quantile, norm, decay, patience, damping_decay, anderson):
+    """tol set: a sample whose residual falls below tol is frozen at that z; one sync per iteration (the count of
+    converged samples), none at the last. While no sample has converged nothing is masked."""
+    b, dev = z.shape[0], z.device
+    lam = _Damping(z, damping, decay, patience, damping_decay)
+    res = torch.full((b,), float("inf"), device=dev, dtype=torch.promote_types(z.dtype, torch.float32))
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    sample_iters = torch.zeros(b, dtype=torch.long, device=dev)
+    hist_z: list[torch.Tensor] = []
+    hist_g: list[torch.Tensor] = []
+    n_done = 0  # converged samples as of the last sync
     it = 0
     for it in range(1, max_iter + 1):
         fz = f(z)
         r = relative_residual(fz, z, norm)
-        active = ~done
-        res = torch.where(active, r, res)
-        sample_iters = sample_iters + active.long()
-        if tol is not None:
-            newly = active & (r < tol)
-            done = done | newly
-            active = active & ~newly
-        lam_b = _bcast(lam, z).to(z.dtype)
-        z_next = lam_b * fz + (1 - lam_b) * z
-        if anderson > 0:
-            z_next = _anderson_step(z, fz, z_next, hist_z, hist_g, anderson, lam_b)
-        z = torch.where(_bcast(active, z), z_next, z)
-        if patience is not None and damping_decay != 1.0:
-            improved = r < best
-            best = torch.where(improved, r, best)
-            stall = torch.where(improved, torch.zeros_like(stall), stall + 1)
-            decay = active & (stall >= patience)
-            lam = torch.where(decay, lam * damping_decay, lam)
-            stall = torch.where(decay, torch.zeros_like(stall), stall)
-        if tol is not None and done.float().mean().item() >= stop_quantile:
+        if n_done:
+            active = ~done
+            res = torch.where(active, r, res)
+            sample_iters = sample_iters + active.long()
+        else:  # every sample still iterates
+            active = None
+            res = r
+            sample_iters = sample_iters + 1
+        newly = r < tol if active is None else active & (r < tol)
+        done = done | newly
+        still = ~done
+        z_next = lam.step(z, fz, anderson, hist_z, hist_g)
+        stop = False
+        if it < max_iter:
+            n_done = int(done.sum())  # the one sync per iteration
+            stop = n_done == b or n_done / b >= stop_quantile
+        # a sample converged at this z stays there; while none has, every sample takes the step
+        z = z_next if (it < max_iter and n_done == 0) else torch.where(_bcast(still, z), z_next, z)
+        if decay:
+            lam.update(r, still)
+        if stop:
             break
-    converged = res < tol if tol is not None else torch.zeros(b, dtype=torch.bool, device=dev)
-    return z, FixedPointStats(it, res.detach(), sample_iters, converged, tol)
+    return z, FixedPointStats(it, res.detach(), sample_iters, res < tol, tol)
 
 
 def _anderson_step(z, fz, z_plain, hist_z, hist_g, m, lam_b):

@@ -133,6 +133,81 @@ def _profile_rows(prof, n_steps: int, top: int = 40) -> dict:
     return {"device_ms_per_step": total, "kernels": rows[:top]}
 
 
+def forward_ratio(args) -> dict:
+    """time(no-grad forward) / time(grad forward) of the implicit model's map f(z) = norm_f(blocks(z, inj)) (the
+    work of one solver iteration vs the phantom step's forward), and forward + backward of f, at --micro x
+    --seq-len, bf16 autocast, blocks compiled with --compile on (as the trainer). The (s+1) implicit step costs
+    about s no-grad forwards plus one forward + backward beyond the explicit step's, so the ratio implied for
+    (4+1) is 1 + 4 t(no-grad) / t(forward + backward) (the embedding, injection and head are left out of both)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lm.models.presets import load_config
+
+    template, _ = CASES[args.case or "mamba2-explicit"]
+    preset = template.format(size=args.size)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = load_config(preset, implicit={"max_iter": 4, "phantom_steps": 1})
+    model = AutoModelForCausalLM.from_config(cfg).to(dev).train()
+    if args.compile == "on":
+        for layer in model.model.layers:
+            layer.compile()
+    amp = (torch.autocast(dev.type, dtype=torch.bfloat16) if args.precision == "bf16"
+           else torch.autocast(dev.type, enabled=False))
+    ids = torch.randint(0, cfg.vocab_size, (args.micro, args.seq_len), device=dev)
+    with torch.no_grad(), amp:
+        emb = model.model.embed_tokens(ids)
+        inj = model.model.injection(emb)
+        shared = model.model._shared(emb, None, None)
+    f = model.model.fixed_point_map(inj, None, None, shared)
+    z = torch.randn_like(emb)
+
+    def nograd():
+        with torch.no_grad(), amp:
+            return f(z)
+
+    def grad_forward():
+        with amp:
+            return f(z)
+
+    def forward_backward():
+        with amp:
+            out = f(z)
+        out.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    def timed(fn, reps):
+        for _ in range(max(2, args.warmup)):
+            fn()
+        times = []
+        for _ in range(reps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            del out
+        return statistics.median(times)
+
+    reps = max(3, args.steps)
+    t_ng, t_gf, t_fb = timed(nograd, reps), timed(grad_forward, reps), timed(forward_backward, reps)
+    out = {"mode": "forward_ratio", "preset": preset, "compile": args.compile == "on", "micro": args.micro,
+           "seq_len": args.seq_len, "precision": args.precision, "device": str(dev),
+           "nograd_forward_ms": 1e3 * t_ng, "grad_forward_ms": 1e3 * t_gf, "forward_backward_ms": 1e3 * t_fb,
+           "nograd_over_grad_forward": t_ng / t_gf, "nograd_over_forward_backward": t_ng / t_fb,
+           "implied_implicit_4p1_over_explicit": 1 + 4 * t_ng / t_fb}
+    if dev.type == "cuda":
+        from lm.benchmarks import kernel_times
+
+        out["gpu"] = torch.cuda.get_device_name()
+        out["kernels"] = {name: dict(list(kernel_times(fn, iters=3).items())[:25])
+                          for name, fn in (("nograd_forward", nograd), ("grad_forward", grad_forward),
+                                           ("forward_backward", forward_backward))}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", choices=sorted(CASES), help="run one case in this process (internal)")
@@ -155,7 +230,23 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON file for the results")
     ap.add_argument("--profile", type=int, default=0,
                     help="torch.profiler over this many steps after the warmup: per-kernel device ms per step")
+    ap.add_argument("--forward-ratio", action="store_true",
+                    help="time the implicit map's no-grad forward vs grad forward vs forward+backward (--case, "
+                         "default mamba2-explicit's preset at --size) instead of training")
     args = ap.parse_args()
+    if args.forward_ratio:
+        r = forward_ratio(args)
+        print(f"{r['preset']} micro {r['micro']} x {r['seq_len']}: no-grad forward {r['nograd_forward_ms']:.1f} ms, "
+              f"grad forward {r['grad_forward_ms']:.1f} ms, forward+backward {r['forward_backward_ms']:.1f} ms; "
+              f"no-grad / grad forward {r['nograd_over_grad_forward']:.3f}; implied (4+1) / explicit "
+              f"{r['implied_implicit_4p1_over_explicit']:.2f}")
+        for name, ks in r.get("kernels", {}).items():
+            print(f"  {name} (ms per call):")
+            for k, v in list(ks.items())[:15]:
+                print(f"    {v:8.3f}  {k[:110]}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(r, indent=1))
+        return 0
     if args.case:
         print("RESULT " + json.dumps(run_case(args)), flush=True)
         return 0
@@ -198,6 +289,8 @@ def main() -> int:
             print(f"{case} (compile {mode}): FAILED (rc {rc})\n{text[-4000:]}", flush=True)
             results.append({"case": case + ("+compile" if mode == "on" else ""), "error": text[-4000:]})
             break
+        if args.out:  # after every case: a run cut short by a time limit keeps what it measured
+            Path(args.out).write_text(json.dumps({"results": results, "ratios": {}}, indent=1))
     by = {r["case"]: r for r in results if "error" not in r}
     ratios = {}
     for fam, sfx in [(f, s) for f in ("mamba2", "llama") for s in ("", "+compile")]:

@@ -158,6 +158,16 @@ class DeltaProductMixer(Mixer):
         per_row = (c / 2) * (2 * dk + dk + dv + dv) + 3 * dk * dv
         return 2 * self.H * self.nh * per_row
 
+    def _short_convs(self, qkv, cu_seqlens):
+        """q, k, v = SiLU(conv(.)) of the projection's q / k / v columns, one conv call each (training, no cache),
+        so that each comes out in its own contiguous buffer: k and v then reshape to their (t * n_h) step rows as
+        views and q, k and v are saved (by the L2 norm and the op) without copies, where one conv output split
+        into views made the reshapes of k and v copy (both copies saved for the backward) and kept the whole
+        conv output alive through the saved q."""
+        w = self.conv1d.weight[:, 0, :]
+        return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0]
+                for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
+
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
         if cache is not None and cu_seqlens is not None:
@@ -169,12 +179,15 @@ class DeltaProductMixer(Mixer):
         qkv, beta, a, gate = proj.split([self.conv_dim, *self.split[3:]], dim=-1)
         state = cache.get(self.layer_idx) if cache is not None else {}
         conv_state = None
-        if self.conv1d is not None:
-            qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight[:, 0, :], None, cu_seqlens=cu_seqlens,
-                                            conv_state=state.get("conv"), activation="silu")
+        if self.conv1d is not None and cache is None:
+            q, k, v = self._short_convs(qkv, cu_seqlens)
         else:
-            qkv = F.silu(qkv)
-        q, k, v = qkv.split(self.split[:3], dim=-1)
+            if self.conv1d is not None:
+                qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight[:, 0, :], None, cu_seqlens=cu_seqlens,
+                                                conv_state=state.get("conv"), activation="silu")
+            else:
+                qkv = F.silu(qkv)
+            q, k, v = qkv.split(self.split[:3], dim=-1)
         q = q.reshape(b, t, H, dk)
         k = k.reshape(b, t * nh, H, dk)  # per token (n_h, H, dk): row i*nh + j is step j of token i
         v = v.reshape(b, t * nh, H, dv)

@@ -3,12 +3,14 @@
 Parameterisation and parameter names follow mamba_ssm's `Mamba2` (in_proj, conv1d, dt_bias, A_log, D,
 norm, out_proj; d_state, headdim, ngroups, expand, chunk_size, softplus dt with limits). In the
 implicit model the injection is added to in_proj's output, so x, B, C and dt all depend on the iterate
-(paper 003, App. D.3). The SSD runs through `lm_kernels.ssd` (Triton on CUDA, PyTorch on CPU).
+(paper 003, App. D.3). in_proj runs as three products (z, xBC, dt in separate buffers; see `project`).
+The SSD runs through `lm_kernels.ssd` (Triton on CUDA, PyTorch on CPU).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lm_kernels.ssd import ssd_scan, ssd_step
 
@@ -62,6 +64,9 @@ class Mamba2Mixer(Mixer):
         self.d_inner, self.nheads, self.headdim = config.d_inner, config.nheads, config.headdim
         self.d_state, self.ngroups, self.chunk_size = config.d_state, config.ngroups, config.chunk_size
         self.conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
+        # in_proj's output columns (and the injection's): z | xBC | dt
+        self._cols = {"z": (0, self.d_inner), "xbc": (self.d_inner, self.d_inner + self.conv_dim),
+                      "dt": (self.d_inner + self.conv_dim, self.d_inner + self.conv_dim + self.nheads)}
         lo, hi = config.dt_limit
         self.dt_limit = (float(lo), float("inf") if hi is None else float(hi))
         self.in_proj = nn.Linear(config.hidden_size, self.injection_dim(config), bias=False)
@@ -92,12 +97,19 @@ class Mamba2Mixer(Mixer):
         h, p, n = self.nheads, self.headdim, self.d_state
         return 2 * h * (c / 2) * (n + p) + 2 * 2 * h * p * n
 
+    def project(self, x, injection, part: str):
+        """One part of in_proj(x) [+ injection]: "z", "xbc" or "dt", each in its own buffer, the product of x with
+        that part's row block of the one in_proj weight (parameter names and checkpoints as one Linear) plus the
+        injection's matching columns. One (tokens x 4384) output split into views stayed alive as long as any
+        view was saved (the conv saves xbc, the SSD dt, the gated norm z); separately each keeps only its own
+        (lm/train/BENCH.md, session 5)."""
+        lo, hi = self._cols[part]
+        y = F.linear(x, self.in_proj.weight[lo:hi])
+        return y if injection is None else y + injection[..., lo:hi]
+
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
-        zxbcdt = self.in_proj(x)
-        if injection is not None:
-            zxbcdt = zxbcdt + injection
-        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        xbc, dt = self.project(x, injection, "xbc"), self.project(x, injection, "dt")
         state = cache.get(self.layer_idx) if cache is not None else {}
         xbc, conv_state = causal_conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
@@ -119,7 +131,9 @@ class Mamba2Mixer(Mixer):
                               cu_seqlens=cu_seqlens, return_final_state=cache is not None)
         if cache is not None:
             cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
-        y = self.norm(y.reshape(b, t, self.d_inner), z)
+        # z is projected here, next to its only use: torch.compile breaks the block's graph at the conv and SSD calls,
+        # so in this graph the injection add fuses into the gated norm's kernel instead of a pass of its own
+        y = self.norm(y.reshape(b, t, self.d_inner), self.project(x, injection, "z"))
         return self.out_proj(y)
 
 

@@ -1,0 +1,66 @@
+"""The step benchmarks' CPU parts: saved-tensor accounting (lm bench saved), the floor (lm bench floor) and the
+no-grad / grad forward timing mode of lm bench train."""
+import json
+import subprocess
+import sys
+
+import torch
+
+from lm.benchmarks.floor import layer_stages, step_floor
+from lm.benchmarks.saved import OUTSIDE, build, origins, saved_tensors, summarize
+from lm.models.presets import load_config
+
+
+def test_saved_counts_each_storage_once_and_by_layer():
+    torch.manual_seed(0)
+    model = build("lm_mamba2-tiny", ["num_hidden_layers=2"], None, vocab=128)
+    ids = torch.randint(0, 128, (2, 32))
+    res = saved_tensors(model, ids)
+    s = summarize(res)
+    labels = set(s["by_label"])
+    assert {"layer 0", "layer 1", OUTSIDE} <= labels
+    assert s["total"] == sum(r["bytes"] for r in res["records"]) and s["params_saved"] > 0
+    # storages are unique: the same storage never appears twice
+    assert len(res["records"]) == len({(r["label"], id(r)) for r in res["records"]})
+    # layer 1's saved z (the gated norm's gate) is its own (tokens x d_inner) buffer
+    d_inner = model.config.d_inner
+    assert any(r["shape"][-1] == d_inner and r["bytes"] == 2 * 32 * d_inner * 4 for r in origins(res, "layer 1"))
+    # the model is left as it was: the layers are plain Blocks again
+    assert type(model.model.layers[0]).__name__ == "Block" and not hasattr(model.model.layers[0], "_orig_call")
+
+
+def test_saved_cli_json(tmp_path):
+    out = tmp_path / "s.json"
+    p = subprocess.run([sys.executable, "-m", "lm.benchmarks.saved", "--preset", "lm_llama-tiny", "--overrides",
+                        "num_hidden_layers=1", "--seq-len", "16", "--vocab", "64", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "B/token" in p.stdout
+    d = json.loads(out.read_text())
+    assert d["summary"]["per_layer"] > 0 and d["records"]
+
+
+def test_floor_counts_the_gemm_flops():
+    cfg = load_config("lm_mamba2-tiny")
+    n = 2 * 64
+    rows = layer_stages(cfg, n, 64)
+    gemm = sum(r["fwd_flops"] for r in rows if r["kind"] == "gemm")
+    in_w, out_w = cfg.hidden_size * (2 * cfg.d_inner + 2 * cfg.d_state + cfg.d_inner // cfg.headdim), \
+        cfg.d_inner * cfg.hidden_size
+    assert gemm == 2 * n * (in_w + out_w)
+    fl = step_floor(cfg, n, 64, {"matmul_tflops": 1e-3, "bandwidth_gbs": 1.0})
+    assert fl["layer_bwd_ms"] > fl["layer_fwd_ms"] > 0
+    imp = step_floor(load_config("lm_mamba2-tiny", implicit={"max_iter": 4, "phantom_steps": 1}), n, 64,
+                     {"matmul_tflops": 1e-3, "bandwidth_gbs": 1.0})
+    assert abs(imp["step_ms"] - fl["step_ms"] - 4 * fl["nograd_forward_ms"]) < 1e-9
+
+
+def test_forward_ratio_mode(tmp_path):
+    out = tmp_path / "fr.json"
+    p = subprocess.run([sys.executable, "-m", "lm.benchmarks.train", "--forward-ratio", "--size", "tiny",
+                        "--seq-len", "32", "--micro", "1", "--steps", "2", "--warmup", "1", "--precision", "fp32",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["nograd_forward_ms"] > 0 and r["forward_backward_ms"] > 0
+    assert r["implied_implicit_4p1_over_explicit"] > 1
