@@ -141,7 +141,7 @@ def step_floor(config, tokens: int, seq_len: int, rates: dict, shape_rates: dict
         out_rows.append({**r, "fwd_ms": f, "bwd_ms": b, "bound": _bound(r, rates, shape_rates.get(r["shape"]))})
     lf, lb = sum(r["fwd_ms"] for r in rows), sum(r["bwd_ms"] for r in rows)
     of, ob = sum(r["fwd_ms"] for r in out_rows), sum(r["bwd_ms"] for r in out_rows)
-    s = config.implicit_settings
+    s = config.implicit
     solves = s.max_iter if s is not None else 0
     return {"layer_rows": rows, "outside_rows": out_rows, "layer_fwd_ms": lf, "layer_bwd_ms": lb,
             "nograd_forward_ms": layers * lf, "forward_ms": layers * lf + of, "backward_ms": layers * lb + ob,
