@@ -8,7 +8,8 @@
 - DeepSpeed's launcher: a hostfile with two entries for this machine (`localhost slots=1`, `127.0.0.1 slots=1`:
   DeepSpeed refuses the same name twice) and `NODE_RANK=0|1 scripts/launch.sh deepspeed`, i.e. `deepspeed
   --hostfile ... --no_ssh --node_rank i` started on every node; it resumes the same checkpoint, with the same
-  losses. DeepSpeed's default multi-node path (one command that reaches the other hosts through pdsh and ssh)
+  losses. One node x 2 processes (plain torchrun) resumes it as well: the world size counts, not its split.
+  DeepSpeed's default multi-node path (one command that reaches the other hosts through pdsh and ssh)
   is not tested: this machine has no pdsh and no ssh server, and that path differs only in how the per-node
   command is started.
 
@@ -139,6 +140,16 @@ eval: {{batches: 1, sample_tokens: 0}}
     assert sorted(resumed) == [4, 5, 6]
     for s in (4, 5, 6):
         assert resumed[s] == pytest.approx(losses[s], rel=1e-6), (s, resumed[s], losses[s])
+
+    # the same 2 ranks split otherwise (one node x 2 processes) resume it too
+    run4 = tmp_path / "run4"
+    _copy_checkpoint(run, "step_00000003", run4)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "lm.train", str(cfg), f"run_dir={run4}", "--resume"], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    resumed4, _ = _losses(run4)
+    assert {s: resumed4[s] for s in (4, 5, 6)} == pytest.approx({s: losses[s] for s in (4, 5, 6)}, rel=1e-6)
 
     # DeepSpeed's launcher, a hostfile naming this machine twice, one `--no_ssh --node_rank i` command per node
     run3 = tmp_path / "run3"
