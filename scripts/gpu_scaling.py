@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -155,8 +156,6 @@ def main(argv=None) -> int:
             cfg_path = out / "runs" / f"{case}-gpu{n}.json"
             cfg_path.parent.mkdir(parents=True, exist_ok=True)
             if run_dir.exists():  # a re-run of the script: fresh runs
-                import shutil
-
                 shutil.rmtree(run_dir)
             cfg_path.write_text(json.dumps(run_config(run_dir, preset, overrides, implicit, seq_len=args.seq_len,
                                                       micro=micro, global_tokens=global_tokens, steps=args.steps,
