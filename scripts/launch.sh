@@ -4,16 +4,18 @@
 #   scripts/launch.sh deepspeed CONFIG.yaml [key=value ...]    # hosts from HOSTFILE (default ./hostfile:
 #                                                               #   "node-1 slots=8" per line; pdsh/ssh)
 #   scripts/launch.sh torchrun  CONFIG.yaml [key=value ...]    # run the same command on every node
+#   NODE_RANK=i scripts/launch.sh deepspeed CONFIG.yaml ...     # hostfile, no pdsh/ssh: run it on every node
+#                                                               #   (i = the node's line in the hostfile, from 0)
 #
 # Environment (defaults in brackets):
-#   GPUS_PER_NODE [number of visible GPUs]   NNODES [1]   NODE_RANK [0] (torchrun; set per node)
+#   GPUS_PER_NODE [number of visible GPUs]   NNODES [1]   NODE_RANK [unset] (torchrun / deepspeed --no_ssh; per node)
 #   MASTER_ADDR [127.0.0.1 / first host]     MASTER_PORT [29500]       HOSTFILE [hostfile]
 #   RDZV_ID [lm-<config name>] (torchrun)    LAUNCHER_ARGS [] extra launcher flags
 # Single node: `scripts/launch.sh torchrun configs/train/dpile-mamba2-130m.yaml` (or `deepspeed` without
 # a hostfile). Checkpoints must be on a file system every node sees (run_dir); resume with --resume.
 set -euo pipefail
 
-usage() { sed -n '2,14p' "$0"; exit 2; }
+usage() { sed -n '2,16p' "$0"; exit 2; }
 [ $# -ge 2 ] || usage
 launcher=$1; shift
 config=$1; shift
@@ -34,7 +36,9 @@ case "$launcher" in
       addr=${MASTER_ADDR:-$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$hostfile")}
       nnodes=$(awk 'NF && $1 !~ /^#/' "$hostfile" | wc -l)
       set -x
+      # NODE_RANK set: this node's ranks only (deepspeed --no_ssh), the same command started on every node
       exec deepspeed --hostfile "$hostfile" --num_nodes "$nnodes" --num_gpus "$gpus" \
+        ${NODE_RANK:+--no_ssh --node_rank "$NODE_RANK"} \
         --master_addr "$addr" --master_port "$port" ${LAUNCHER_ARGS:-} \
         --module lm.train "$config" "$@"
     else

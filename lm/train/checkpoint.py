@@ -260,8 +260,16 @@ def check_resumable(ckpt: Path, dist) -> dict:
     """The checkpoint's client.json when this run's ranks and engine can load it; ValueError otherwise."""
     client = read_client(ckpt)
     if client["world_size"] != dist.world:
-        raise ValueError(f"checkpoint.resume: {ckpt} was written by {client['world_size']} ranks, this run has "
-                         f"{dist.world}; resume with the same number of ranks")
+        # The engine's files hold the optimizer state split over the ranks that wrote them (DeepSpeed ZeRO
+        # partitions; the data position of each rank): they load only into the same world size.
+        saved = client["world_size"]
+        raise ValueError(
+            f"checkpoint.resume: {ckpt} was written with world size {saved} ({saved} ranks), this run has world size "
+            f"{dist.world}; its optimizer state and data position are split over {saved} ranks and load only into "
+            f"{saved}. Resume with {saved} ranks in all (nodes x processes per node = {saved}, e.g. torchrun --nnodes "
+            f"N --nproc_per_node M with N*M = {saved}); or, to go on at {dist.world}, start a new run from its "
+            f"weights: `lm export {ckpt} --output DIR`, then model.init_from=DIR (the optimizer state and the "
+            f"schedule restart)")
     if client["engine"] != dist.engine:
         raise ValueError(f"checkpoint.resume: {ckpt} was written by the {client['engine']} engine, this run uses "
                          f"{dist.engine}; set train.engine={client['engine']}")
