@@ -15,6 +15,28 @@ def overfit_losses(model, ids, steps: int = 30, lr: float = 1e-2) -> list[float]
     return losses
 
 
+def loss_and_grads(model, ids, cu_seqlens=None):
+    """Loss (labels = ids) and the parameter gradients of one backward, grads zeroed first."""
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids, cu_seqlens=cu_seqlens).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step_after(model, ids, cu_seqlens, swap):
+    """The loss and parameter gradients of `model` on `ids` equal those after `swap()` (which puts a reference
+    path in place): to 1e-12 in float64, rtol 1e-5 / atol 1e-6 in float32."""
+    loss, grads = loss_and_grads(model, ids, cu_seqlens)
+    swap()
+    ref_loss, ref_grads = loss_and_grads(model, ids, cu_seqlens)
+    dtype = next(model.parameters()).dtype
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], **tol, msg=n)
+
+
 def greedy_by_full_forward(model, ids, n: int, sequential: bool = False):
     """Greedy decoding by repeated full forwards (no cache reuse); implicit models in the sequential
     (token-by-token) mode from scratch, which is what cached generation must reproduce exactly."""
