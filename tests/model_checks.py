@@ -2,17 +2,31 @@
 import torch
 
 
-def overfit_losses(model, ids, steps: int = 30, lr: float = 1e-2) -> list[float]:
-    """Losses of `steps` AdamW steps on one batch (labels = ids)."""
+def overfit_losses(model, ids, steps: int = 30, lr: float = 1e-2, batch: int | None = None) -> list[float]:
+    """Losses of `steps` AdamW steps (labels = inputs) on the batch `ids`, or, with `batch`, on its rows `batch`
+    at a time in turn."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    for _ in range(steps):
-        loss = model(ids, labels=ids).loss
+    for step in range(steps):
+        x = ids if batch is None else ids[(step * batch) % len(ids):(step * batch) % len(ids) + batch]
+        loss = model(x, labels=x).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def markov_tokens(n_seq: int, length: int, seed: int, vocab: int = 64, p_rare: float = 0.2) -> torch.Tensor:
+    """(n_seq, length) tokens of a Markov chain in which each token has a likely successor and, with probability
+    `p_rare`, a rarer one: a corpus a tiny model learns in a few dozen steps."""
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, vocab, (vocab, 2), generator=g)
+    x = torch.empty(n_seq, length, dtype=torch.long)
+    x[:, 0] = torch.randint(0, vocab, (n_seq,), generator=g)
+    for t in range(1, length):
+        x[:, t] = nxt[x[:, t - 1], (torch.rand(n_seq, generator=g) < p_rare).long()]
+    return x
 
 
 def loss_and_grads(model, ids, cu_seqlens=None):
