@@ -242,12 +242,21 @@ def _renamed(cfg: dict) -> list[tuple[str, str]]:
     return pairs
 
 
+def _checked_and_renamed(sd: dict, cfg: dict, to_fla: bool) -> dict:
+    """`sd` (ours if to_fla, else fla's) checked against the shapes our config kwargs `cfg` imply; returns its
+    weights that only change name, under the other side's names."""
+    tied_head = "lm_head.weight" if cfg["tie_word_embeddings"] else None
+    if to_fla:
+        _check_shapes(sd, _expected_lm_shapes(cfg), "lm checkpoint", tied_head)
+        return {theirs: sd[ours] for theirs, ours in _renamed(cfg)}
+    _check_shapes(sd, _expected_fla_shapes(cfg), "fla checkpoint", tied_head)
+    return {ours: sd[theirs] for theirs, ours in _renamed(cfg)}
+
+
 def state_dict_from_fla(sd: dict, cfg: dict) -> dict:
     """Our state dict for fla's `sd` (checked against our config kwargs `cfg`)."""
-    _check_shapes(sd, _expected_fla_shapes(cfg), "fla checkpoint",
-                  "lm_head.weight" if cfg["tie_word_embeddings"] else None)
+    out = _checked_and_renamed(sd, cfg, to_fla=False)
     w = _widths(cfg)
-    out = {ours: sd[theirs] for theirs, ours in _renamed(cfg)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out[p + "mixer.in_proj.weight"] = torch.cat([sd[p + f"attn.{n}_proj.weight"] for n in "qkvbag" if w[n]], 0)
@@ -270,10 +279,8 @@ def _expected_lm_shapes(cfg: dict) -> dict[str, tuple]:
 
 def state_dict_to_fla(sd: dict, cfg: dict) -> dict:
     """fla's state dict for our `sd` (checked against our config kwargs `cfg`)."""
-    _check_shapes(sd, _expected_lm_shapes(cfg), "lm checkpoint",
-                  "lm_head.weight" if cfg["tie_word_embeddings"] else None)
+    out = _checked_and_renamed(sd, cfg, to_fla=True)
     w = _widths(cfg)
-    out = {theirs: sd[ours] for theirs, ours in _renamed(cfg)}
     names = [n for n in "qkvbag" if w[n]]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
