@@ -202,8 +202,8 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0)
     b_dk, b_dg = _qs_terms(b_q, b_k, b_dqi, b_dovn, b_dkd, b_dgc, b_g, b_gq, g_last, rq, m_q, m_t, o_t, nt, scale,
                            dq, o_q * (H * K), o_k, mk, PREC)
-    _wy_store(b_k, b_dw.to(kdt), b_Tk, b_b, b_g, b_dvnvb, b_dk, b_db, b_dg, dk, db, dg, m_t, o_t, o_k, mkv, ph, H, K, NH,
-              USE_G, PREC)
+    _wy_store(b_k, b_dw.to(kdt), b_Tk, b_b, b_g, b_dvnvb, b_dk, b_db, b_dg, dk, db, dg, m_t, o_t, o_k, mkv, ph,
+              H, K, NH, USE_G, PREC)
 
 
 @autotune(configs=base_configs("qk", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "BK"])
