@@ -2,17 +2,53 @@
 import torch
 
 
-def overfit_losses(model, ids, steps: int = 30, lr: float = 1e-2) -> list[float]:
-    """Losses of `steps` AdamW steps on one batch (labels = ids)."""
+def overfit_losses(model, ids, steps: int = 30, lr: float = 1e-2, batch: int | None = None) -> list[float]:
+    """Losses of `steps` AdamW steps (labels = inputs) on the batch `ids`, or, with `batch`, on its rows `batch`
+    at a time in turn."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    for _ in range(steps):
-        loss = model(ids, labels=ids).loss
+    for step in range(steps):
+        x = ids if batch is None else ids[(step * batch) % len(ids):(step * batch) % len(ids) + batch]
+        loss = model(x, labels=x).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def markov_tokens(n_seq: int, length: int, seed: int, vocab: int = 64, p_rare: float = 0.2) -> torch.Tensor:
+    """(n_seq, length) tokens of a Markov chain in which each token has a likely successor and, with probability
+    `p_rare`, a rarer one: a corpus a tiny model learns in a few dozen steps."""
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, vocab, (vocab, 2), generator=g)
+    x = torch.empty(n_seq, length, dtype=torch.long)
+    x[:, 0] = torch.randint(0, vocab, (n_seq,), generator=g)
+    for t in range(1, length):
+        x[:, t] = nxt[x[:, t - 1], (torch.rand(n_seq, generator=g) < p_rare).long()]
+    return x
+
+
+def loss_and_grads(model, ids, cu_seqlens=None):
+    """Loss (labels = ids) and the parameter gradients of one backward, grads zeroed first."""
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids, cu_seqlens=cu_seqlens).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step_after(model, ids, cu_seqlens, swap):
+    """The loss and parameter gradients of `model` on `ids` equal those after `swap()` (which puts a reference
+    path in place): to 1e-12 in float64, rtol 1e-5 / atol 1e-6 in float32."""
+    loss, grads = loss_and_grads(model, ids, cu_seqlens)
+    swap()
+    ref_loss, ref_grads = loss_and_grads(model, ids, cu_seqlens)
+    dtype = next(model.parameters()).dtype
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], **tol, msg=n)
 
 
 def greedy_by_full_forward(model, ids, n: int, sequential: bool = False):

@@ -90,31 +90,37 @@ def test_solve_equals_reference_loop(kw):
         assert d["mean_sample_iterations"] == pytest.approx(float(riters.double().mean()))
 
 
+def _count_calls(monkeypatch, owner, *names):
+    """Count the calls of owner.<name> for each of `names` (one counter for all: n[0])."""
+    n = [0]
+    for name in names:
+        orig = getattr(owner, name)
+
+        def counted(*a, _orig=orig, **k):
+            n[0] += 1
+            return _orig(*a, **k)
+
+        monkeypatch.setattr(owner, name, counted)
+    return n
+
+
 def _count_syncs(monkeypatch):
     """Count Tensor -> Python conversions (each is a device-to-host sync on a GPU)."""
-    n = [0]
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
-        orig = getattr(torch.Tensor, name)
+    return _count_calls(monkeypatch, torch.Tensor, "item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 
-        def counted(self, *a, _orig=orig, **k):
-            n[0] += 1
-            return _orig(self, *a, **k)
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return n
+def _plain_iteration(f, z0, n):
+    """f applied n times to z0."""
+    z = z0
+    for _ in range(n):
+        z = f(z)
+    return z
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(damping=0.5), dict(anderson=2), dict(patience=1, damping_decay=0.5)])
 def test_bounded_phase_has_no_host_sync_and_one_residual(kw, monkeypatch):
     f, z0 = _contraction()
-    calls = [0]
-    orig = fp.relative_residual
-
-    def counting(*a, **k):
-        calls[0] += 1
-        return orig(*a, **k)
-
-    monkeypatch.setattr(fp, "relative_residual", counting)
+    calls = _count_calls(monkeypatch, fp, "relative_residual")
     syncs = _count_syncs(monkeypatch)
     z, st = solve(f, z0, max_iter=6, **kw)
     assert syncs[0] == 0, f"{syncs[0]} host syncs in the bounded phase"
@@ -125,20 +131,10 @@ def test_bounded_phase_has_no_host_sync_and_one_residual(kw, monkeypatch):
 def test_bounded_damping_one_is_plain_iteration(monkeypatch):
     """damping 1, tol None: z is f applied max_iter times, with no torch.where."""
     f, z0 = _contraction()
-    wheres = [0]
-    orig = torch.where
-
-    def counting(*a, **k):
-        wheres[0] += 1
-        return orig(*a, **k)
-
-    monkeypatch.setattr(torch, "where", counting)
+    wheres = _count_calls(monkeypatch, torch, "where")
     z, _ = solve(f, z0, max_iter=5)
     assert wheres[0] == 0
-    ref = z0
-    for _ in range(5):
-        ref = f(ref)
-    assert torch.equal(z, ref)
+    assert torch.equal(z, _plain_iteration(f, z0, 5))
 
 
 def test_free_phase_syncs_at_most_once_per_iteration(monkeypatch):
@@ -164,18 +160,8 @@ def test_converged_samples_stay_frozen():
 def test_free_phase_masks_nothing_before_a_sample_converges(monkeypatch):
     """tol set, nothing converged yet: the iterations before the last run no torch.where (plain z = f(z))."""
     f, z0 = _contraction()
-    wheres = [0]
-    orig = torch.where
-
-    def counting(*a, **k):
-        wheres[0] += 1
-        return orig(*a, **k)
-
-    monkeypatch.setattr(torch, "where", counting)
+    wheres = _count_calls(monkeypatch, torch, "where")
     z, st = solve(f, z0, max_iter=5, tol=1e-12)
     assert not st.converged.any() and st.iterations == 5
     assert wheres[0] == 1  # the last iteration's freeze, decided without a sync
-    ref = z0
-    for _ in range(5):
-        ref = f(ref)
-    assert torch.equal(z, ref)
+    assert torch.equal(z, _plain_iteration(f, z0, 5))

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from model_checks import greedy_by_full_forward, overfit_losses
+from model_checks import greedy_by_full_forward, markov_tokens, overfit_losses
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lm  # noqa: F401  (registration)
@@ -181,39 +181,21 @@ def test_training_memory_does_not_grow_with_max_iter(family):
     assert abs(sizes[1] - sizes[0]) <= 0.10 * sizes[0]
 
 
-def _markov_corpus(n_seq, length, seed):
-    g = torch.Generator().manual_seed(seed)
-    trans = torch.randint(0, V, (V, 2), generator=g)  # each token: a likely (75%) and a rarer successor
-    x = torch.empty(n_seq, length, dtype=torch.long)
-    x[:, 0] = torch.randint(0, V, (n_seq,), generator=g)
-    for t in range(1, length):
-        pick = (torch.rand(n_seq, generator=g) < 0.25).long()
-        x[:, t] = trans[x[:, t - 1], pick]
-    return x
-
-
 def test_duality_sequential_vs_simultaneous():
     """Paper 003: sequential and simultaneous predictions of a trained implicit model agree (97.6%)."""
     torch.manual_seed(4)
     # free-phase training (tol-stopped), evaluation converged tightly in both modes
     cfg = small_config("mamba2", dict(max_iter=8, tol=0.02, phantom_steps=2, eval_tol=1e-3, eval_factor=16))
     model = AutoModelForCausalLM.from_config(cfg)
-    data = _markov_corpus(64, 32, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     model.train()
-    for step in range(60):
-        batch = data[(step * 8) % 64:(step * 8) % 64 + 8]
-        loss = model(batch, labels=batch).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    losses = overfit_losses(model, markov_tokens(64, 32, seed=0, vocab=V, p_rare=0.25), steps=60, lr=5e-3, batch=8)
     model.eval()
-    test = _markov_corpus(4, 24, seed=1)
+    test = markov_tokens(4, 24, seed=1, vocab=V, p_rare=0.25)
     with torch.no_grad():
         simultaneous = model(test).logits.argmax(-1)
         sequential = model(test, cache=LMCache(), use_cache=True, prefill="sequential").logits.argmax(-1)
     rate = (simultaneous == sequential).float().mean().item()
-    print(f"duality token match rate: {rate:.4f} (paper: 0.976), final train loss {loss.item():.3f}")
+    print(f"duality token match rate: {rate:.4f} (paper: 0.976), final train loss {losses[-1]:.3f}")
     assert rate >= 0.97
 
 

@@ -2,6 +2,7 @@
 one conv over [q|k|v] split into views, forward and backward, explicit and implicit, packed sequences included."""
 import pytest
 import torch
+from model_checks import assert_same_step_after
 from transformers import AutoModelForCausalLM
 
 import lm  # noqa: F401  (registration)
@@ -24,13 +25,6 @@ def _config(implicit, gated):
                                 implicit=dict(max_iter=2, tol=None, phantom_steps=1) if implicit else None)
 
 
-def _loss_and_grads(model, ids, cu):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids, cu_seqlens=cu).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("implicit", [False, True], ids=["explicit", "implicit"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
@@ -42,14 +36,7 @@ def test_separate_convs_equal_one_conv(dtype, implicit, packed, gated, monkeypat
         ids, cu = torch.randint(0, V, (1, 27)), torch.tensor([0, 10, 19, 27], dtype=torch.int32)
     else:
         ids, cu = torch.randint(0, V, (2, 13)), None
-    loss, grads = _loss_and_grads(model, ids, cu)
-    monkeypatch.setattr(DeltaProductMixer, "_short_convs", _one_conv)
-    ref_loss, ref_grads = _loss_and_grads(model, ids, cu)
-    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(loss, ref_loss, **tol)
-    assert grads.keys() == ref_grads.keys()
-    for n in grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], **tol, msg=n)
+    assert_same_step_after(model, ids, cu, lambda: monkeypatch.setattr(DeltaProductMixer, "_short_convs", _one_conv))
 
 
 def test_separate_convs_save_less(monkeypatch):

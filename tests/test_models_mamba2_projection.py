@@ -3,6 +3,7 @@ projection split into views, forward and backward, explicit and implicit, packed
 saved-tensor memory that the separate buffers exist for."""
 import pytest
 import torch
+from model_checks import assert_same_step_after
 from transformers import AutoModelForCausalLM
 
 import lm  # noqa: F401  (registration)
@@ -27,13 +28,6 @@ def _config(implicit):
                           chunk_size=8, implicit=dict(implicit) if implicit else None)
 
 
-def _loss_and_grads(model, ids, cu):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids, cu_seqlens=cu).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("implicit", [None, IMPLICIT], ids=["explicit", "implicit"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
@@ -44,14 +38,7 @@ def test_split_projection_equals_fused(dtype, implicit, packed, monkeypatch):
         ids, cu = torch.randint(0, V, (1, 29)), torch.tensor([0, 11, 20, 29], dtype=torch.int32)
     else:
         ids, cu = torch.randint(0, V, (3, 13)), None
-    loss, grads = _loss_and_grads(model, ids, cu)
-    monkeypatch.setattr(Mamba2Mixer, "project", _fused_project)
-    ref_loss, ref_grads = _loss_and_grads(model, ids, cu)
-    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(loss, ref_loss, **tol)
-    assert grads.keys() == ref_grads.keys()
-    for n in grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], **tol, msg=n)
+    assert_same_step_after(model, ids, cu, lambda: monkeypatch.setattr(Mamba2Mixer, "project", _fused_project))
 
 
 def test_parameter_names_unchanged():

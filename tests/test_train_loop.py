@@ -5,11 +5,11 @@ import shutil
 
 import pytest
 import torch
+from train_checks import TINY, tiny_run_tree
 
 from lm.train.config import config_from_dict
 from lm.train.trainer import TrainingStopped, train
 
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "d_state": 8, "headdim": 16, "chunk_size": 16}
 PHASES = [{"name": "bounded", "until": 0.5, "implicit": {"max_iter": 2, "phantom_steps": 1}},
           {"name": "free", "until": 1.0, "implicit": {"max_iter": 6, "tol": 0.05, "phantom_steps": 2}}]
 
@@ -37,21 +37,13 @@ def corpus(tmp_path_factory):
 
 
 def _cfg(run_dir, data, **over):
-    tree = {
-        "run_dir": str(run_dir),
-        "model": {"preset": "lm_mamba2-tiny", "overrides": dict(TINY)},
+    return config_from_dict(tiny_run_tree(run_dir, {
         "data": {"path": str(data), "seq_len": 32},
         "curriculum": PHASES,
-        "optim": {"lr": 1e-2},
         "schedule": {"kind": "constant_sqrt", "warmup": 1, "decay_start": "last_phase"},
-        "train": {"steps": 6, "global_batch_tokens": 128, "micro_batch_size": 2, "engine": "torch", "num_threads": 1},
-        "checkpoint": {"every_steps": 0, "keep_last": 3, "export": False},
-        "log": {"progress": False},
-        "eval": {"batches": 1, "sample_tokens": 0, "at_end": False},
-    }
-    for k, v in over.items():
-        tree[k] = {**tree[k], **v} if isinstance(v, dict) and isinstance(tree.get(k), dict) else v
-    return config_from_dict(tree)
+        "train": {"global_batch_tokens": 128},
+        "checkpoint": {"every_steps": 0},
+    }, over))
 
 
 def _losses(run_dir):

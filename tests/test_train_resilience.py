@@ -12,31 +12,24 @@ import time
 from pathlib import Path
 
 import pytest
+import train_checks
 
 from lm.train.config import config_from_dict
 from lm.train.preempt import EXIT_PREEMPTED, Preempted
 from lm.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "d_state": 8, "headdim": 16, "chunk_size": 16, "vocab_size": 64}
+TINY = {**train_checks.TINY, "vocab_size": 64}
 
 
 def _tree(run_dir, **over):
-    tree = {
-        "run_dir": str(run_dir),
-        "model": {"preset": "lm_mamba2-tiny", "overrides": dict(TINY),
-                  "implicit": {"max_iter": 6, "tol": 0.3, "phantom_steps": 1}},
+    return train_checks.tiny_run_tree(run_dir, {
+        "model": {"overrides": dict(TINY), "implicit": {"max_iter": 6, "tol": 0.3, "phantom_steps": 1}},
         "data": {"source": "synthetic", "synthetic_vocab": 64, "seq_len": 16},
-        "optim": {"lr": 1e-2},
         "schedule": {"kind": "cosine", "warmup": 1},
-        "train": {"steps": 6, "global_batch_tokens": 64, "micro_batch_size": 2, "engine": "torch", "num_threads": 1},
-        "checkpoint": {"every_steps": 2, "keep_last": 3, "export": False},
-        "log": {"progress": False},
-        "eval": {"batches": 1, "sample_tokens": 0, "at_end": False},
-    }
-    for k, v in over.items():
-        tree[k] = {**tree[k], **v} if isinstance(v, dict) and isinstance(tree.get(k), dict) else v
-    return tree
+        "train": {"global_batch_tokens": 64},
+        "checkpoint": {"every_steps": 2},
+    }, over)
 
 
 def _cfg(run_dir, **over):

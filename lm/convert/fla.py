@@ -227,82 +227,68 @@ def _check_shapes(sd: dict, shapes: dict[str, tuple], what: str, tied_head: str 
                              f"{tuple(shape)}")
 
 
+def _renamed(cfg: dict) -> list[tuple[str, str]]:
+    """(fla name, our name) of every weight that only changes name: all but fla's per-head-kind projections and
+    convs, which we hold as one in_proj and one conv1d per layer."""
+    pairs = [("model.embeddings.weight", "model.embed_tokens.weight"), ("model.norm.weight", "model.norm_f.weight")]
+    if not cfg["tie_word_embeddings"]:
+        pairs.append(("lm_head.weight", "lm_head.weight"))
+    mixer = (["A_log", "dt_bias"] if cfg["use_forget_gate"] else []) + ["o_norm.weight", "o_proj.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        pairs += [(p + "attn_norm.weight", p + "norm.weight"), (p + "mlp_norm.weight", p + "mlp_norm.weight")]
+        pairs += [(p + f"mlp.{n}.weight", p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
+        pairs += [(p + "attn." + n, p + "mixer." + n) for n in mixer]
+    return pairs
+
+
+def _checked_and_renamed(sd: dict, cfg: dict, to_fla: bool) -> dict:
+    """`sd` (ours if to_fla, else fla's) checked against the shapes our config kwargs `cfg` imply; returns its
+    weights that only change name, under the other side's names."""
+    tied_head = "lm_head.weight" if cfg["tie_word_embeddings"] else None
+    if to_fla:
+        _check_shapes(sd, _expected_lm_shapes(cfg), "lm checkpoint", tied_head)
+        return {theirs: sd[ours] for theirs, ours in _renamed(cfg)}
+    _check_shapes(sd, _expected_fla_shapes(cfg), "fla checkpoint", tied_head)
+    return {ours: sd[theirs] for theirs, ours in _renamed(cfg)}
+
+
 def state_dict_from_fla(sd: dict, cfg: dict) -> dict:
     """Our state dict for fla's `sd` (checked against our config kwargs `cfg`)."""
-    _check_shapes(sd, _expected_fla_shapes(cfg), "fla checkpoint",
-                  "lm_head.weight" if cfg["tie_word_embeddings"] else None)
+    out = _checked_and_renamed(sd, cfg, to_fla=False)
     w = _widths(cfg)
-    out = {"model.embed_tokens.weight": sd["model.embeddings.weight"], "model.norm_f.weight": sd["model.norm.weight"]}
-    if not cfg["tie_word_embeddings"]:
-        out["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg["num_hidden_layers"]):
-        f, o = f"model.layers.{i}.", f"model.layers.{i}."
-        out[o + "norm.weight"] = sd[f + "attn_norm.weight"]
-        out[o + "mlp_norm.weight"] = sd[f + "mlp_norm.weight"]
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[o + f"mlp.{name}.weight"] = sd[f + f"mlp.{name}.weight"]
-        out[o + "mixer.in_proj.weight"] = torch.cat([sd[f + f"attn.{n}_proj.weight"] for n in "qkvbag" if w[n]], 0)
+        p = f"model.layers.{i}."
+        out[p + "mixer.in_proj.weight"] = torch.cat([sd[p + f"attn.{n}_proj.weight"] for n in "qkvbag" if w[n]], 0)
         if cfg["use_short_conv"]:
-            out[o + "mixer.conv1d.weight"] = torch.cat([sd[f + f"attn.{n}_conv1d.weight"] for n in "qkv"], 0)
-        if cfg["use_forget_gate"]:
-            out[o + "mixer.A_log"] = sd[f + "attn.A_log"]
-            out[o + "mixer.dt_bias"] = sd[f + "attn.dt_bias"]
-        out[o + "mixer.o_norm.weight"] = sd[f + "attn.o_norm.weight"]
-        out[o + "mixer.o_proj.weight"] = sd[f + "attn.o_proj.weight"]
+            out[p + "mixer.conv1d.weight"] = torch.cat([sd[p + f"attn.{n}_conv1d.weight"] for n in "qkv"], 0)
     return out
 
 
 def _expected_lm_shapes(cfg: dict) -> dict[str, tuple]:
-    shapes = {}
-    for k, s in _expected_fla_shapes(cfg).items():
-        shapes.update(_lm_names(k, s, cfg))
+    """Our parameter name -> shape, for our config kwargs."""
+    fla, w = _expected_fla_shapes(cfg), _widths(cfg)
+    shapes = {ours: fla[theirs] for theirs, ours in _renamed(cfg)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "mixer.in_proj.weight"] = (sum(w[n] for n in "qkvbag"), cfg["hidden_size"])
+        if cfg["use_short_conv"]:
+            shapes[p + "mixer.conv1d.weight"] = (w["q"] + w["k"] + w["v"], 1, cfg["conv_size"])
     return shapes
-
-
-def _lm_names(fla_key: str, shape: tuple, cfg: dict) -> dict[str, tuple]:
-    w = _widths(cfg)
-    fixed = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm_f.weight",
-             "lm_head.weight": "lm_head.weight"}
-    if fla_key in fixed:
-        return {fixed[fla_key]: shape}
-    _, _, i, rest = fla_key.split(".", 3)
-    p = f"model.layers.{i}."
-    if rest == "attn.q_proj.weight":
-        return {p + "mixer.in_proj.weight": (sum(w[n] for n in "qkvbag"), shape[1])}
-    if rest == "attn.q_conv1d.weight":
-        return {p + "mixer.conv1d.weight": (w["q"] + w["k"] + w["v"], 1, shape[2])}
-    if rest.startswith("attn.") and (rest[5] in "kvbag" and rest[6:] in ("_proj.weight", "_conv1d.weight")):
-        return {}
-    if rest == "attn_norm.weight":
-        return {p + "norm.weight": shape}
-    return {p + rest.replace("attn.", "mixer.", 1): shape}
 
 
 def state_dict_to_fla(sd: dict, cfg: dict) -> dict:
     """fla's state dict for our `sd` (checked against our config kwargs `cfg`)."""
-    _check_shapes(sd, _expected_lm_shapes(cfg), "lm checkpoint",
-                  "lm_head.weight" if cfg["tie_word_embeddings"] else None)
+    out = _checked_and_renamed(sd, cfg, to_fla=True)
     w = _widths(cfg)
-    out = {"model.embeddings.weight": sd["model.embed_tokens.weight"], "model.norm.weight": sd["model.norm_f.weight"]}
-    if not cfg["tie_word_embeddings"]:
-        out["lm_head.weight"] = sd["lm_head.weight"]
+    names = [n for n in "qkvbag" if w[n]]
     for i in range(cfg["num_hidden_layers"]):
-        f, o = f"model.layers.{i}.", f"model.layers.{i}."
-        out[f + "attn_norm.weight"] = sd[o + "norm.weight"]
-        out[f + "mlp_norm.weight"] = sd[o + "mlp_norm.weight"]
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f + f"mlp.{name}.weight"] = sd[o + f"mlp.{name}.weight"]
-        names = [n for n in "qkvbag" if w[n]]
-        for n, t in zip(names, sd[o + "mixer.in_proj.weight"].split([w[n] for n in names], 0)):
-            out[f + f"attn.{n}_proj.weight"] = t.contiguous()
+        p = f"model.layers.{i}."
+        for n, t in zip(names, sd[p + "mixer.in_proj.weight"].split([w[n] for n in names], 0)):
+            out[p + f"attn.{n}_proj.weight"] = t.contiguous()
         if cfg["use_short_conv"]:
-            for n, t in zip("qkv", sd[o + "mixer.conv1d.weight"].split([w["q"], w["k"], w["v"]], 0)):
-                out[f + f"attn.{n}_conv1d.weight"] = t.contiguous()
-        if cfg["use_forget_gate"]:
-            out[f + "attn.A_log"] = sd[o + "mixer.A_log"]
-            out[f + "attn.dt_bias"] = sd[o + "mixer.dt_bias"]
-        out[f + "attn.o_norm.weight"] = sd[o + "mixer.o_norm.weight"]
-        out[f + "attn.o_proj.weight"] = sd[o + "mixer.o_proj.weight"]
+            for n, t in zip("qkv", sd[p + "mixer.conv1d.weight"].split([w["q"], w["k"], w["v"]], 0)):
+                out[p + f"attn.{n}_conv1d.weight"] = t.contiguous()
     return out
 
 

@@ -11,7 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm_kernels.conv1d import causal_conv1d as _conv1d
+# the depthwise causal conv of Mamba2 / FP-Mamba / DeltaProduct: the Triton kernel on CUDA, the PyTorch reference on
+# CPU (LM_CONV1D_BACKEND=reference|triton overrides); the models import it from here
+from lm_kernels.conv1d import causal_conv1d  # noqa: F401
 from lm_kernels.varlen import position_in_document  # noqa: F401  (the models import it from here)
 
 
@@ -118,27 +120,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-    conv_state: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution over time.
-
-    x (b, t, c); weight (c, w); conv_state (b, c, w-1): the last w-1 inputs before x (zeros if None).
-    With `cu_seqlens` (b == 1) no tap reaches across a document start. Returns (y (b, t, c), the new
-    conv state (b, c, w-1): the last w-1 inputs, for generation).
-
-    Runs `lm_kernels.conv1d`: the Triton kernel on CUDA tensors (x read through its strides, no
-    transposes), the PyTorch reference (F.conv1d) on CPU; LM_CONV1D_BACKEND=reference|triton overrides.
-    """
-    return _conv1d(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation)
 
 
 def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,6 +82,76 @@ def _wy_terms(b_k, b_dwk, b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, P
     return b_dk, b_db, b_dg
 
 
+@triton.jit
+def _chunk_start(i_c, chunk_seq, chunk_row, cu_rows, chunk_off, BT: tl.constexpr, NH: tl.constexpr):
+    """Chunk i_c's first row r0 (int64), its sequence's end row, its index among the stored chunk states, the
+    sub-step of its first row (ph) and its first token (t0)."""
+    n = tl.load(chunk_seq + i_c)
+    r0 = tl.load(chunk_row + i_c).to(tl.int64)
+    bos = tl.load(cu_rows + n).to(tl.int64)
+    eos = tl.load(cu_rows + n + 1).to(tl.int64)
+    c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
+    ph = (r0 % NH).to(tl.int32)
+    t0 = r0 // NH
+    return r0, eos, c_glob, ph, t0
+
+
+@triton.jit
+def _v_loop(hs, dh, vn, dvn, do, v, dv, b_Tk, b_b, o_t, o_q, o_k, mk, m_t, m_q, H: tl.constexpr, V: tl.constexpr,
+            BT: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STATE: tl.constexpr,
+            WY: tl.constexpr, PREC: tl.constexpr):
+    """A chunk's loop over V blocks. STATE: the fp32 accumulators dO S^T, dO Vn^T, Vn dS^T, -dVn S^T and
+    rowsum(dS o S) (reads hs, dh, vn, do); WY: dVn V^T and beta's U-gradient, storing dv = T^T dVn diag(beta)
+    (reads v, b_Tk, b_b). Returns (dqi, dovn, dkd, dw, dgc, dvnvb, db); a part not run leaves its own zero."""
+    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
+    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        mtv = m_t[:, None] & mv[None, :]
+        if STATE:
+            p_h = o_k[:, None] * V + o_v[None, :]
+            b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+            b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
+            b_vn = tl.load(vn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
+        b_dvn = tl.load(dvn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
+        if WY:
+            b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
+        if STATE:
+            b_do = tl.load(do + o_q[:, None] * (H * V) + o_v[None, :], mask=m_q[:, None] & mv[None, :], other=0.0)
+            b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
+            b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+            b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
+            b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
+            b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
+        if WY:
+            b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
+            b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
+            tl.store(dv + o_t[:, None] * (H * V) + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty),
+                     mask=mtv)
+            b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+    return b_dqi, b_dovn, b_dkd, b_dw, b_dgc, b_dvnvb, b_db
+
+
+@triton.jit
+def _wy_store(b_k, b_dw, b_Tk, b_b, b_g, b_dvnvb, b_dk, b_db, b_dg, dk, db, dg, m_t, o_t, o_k, mkv, ph,
+              H: tl.constexpr, K: tl.constexpr, NH: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
+    """Add the WY terms to dk, dbeta and the gate cumsum's gradient and store the three (dg per token: the reverse
+    cumsum of the per-row terms, stored from each token's first row)."""
+    b_dk, b_db, b_dg = _wy_terms(b_k, b_dw, b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, PREC)
+    tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
+    tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
+    if USE_G:
+        b_dg = tl.where(m_t, b_dg, 0.0)
+        b_dgl = tl.sum(b_dg, 0) - tl.cumsum(b_dg, 0) + b_dg  # reverse cumsum
+        tl.store(dg + ((o_t + ph) // NH) * H, b_dgl.to(dg.dtype.element_ty), mask=m_t & ((o_t + ph) % NH == 0))
+
+
 @autotune(configs=base_configs("main", {"BV": 16}), key=["H", "K", "V", "BT", "NH"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg,
@@ -92,13 +162,7 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     Vn dS^T, dVn S^T, dVn V^T), then the intra-chunk, state and WY terms. Every pointer is moved once to the chunk
     (int64), so the tile offsets are small int32; the K and Q tiles, used only after the V loop, are loaded after it."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    n = tl.load(chunk_seq + i_c)
-    r0 = tl.load(chunk_row + i_c).to(tl.int64)
-    bos = tl.load(cu_rows + n).to(tl.int64)
-    eos = tl.load(cu_rows + n + 1).to(tl.int64)
-    c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
-    ph = (r0 % NH).to(tl.int32)  # sub-step of the chunk's first row
-    t0 = r0 // NH
+    r0, eos, c_glob, ph, t0 = _chunk_start(i_c, chunk_seq, chunk_row, cu_rows, chunk_off, BT, NH)
     k += (r0 * H + i_h) * K
     dk += (r0 * H + i_h) * K
     v += (r0 * H + i_h) * V
@@ -132,44 +196,14 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
     rq = o_q * NH + NH - 1 - ph
     m_q = rq < nt
     b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
-    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
-    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
-    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    b_dgc = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mv = o_v < V
-        mtv = m_t[:, None] & mv[None, :]
-        p_h = o_k[:, None] * V + o_v[None, :]
-        b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
-        b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
-        b_vn = tl.load(vn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
-        b_dvn = tl.load(dvn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
-        b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
-        b_do = tl.load(do + o_q[:, None] * (H * V) + o_v[None, :], mask=m_q[:, None] & mv[None, :], other=0.0)
-        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
-        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
-        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
-        b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
-        b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
-        b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
-        tl.store(dv + o_t[:, None] * (H * V) + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
-        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+    b_dqi, b_dovn, b_dkd, b_dw, b_dgc, b_dvnvb, b_db = _v_loop(hs, dh, vn, dvn, do, v, dv, b_Tk, b_b, o_t, o_q, o_k, mk,
+                                                               m_t, m_q, H, V, BT, BQ, BK, BV, True, True, PREC)
     b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0)
     b_dk, b_dg = _qs_terms(b_q, b_k, b_dqi, b_dovn, b_dkd, b_dgc, b_g, b_gq, g_last, rq, m_q, m_t, o_t, nt, scale,
                            dq, o_q * (H * K), o_k, mk, PREC)
-    b_dk, b_db, b_dg = _wy_terms(b_k, b_dw.to(kdt), b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, PREC)
-    tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
-    tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
-    if USE_G:
-        b_dg = tl.where(m_t, b_dg, 0.0)
-        b_dgl = tl.sum(b_dg, 0) - tl.cumsum(b_dg, 0) + b_dg  # reverse cumsum
-        tl.store(dg + ((o_t + ph) // NH) * H, b_dgl.to(dg.dtype.element_ty), mask=m_t & ((o_t + ph) % NH == 0))
+    _wy_store(b_k, b_dw.to(kdt), b_Tk, b_b, b_g, b_dvnvb, b_dk, b_db, b_dg, dk, db, dg, m_t, o_t, o_k, mkv, ph,
+              H, K, NH, USE_G, PREC)
 
 
 @autotune(configs=base_configs("qk", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "BK"])
@@ -181,13 +215,7 @@ def _bwd_qk_kernel(q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, chunk_seq, 
     and dO tiles through L2): V loop with dO S^T, dO Vn^T, Vn dS^T, dVn S^T, then dq (complete), dk's query and state
     terms (dkp), dW (dwp) and the slice's terms of d(gate cumsum) (dgp[i_k])."""
     i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n = tl.load(chunk_seq + i_c)
-    r0 = tl.load(chunk_row + i_c).to(tl.int64)
-    bos = tl.load(cu_rows + n).to(tl.int64)
-    eos = tl.load(cu_rows + n + 1).to(tl.int64)
-    c_glob = tl.load(chunk_off + n).to(tl.int64) + (r0 - bos) // BT
-    ph = (r0 % NH).to(tl.int32)
-    t0 = r0 // NH
+    r0, eos, c_glob, ph, t0 = _chunk_start(i_c, chunk_seq, chunk_row, cu_rows, chunk_off, BT, NH)
     k0 = i_k * BK
     k += (r0 * H + i_h) * K + k0
     dkp += (r0 * H + i_h) * K + k0
@@ -212,26 +240,8 @@ def _bwd_qk_kernel(q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, chunk_seq, 
     rq = o_q * NH + NH - 1 - ph
     m_q = rq < nt
     b_gq = tl.load(gc + rq * H, mask=m_q, other=0.0)
-    b_dqi = tl.zeros([BQ, BK], dtype=tl.float32)
-    b_dovn = tl.zeros([BQ, BT], dtype=tl.float32)
-    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dgc = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mv = o_v < V
-        mtv = m_t[:, None] & mv[None, :]
-        p_h = o_k[:, None] * V + o_v[None, :]
-        b_S = tl.load(hs + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
-        b_dS = tl.load(dh + p_h, mask=mk[:, None] & mv[None, :], other=0.0)
-        b_vn = tl.load(vn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
-        b_dvn = tl.load(dvn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
-        b_do = tl.load(do + o_q[:, None] * (H * V) + o_v[None, :], mask=m_q[:, None] & mv[None, :], other=0.0)
-        b_dqi += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
-        b_dovn += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
-        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PREC)
-        b_dgc += tl.sum(b_dS.to(tl.float32) * b_S.to(tl.float32), 1)
+    b_dqi, b_dovn, b_dkd, b_dw, b_dgc, _, _ = _v_loop(hs, dh, vn, dvn, do, dvn, dvn, o_t, o_t, o_t, o_q, o_k, mk, m_t,
+                                                      m_q, H, V, BT, BQ, BK, BV, True, False, PREC)
     mtk = m_t[:, None] & mk[None, :]
     tl.store(dwp + o_t[:, None] * (H * K) + o_k[None, :], b_dw.to(dwp.dtype.element_ty), mask=mtk)
     b_q = tl.load(q + o_q[:, None] * (H * K) + o_k[None, :], mask=m_q[:, None] & mk[None, :], other=0.0)
@@ -279,28 +289,14 @@ def _bwd_wy_kernel(k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg, chunk
     b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
     tri = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
     b_Tk = tl.load(Tm + o_t[:, None] * (H * BT) + o_t[None, :], mask=tri, other=0.0).to(kdt)
-    b_dvnvb = tl.zeros([BT, BT], dtype=tl.float32)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mtv = m_t[:, None] & (o_v < V)[None, :]
-        b_dvn = tl.load(dvn + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
-        b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :], mask=mtv, other=0.0)
-        b_dvnvb += tl.dot(b_dvn, tl.trans(b_v), input_precision=PREC)  # dVn Vb^T = (dVn V^T) diag(beta)
-        b_dvb = tl.dot(tl.trans(b_Tk), b_dvn, input_precision=PREC)
-        tl.store(dv + o_t[:, None] * (H * V) + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
-        b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+    _, _, _, _, _, b_dvnvb, b_db = _v_loop(dvn, dvn, dvn, dvn, dvn, v, dv, b_Tk, b_b, o_t, o_t, o_k, mk, m_t, m_t,
+                                           H, V, BT, BT, BK, BV, False, True, PREC)
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0)
     b_dw = tl.load(dwp + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0).to(kdt)
     b_dg = tl.zeros([BT], dtype=tl.float32)
     for i_k in tl.static_range(NK):
         b_dg += tl.load(dgp + i_k * LH + o_t * H, mask=m_t, other=0.0)
     b_dk = tl.load(dkp + o_t[:, None] * (H * K) + o_k[None, :], mask=mkv, other=0.0).to(tl.float32)
-    b_dk, b_db, b_dg = _wy_terms(b_k, b_dw, b_Tk, b_b, b_g, b_dvnvb, m_t, o_t, b_dk, b_db, b_dg, PREC)
-    tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=mkv)
-    tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
-    if USE_G:
-        b_dg = tl.where(m_t, b_dg, 0.0)
-        b_dgl = tl.sum(b_dg, 0) - tl.cumsum(b_dg, 0) + b_dg  # reverse cumsum
-        tl.store(dg + ((o_t + ph) // NH) * H, b_dgl.to(dg.dtype.element_ty), mask=m_t & ((o_t + ph) % NH == 0))
+    _wy_store(b_k, b_dw, b_Tk, b_b, b_g, b_dvnvb, b_dk, b_db, b_dg, dk, db, dg, m_t, o_t, o_k, mkv, ph, H, K, NH, USE_G,
+              PREC)
 

@@ -122,27 +122,24 @@ def _bq(BT: int, nh: int) -> int:
     return max(32, triton.next_power_of_2(triton.cdiv(BT, nh)))
 
 
-def _prec(dtype):
-    # float32 inputs: 3xTF32 on the GPU (about float32 accuracy on the tensor cores)
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-def _blocks(K, V):
+def _sizes(k, v, meta):
+    """(L, H, K, V, BK, BV, BQ, prec) of a launch: k's rows, heads and head size, v's head size, the K / V blocks,
+    the query tile and the dot precision (float32 inputs: 3xTF32 on the GPU, about float32 accuracy on the tensor
+    cores)."""
+    _, L, H, K = k.shape
+    V = v.shape[-1]
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    return BK, BV
+    prec = "tf32x3" if k.dtype == torch.float32 else "tf32"
+    return L, H, K, V, BK, BV, _bq(meta["BT"], meta["nh"]), prec
 
 
 def _fwd(q, k, v, beta, g, h0, meta, save):
     """q (1,T,H,K), k,v,beta rows (1,L,..), g (1,T,H) or None. Returns o, final state, tensors saved for backward."""
     nh, BT, scale, output_final = meta["nh"], meta["BT"], meta["scale"], meta["output_final"]
-    _, L, H, K = k.shape
-    V = v.shape[-1]
+    L, H, K, V, BK, BV, BQ, prec = _sizes(k, v, meta)
     dev = k.device
     cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
-    BK, BV = _blocks(K, V)
-    BQ = _bq(BT, nh)
-    prec = _prec(k.dtype)
     gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
     Tm = torch.empty(1, L, H, BT, dtype=k.dtype, device=dev)  # T is only ever a tensor-core operand in k's dtype
     w = torch.empty_like(k)
@@ -170,13 +167,9 @@ def _fwd(q, k, v, beta, g, h0, meta, save):
 def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
     gc, Tm, w, hs, vn, aqkt = saved
     nh, BT, scale = meta["nh"], meta["BT"], meta["scale"]
-    _, L, H, K = k.shape
-    V = v.shape[-1]
+    L, H, K, V, BK, BV, BQ, prec = _sizes(k, v, meta)
     dev = k.device
     cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
-    BK, BV = _blocks(K, V)
-    BQ = _bq(BT, nh)
-    prec = _prec(k.dtype)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None  # autograd may hand over expanded (stride-0) grads
     dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)

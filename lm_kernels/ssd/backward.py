@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .kernel_common import chunk_coords, seq_coords
+from .kernel_common import chunk_coords, state_walk_start
 
 
 
@@ -49,20 +49,10 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr
     h = tl.program_id(1)
     pid_pn = tl.program_id(2)
     n_pn = tl.num_programs(2)
-    n_nb = tl.cdiv(N, BN)
-    offs_p = (pid_pn // n_nb) * BP + tl.arange(0, BP)
-    offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
-    pn_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
-    pn_off = offs_p[:, None] * N + offs_n[None, :]
-    g = h // R
-    b, t_begin, seqlen, c_begin, n_chunks = seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
+    offs_p, offs_n, pn_mask, pn_off, b, t_begin, seqlen, c_begin, n_chunks, G, dy_base, C_base = state_walk_start(
+        pid_s, pid_pn, h, dfinal_ptr, dy_ptr, C_ptr, cu_ptr, chunk_first_ptr, T, H, P, N, NC, R,
+        s_dy_b, s_dy_h, s_B_b, s_B_g, BP, BN, HAS_DFINAL, IS_VARLEN)
     dtype = DOT_DT
-    if HAS_DFINAL:
-        G = tl.load(dfinal_ptr + (pid_s * H + h) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
-    else:
-        G = tl.zeros((BP, BN), dtype=tl.float32)
-    dy_base = dy_ptr + b * s_dy_b + h * s_dy_h
-    C_base = C_ptr + b * s_B_b + g * s_B_g
     for j in range(0, n_chunks):
         i = n_chunks - 1 - j
         c = c_begin + i

@@ -183,6 +183,28 @@ def _fwd4_cb(cb_base, clen, m, k, L: tl.constexpr, BM: tl.constexpr, DOT_DT: tl.
 
 
 @triton.jit
+def _fwd4_cb01(cb_base, clen, m, xt0, xt1, f1, L: tl.constexpr, BM: tl.constexpr, DOT_DT: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """Row block m >= 2: the first two Horner steps, CB[m, 0] x~_0 scaled by f1 = e^{cs_ref(1) - cs_ref(0)}
+    plus CB[m, 1] x~_1."""
+    acc = tl.dot(_fwd4_cb(cb_base, clen, m, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
+    return tl.dot(_fwd4_cb(cb_base, clen, m, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _fwd4_close(acc, e, m, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr,
+                z_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+                L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+                STORE_PRE: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Row block m >= 2 after its below-diagonal sum acc (frame of cs_r = e): add the state term e^{cs_r} C_m S^T,
+    then _fwd4_block (returns what it returns)."""
+    acc += _fwd4_cs_term(C_base, St, t0, clen, m, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e)
+    return _fwd4_block(acc, e, m, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h,
+                       T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT,
+                       DOT_PREC)
+
+
+@triton.jit
 def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
                            chunk_t0_ptr, chunk_len_ptr,
                            T, H, P, N, NC, BT, R, G,
@@ -238,21 +260,17 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     # row block 2: r = ref(1)
     xt1, e1 = _fwd4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 1, BM, DOT_DT)
     f1 = tl.exp(e1 - e0)
-    acc = tl.dot(_fwd4_cb(cb_base, clen, 2, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
-    acc = tl.dot(_fwd4_cb(cb_base, clen, 2, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
-    acc += _fwd4_cs_term(C_base, St, t0, clen, 2, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e1)
-    xm, cs_m, dt_m = _fwd4_block(acc, e1, 2, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
-                                tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
-                                L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+    acc = _fwd4_cb01(cb_base, clen, 2, xt0, xt1, f1, L, BM, DOT_DT, DOT_PREC)
+    xm, cs_m, dt_m = _fwd4_close(acc, e1, 2, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr,
+                                 y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b,
+                                 s_z_t, s_z_h, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
     if clen <= 3 * BM:
         return
     # row block 3: r = ref(2)
     xt2, e2 = _fwd4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 2, BM, DOT_DT)
-    acc = tl.dot(_fwd4_cb(cb_base, clen, 3, 0, L, BM, DOT_DT), xt0, input_precision=DOT_PREC)
-    acc = tl.dot(_fwd4_cb(cb_base, clen, 3, 1, L, BM, DOT_DT), xt1, acc * f1, input_precision=DOT_PREC)
+    acc = _fwd4_cb01(cb_base, clen, 3, xt0, xt1, f1, L, BM, DOT_DT, DOT_PREC)
     acc = tl.dot(_fwd4_cb(cb_base, clen, 3, 2, L, BM, DOT_DT), xt2, acc * tl.exp(e2 - e1), input_precision=DOT_PREC)
-    acc += _fwd4_cs_term(C_base, St, t0, clen, 3, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e2)
-    _fwd4_block(acc, e2, 3, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
-               tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
-               L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+    _fwd4_close(acc, e2, 3, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr,
+                y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b,
+                s_z_t, s_z_h, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
 

@@ -4,7 +4,7 @@ kernel_common.py)."""
 import triton
 import triton.language as tl
 
-from .kernel_common import seq_coords
+from .kernel_common import state_walk_start
 
 
 
@@ -38,20 +38,10 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
     pid_pn = tl.program_id(0)
     h = tl.program_id(1)
     pid_s = tl.program_id(2)
-    n_nb = tl.cdiv(N, BN)
-    offs_p = (pid_pn // n_nb) * BP + tl.arange(0, BP)
-    offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
-    pn_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
-    pn_off = offs_p[:, None] * N + offs_n[None, :]
-    g = h // R
-    b, t_begin, seqlen, c_begin, n_chunks = seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
+    offs_p, offs_n, pn_mask, pn_off, b, t_begin, seqlen, c_begin, n_chunks, S, x_base, B_base = state_walk_start(
+        pid_s, pid_pn, h, init_ptr, x_ptr, B_ptr, cu_ptr, chunk_first_ptr, T, H, P, N, NC, R,
+        s_x_b, s_x_h, s_B_b, s_B_g, BP, BN, HAS_INIT, IS_VARLEN)
     dtype = DOT_DT
-    if HAS_INIT:
-        S = tl.load(init_ptr + (pid_s * H + h) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros((BP, BN), dtype=tl.float32)
-    x_base = x_ptr + b * s_x_b + h * s_x_h
-    B_base = B_ptr + b * s_B_b + g * s_B_g
     for i in range(0, n_chunks):
         c = c_begin + i
         t0 = t_begin + i * L

@@ -34,6 +34,16 @@ def _shape_err(name, tensor, expected):
     return ValueError(f"ssd: `{name}` has shape {tuple(tensor.shape)}, expected {expected}")
 
 
+def _check_skip_gate_bias(x, D, z, dt_bias, h, p):
+    """D (h,) or (h, p), z x's shape, dt_bias (h,), each where given (the scan's and the step's check alike)."""
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise _shape_err("D", D, f"({h},) or ({h}, {p})")
+    if z is not None and z.shape != x.shape:
+        raise _shape_err("z", z, tuple(x.shape))
+    if dt_bias is not None and dt_bias.shape != (h,):
+        raise _shape_err("dt_bias", dt_bias, (h,))
+
+
 def check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit):
     """Validate shapes of ssd_scan's arguments; returns (b, t, h, p, g, n, num_seqs)."""
     if x.dim() != 4:
@@ -50,12 +60,7 @@ def check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, ch
         raise _shape_err("C", C, tuple(B.shape))
     if g < 1 or h % g != 0:
         raise ValueError(f"ssd: nheads ({h}) must be a multiple of ngroups ({g}) (B/C dim 2)")
-    if D is not None and D.shape not in ((h,), (h, p)):
-        raise _shape_err("D", D, f"({h},) or ({h}, {p})")
-    if z is not None and z.shape != x.shape:
-        raise _shape_err("z", z, tuple(x.shape))
-    if dt_bias is not None and dt_bias.shape != (h,):
-        raise _shape_err("dt_bias", dt_bias, (h,))
+    _check_skip_gate_bias(x, D, z, dt_bias, h, p)
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"ssd: chunk_size must be a positive int, got {chunk_size!r}")
     if len(dt_limit) != 2 or float(dt_limit[0]) > float(dt_limit[1]):
@@ -86,12 +91,7 @@ def check_step_args(state, x, dt, A, B, C, D, z, dt_bias):
         raise ValueError(f"ssd_step: nheads ({h}) must be a multiple of ngroups ({g})")
     if state.shape != (b, h, p, n):
         raise _shape_err("state", state, (b, h, p, n))
-    if D is not None and D.shape not in ((h,), (h, p)):
-        raise _shape_err("D", D, f"({h},) or ({h}, {p})")
-    if z is not None and z.shape != x.shape:
-        raise _shape_err("z", z, tuple(x.shape))
-    if dt_bias is not None and dt_bias.shape != (h,):
-        raise _shape_err("dt_bias", dt_bias, (h,))
+    _check_skip_gate_bias(x, D, z, dt_bias, h, p)
     return b, h, p, g, n
 
 

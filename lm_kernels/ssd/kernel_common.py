@@ -57,5 +57,29 @@ def seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def state_walk_start(pid_s, pid_pn, h, start_ptr, x_ptr, B_ptr, cu_ptr, chunk_first_ptr, T, H, P, N, NC, R,
+                     s_x_b, s_x_h, s_B_b, s_B_g, BP: tl.constexpr, BN: tl.constexpr, HAS_START: tl.constexpr,
+                     IS_VARLEN: tl.constexpr):
+    """What a program that walks one sequence's chunk states (forward or reverse) needs before its loop: its
+    (BP, BN) block pid_pn of the P x N state (p / n offsets, mask, offsets in the (p, n) layout), the sequence's
+    coordinates (seq_coords), the starting float32 state (start_ptr's (sequence, head) block if HAS_START, else
+    zeros) and the bases of the per-token x-like (head h) and B-like (h's group) operands."""
+    n_nb = tl.cdiv(N, BN)
+    offs_p = (pid_pn // n_nb) * BP + tl.arange(0, BP)
+    offs_n = (pid_pn % n_nb) * BN + tl.arange(0, BN)
+    pn_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
+    pn_off = offs_p[:, None] * N + offs_n[None, :]
+    g = h // R
+    b, t_begin, seqlen, c_begin, n_chunks = seq_coords(pid_s, T, NC, cu_ptr, chunk_first_ptr, IS_VARLEN)
+    if HAS_START:
+        S = tl.load(start_ptr + (pid_s * H + h) * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BP, BN), dtype=tl.float32)
+    x_base = x_ptr + b * s_x_b + h * s_x_h
+    B_base = B_ptr + b * s_B_b + g * s_B_g
+    return offs_p, offs_n, pn_mask, pn_off, b, t_begin, seqlen, c_begin, n_chunks, S, x_base, B_base
+
+
+@triton.jit
 def softplus(v):
     return tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))))
