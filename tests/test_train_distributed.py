@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+import yaml
+from train_checks import tiny_run_tree
 
 pytest.importorskip("deepspeed")
 
@@ -38,22 +40,13 @@ def test_two_rank_zero2_train_checkpoint_resume(tmp_path, tmp_path_factory):
     data = make_corpus(tmp_path_factory)
     run = tmp_path / "run"
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(f"""
-run_dir: {run}
-model:
-  preset: lm_mamba2-tiny
-  overrides: {{hidden_size: 32, num_hidden_layers: 2, d_state: 8, headdim: 16, chunk_size: 16}}
-data: {{path: {data}, seq_len: 32}}
-curriculum:
-  - {{name: bounded, until: 0.5, implicit: {{max_iter: 2, phantom_steps: 1}}}}
-  - {{name: free, until: 1.0, implicit: {{max_iter: 6, tol: 0.05, phantom_steps: 2}}}}
-optim: {{lr: 1.0e-2}}
-schedule: {{kind: constant_sqrt, warmup: 1, decay_start: last_phase}}
-train: {{steps: 8, global_batch_tokens: 256, micro_batch_size: 2, engine: deepspeed, zero_stage: 2}}
-checkpoint: {{every_steps: 4, keep_last: 3, export: true}}
-log: {{progress: false}}
-eval: {{batches: 1, sample_tokens: 0}}
-""")
+    cfg.write_text(yaml.safe_dump(tiny_run_tree(run, {
+        "data": {"path": str(data), "seq_len": 32},
+        "curriculum": [{"name": "bounded", "until": 0.5, "implicit": {"max_iter": 2, "phantom_steps": 1}},
+                       {"name": "free", "until": 1.0, "implicit": {"max_iter": 6, "tol": 0.05, "phantom_steps": 2}}],
+        "schedule": {"kind": "constant_sqrt", "warmup": 1, "decay_start": "last_phase"},
+        "train": {"steps": 8, "global_batch_tokens": 256, "engine": "deepspeed", "zero_stage": 2},
+        "checkpoint": {"every_steps": 4, "export": True}, "eval": {"at_end": True}})))
     p = _launch(cfg)
     assert "held-out perplexity" in p.stdout
     losses, recs = _losses(run)

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from train_checks import tiny_run_tree
 
 pytest.importorskip("deepspeed")
 
@@ -92,20 +94,12 @@ def _copy_checkpoint(src_run, tag, dst_run):
 def test_two_nodes_localhost_train_resume_and_refuse_other_world_size(tmp_path):
     run = tmp_path / "run"
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(f"""
-run_dir: {run}
-model:
-  preset: lm_mamba2-tiny
-  overrides: {{hidden_size: 32, num_hidden_layers: 2, d_state: 8, headdim: 16, chunk_size: 16}}
-  implicit: {{max_iter: 2, phantom_steps: 1}}
-data: {{source: synthetic, synthetic_vocab: 64, seq_len: 32}}
-optim: {{lr: 1.0e-2}}
-schedule: {{kind: constant_sqrt, warmup: 1}}
-train: {{steps: {STEPS}, global_batch_tokens: 128, micro_batch_size: 2, engine: deepspeed, zero_stage: 2}}
-checkpoint: {{every_steps: 3, keep_last: 3, export: false}}
-log: {{progress: false}}
-eval: {{batches: 1, sample_tokens: 0}}
-""")
+    cfg.write_text(yaml.safe_dump(tiny_run_tree(run, {
+        "model": {"implicit": {"max_iter": 2, "phantom_steps": 1}},
+        "data": {"source": "synthetic", "synthetic_vocab": 64, "seq_len": 32},
+        "schedule": {"kind": "constant_sqrt", "warmup": 1},
+        "train": {"steps": STEPS, "global_batch_tokens": 128, "engine": "deepspeed", "zero_stage": 2},
+        "checkpoint": {"every_steps": 3}, "eval": {"at_end": True}})))
     # two nodes x one process, uninterrupted
     out = _torchrun(cfg)
     assert "held-out perplexity" in out[0] + out[1]
