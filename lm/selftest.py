@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 PACKAGES = ["python", "torch", "triton", "transformers", "tokenizers", "safetensors", "deepspeed", "lm-eval",
-            "accelerate", "datasets", "numpy"]
+            "accelerate", "datasets", "numpy", "flash-linear-attention"]
 FAMILIES = [  # (name, preset, implicit settings)
     ("mamba2", "lm_mamba2-tiny", None),
     ("llama", "lm_llama-tiny", None),
