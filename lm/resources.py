@@ -9,8 +9,6 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-KINDS = ("train", "models", "deepspeed", "synth")
-
 
 def package_dir(*parts: str) -> Path:
     """A folder or file inside the installed `lm` package (wheels install unpacked, so this is a Path)."""

@@ -231,6 +231,3 @@ class LMDeltaProductForCausalLM(LMForCausalLM):
     config_class = LMDeltaProductConfig
     mixer_class = DeltaProductMixer
     model_class = LMDeltaProductModel
-
-
-MODEL_CLASSES = (LMDeltaProductConfig, LMDeltaProductModel, LMDeltaProductForCausalLM)

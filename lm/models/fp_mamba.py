@@ -419,6 +419,3 @@ class LMFPMambaForCausalLM(LMForCausalLM):
     model_class = LMFPMambaModel
     # each layer's per-token solve stops at its tolerance (a host decision per iteration): no graph capture
     decode_mode = "eager"
-
-
-MODEL_CLASSES = (LMFPMambaConfig, LMFPMambaModel, LMFPMambaForCausalLM)

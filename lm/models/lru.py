@@ -248,6 +248,3 @@ class LMLRUForCausalLM(LMForCausalLM):
     config_class = LMLRUConfig
     mixer_class = LRUMixer
     model_class = LMLRUModel
-
-
-MODEL_CLASSES = (LMLRUConfig, LMLRUModel, LMLRUForCausalLM)
