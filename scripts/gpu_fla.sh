@@ -9,7 +9,7 @@
 set -u
 OUT=${OUT:-/tmp/fla_out}; mkdir -p "$OUT"
 if [ -d .gpu/wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
+  bash scripts/gpu_wheels.sh
 fi
 export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-}
 export PATH=$PWD/.gpu/site/bin:$PATH PYTHONUNBUFFERED=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false

@@ -73,12 +73,15 @@ def read_run(run_dir: Path, world: int, warmup: int) -> dict:
 
 
 def compare(runs: dict) -> None:
-    """Scaling efficiency and per-step loss differences against the 1-GPU run, in place."""
-    base = runs.get(1)
-    if not base or "losses" not in base:
-        return
-    for n, r in runs.items():
+    """In place, per run: scaling efficiency and per-step loss differences against the 1-GPU DeepSpeed run, and
+    tokens/s per GPU against the 1-GPU plain-engine run ('plain', if made)."""
+    base, plain = runs.get("1"), runs.get("plain")
+    for key, r in runs.items():
         if "losses" not in r:
+            continue
+        if plain and "losses" in plain:
+            r["per_gpu_vs_plain_1"] = r["tokens_per_s_per_gpu"] / plain["tokens_per_s_per_gpu"]
+        if not base or "losses" not in base:
             continue
         r["scaling_efficiency"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
         pairs = [(a, b) for a, b in zip(r["losses"], base["losses"]) if isinstance(a, float) and isinstance(b, float)]
@@ -88,21 +91,26 @@ def compare(runs: dict) -> None:
         r["losses_compared"] = len(rel)
 
 
+def _order(key: str):
+    return (0, 0) if key == "plain" else (1, int(key))
+
+
 def table(results: dict) -> str:
-    head = (f"{'case':<26} {'GPUs':>4} {'accum':>5} {'tok/s/GPU':>10} {'eff':>6} {'mem GB':>7} "
+    head = (f"{'case':<26} {'GPUs':>5} {'accum':>5} {'tok/s/GPU':>10} {'eff':>6} {'vs plain':>8} {'mem GB':>7} "
             f"{'max rel dloss':>13} {'loss first->last':>18}")
     lines = [head, "-" * len(head)]
     for case, runs in results.items():
-        for n, r in sorted(runs.items()):
+        for key in sorted(runs, key=_order):
+            r = runs[key]
             if "error" in r:
-                lines.append(f"{case:<26} {n:>4} {'':>5} {'failed: ' + r['error']}")
+                lines.append(f"{case:<26} {key:>5} {'':>5} {'failed: ' + r['error']}")
                 continue
-            eff = r.get("scaling_efficiency")
+            eff, vp = r.get("scaling_efficiency"), r.get("per_gpu_vs_plain_1")
             drel = r.get("max_rel_loss_diff_vs_1")
             losses = r["losses"]
-            lines.append(f"{case:<26} {n:>4} {r['accumulation']:>5} {r['tokens_per_s_per_gpu']:>10.0f} "
-                         f"{'' if eff is None else f'{eff:.3f}':>6} {r['peak_mem_gb'] or 0:>7.2f} "
-                         f"{'' if drel is None else f'{drel:.2e}':>13} "
+            lines.append(f"{case:<26} {key:>5} {r['accumulation']:>5} {r['tokens_per_s_per_gpu']:>10.0f} "
+                         f"{'' if eff is None else f'{eff:.3f}':>6} {'' if vp is None else f'{vp:.3f}':>8} "
+                         f"{r['peak_mem_gb'] or 0:>7.2f} {'' if drel is None else f'{drel:.2e}':>13} "
                          f"{losses[0]:>8.4f} -> {losses[-1]:<7.4f}")
     return "\n".join(lines)
 
@@ -121,6 +129,14 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--compile", default="on", choices=["on", "off"])
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    ap.add_argument("--deepspeed-bf16", default="weights", choices=["weights", "autocast"],
+                    help="train.deepspeed_bf16: bf16 weights with fp32 master weights, or fp32 weights + autocast")
+    ap.add_argument("--plain-ref", action="store_true",
+                    help="also each case on 1 GPU with the plain torch engine (key 'plain'): the reference of "
+                         "DeepSpeed's own cost")
+    ap.add_argument("--parallel", action="store_true",
+                    help="run jobs side by side on free GPUs of the machine (the 1-GPU runs of all cases at once, "
+                         "then two 2-GPU runs, ...); without it one run at a time")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU (gloo, DS_ACCELERATOR=cpu): tiny presets, 1 and 2 ranks, seq 32, fp32, 4 steps")
     args = ap.parse_args(argv)
@@ -146,57 +162,100 @@ def main(argv=None) -> int:
         print(f"gpu_scaling: --gpus {args.gpus} exceeds --max-world {args.max_world}", file=sys.stderr)
         return 2
 
-    results: dict = {}
-    for case in names:
+    # jobs: (case, key, world, engine); key "1", "2", ... (DeepSpeed) and "plain" (the torch engine on 1 GPU)
+    jobs = [(case, str(n), n, "deepspeed") for case in names for n in worlds]
+    if args.plain_ref:
+        jobs += [(case, "plain", 1, "torch") for case in names]
+    jobs.sort(key=lambda j: (j[2], j[3] == "deepspeed"))  # 1-GPU references first
+    n_gpus = 64 if args.dry_run else len(_visible())
+    if max(worlds) > n_gpus:
+        print(f"gpu_scaling: --gpus {args.gpus} needs {max(worlds)} GPUs, {n_gpus} visible", file=sys.stderr)
+        return 2
+    results: dict = {case: {} for case in names}
+
+    def write_doc():
+        for runs in results.values():
+            compare(runs)
+        doc = {"settings": {"gpus": worlds, "max_world": args.max_world, "seq_len": args.seq_len,
+                            "steps": args.steps, "warmup": args.warmup, "precision": args.precision,
+                            "deepspeed_bf16": args.deepspeed_bf16, "compile": args.compile, "engine": "deepspeed",
+                            "zero_stage": 2, "data": "synthetic", "dry_run": args.dry_run,
+                            "parallel": args.parallel},
+               "device": _device(args.dry_run),
+               "cases": {c: {k: runs[k] for k in sorted(runs, key=_order)} for c, runs in results.items()}}
+        (out / "scaling.json").write_text(json.dumps(doc, indent=1))
+
+    def launch(job, gpu_ids):
+        case, key, n, engine = job
         preset, overrides, implicit, micro = cases[case]
         global_tokens = micro * args.seq_len * args.max_world
-        results[case] = {}
-        for n in worlds:
-            run_dir = out / "runs" / f"{case}-gpu{n}"
-            cfg_path = out / "runs" / f"{case}-gpu{n}.json"
-            cfg_path.parent.mkdir(parents=True, exist_ok=True)
-            if run_dir.exists():  # a re-run of the script: fresh runs
-                shutil.rmtree(run_dir)
-            cfg_path.write_text(json.dumps(run_config(run_dir, preset, overrides, implicit, seq_len=args.seq_len,
-                                                      micro=micro, global_tokens=global_tokens, steps=args.steps,
-                                                      precision=args.precision, compile_=args.compile == "on")))
-            # one launcher for every N (also 1): the same engine and process setup at each world size
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                   "-m", "lm.train", str(cfg_path)]
-            run_env = dict(env)
-            if not args.dry_run:
-                run_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
-            log = out / "runs" / f"{case}-gpu{n}.log"
-            t0 = time.time()
-            print(f"== {case} on {n} {'rank' if args.dry_run else 'GPU'}{'s' if n > 1 else ''}: "
-                  f"{' '.join(cmd[2:])}", flush=True)
-            try:
-                with open(log, "w") as f:
-                    rc = subprocess.run(cmd, env=run_env, stdout=f, stderr=subprocess.STDOUT,
-                                        timeout=args.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            wall = time.time() - t0
-            if rc != 0:
-                tail = log.read_text()[-3000:]
-                oom = "out of memory" in tail.lower()
-                results[case][n] = {"error": "out of memory" if oom else f"exit {rc}", "wall_s": wall,
-                                    "log": str(log), "log_tail": tail}
-                print(f"   failed ({results[case][n]['error']}), log {log}:\n{tail[-1500:]}", flush=True)
-                continue
-            r = read_run(run_dir, n, args.warmup)
-            r.update(wall_s=wall, global_batch_tokens=global_tokens, micro_batch_size=micro, log=str(log))
-            results[case][n] = r
-            print(f"   {r['tokens_per_s_per_gpu']:.0f} tok/s per GPU, accumulation {r['accumulation']}, "
-                  f"peak {r['peak_mem_gb']:.2f} GB, {wall:.0f} s", flush=True)
-        compare(results[case])
+        name = f"{case}-{'plain' if engine == 'torch' else 'gpu'}{n}"
+        run_dir, cfg_path = out / "runs" / name, out / "runs" / f"{name}.json"
+        cfg_path.parent.mkdir(parents=True, exist_ok=True)
+        if run_dir.exists():  # a re-run of the script: fresh runs
+            shutil.rmtree(run_dir)
+        cfg = run_config(run_dir, preset, overrides, implicit, seq_len=args.seq_len, micro=micro,
+                         global_tokens=global_tokens, steps=args.steps, precision=args.precision,
+                         compile_=args.compile == "on")
+        cfg["train"].update(engine=engine, deepspeed_bf16=args.deepspeed_bf16)
+        cfg_path.write_text(json.dumps(cfg))
+        # one launcher for every N (also 1): the same process setup at each world size
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+               "-m", "lm.train", str(cfg_path)]
+        run_env = dict(env)
+        if args.dry_run:  # runs side by side on one host need their own rendezvous ports
+            cmd[3:4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}"]
+        else:
+            run_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        log = out / "runs" / f"{name}.log"
+        print(f"== {case} [{key}] on {'ranks' if args.dry_run else 'GPUs ' + ','.join(gpu_ids)}: "
+              f"{' '.join(cmd[2:])}", flush=True)
+        f = open(log, "w")
+        proc = subprocess.Popen(cmd, env=run_env, stdout=f, stderr=subprocess.STDOUT)
+        return {"job": job, "proc": proc, "file": f, "log": log, "run_dir": run_dir, "t0": time.time(),
+                "gpus": gpu_ids, "global_tokens": global_tokens, "micro": micro}
 
-    doc = {"settings": {"gpus": worlds, "max_world": args.max_world, "seq_len": args.seq_len, "steps": args.steps,
-                        "warmup": args.warmup, "precision": args.precision, "compile": args.compile,
-                        "engine": "deepspeed", "zero_stage": 2, "data": "synthetic", "dry_run": args.dry_run},
-           "device": _device(args.dry_run),
-           "cases": {c: {str(n): r for n, r in runs.items()} for c, runs in results.items()}}
-    (out / "scaling.json").write_text(json.dumps(doc, indent=1))
+    def finish(r, rc):
+        r["file"].close()
+        case, key, n, engine = r["job"]
+        wall = time.time() - r["t0"]
+        if rc != 0:
+            tail = r["log"].read_text()[-3000:]
+            oom = "out of memory" in tail.lower()
+            results[case][key] = {"error": "out of memory" if oom else f"exit {rc}", "wall_s": wall,
+                                  "log": str(r["log"]), "log_tail": tail, "engine": engine}
+            print(f"   {case} [{key}] failed ({results[case][key]['error']}), log {r['log']}:\n{tail[-1500:]}",
+                  flush=True)
+        else:
+            res = read_run(r["run_dir"], n, args.warmup)
+            res.update(wall_s=wall, global_batch_tokens=r["global_tokens"], micro_batch_size=r["micro"],
+                       log=str(r["log"]), engine=engine, gpus=r["gpus"])
+            results[case][key] = res
+            print(f"   {case} [{key}]: {res['tokens_per_s_per_gpu']:.0f} tok/s per GPU, accumulation "
+                  f"{res['accumulation']}, peak {res['peak_mem_gb']:.2f} GB, {wall:.0f} s", flush=True)
+        write_doc()
+
+    free = (_visible() if not args.dry_run else [str(i) for i in range(64)])[:n_gpus]
+    pending, running = list(jobs), []
+    while pending or running:
+        for job in list(pending):  # first fit, in order; side by side only with --parallel
+            if job[2] <= len(free) and (args.parallel or not running):
+                ids, free = free[:job[2]], free[job[2]:]
+                running.append(launch(job, ids))
+                pending.remove(job)
+        time.sleep(0.5)
+        for r in list(running):
+            rc = r["proc"].poll()
+            if rc is None and time.time() - r["t0"] > args.timeout:
+                r["proc"].kill()
+                r["proc"].wait()
+                rc = "timeout"
+            if rc is not None:
+                running.remove(r)
+                free = sorted(free + r["gpus"], key=int)
+                finish(r, rc)
+    write_doc()
+
     print()
     print(table(results))
     print(f"\nwrote {out / 'scaling.json'}")
@@ -204,6 +263,26 @@ def main(argv=None) -> int:
     if failed:
         print(f"failed runs: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _visible() -> list[str]:
+    """The GPU ids this script may hand out: CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi lists."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env:
+        return [x.strip() for x in env.split(",") if x.strip()]
+    try:
+        n = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.splitlines())
+    except (OSError, subprocess.SubprocessError):
+        n = 0
+    return [str(i) for i in range(max(n, 1))]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _device(dry_run: bool) -> str:

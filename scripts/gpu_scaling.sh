@@ -8,6 +8,7 @@
 #
 #   bash scripts/gpu_scaling.sh                     # on the GPU machine, from the repository root
 #   CASES=mamba2-350m-explicit,llama-1.3b-explicit STEPS=12 bash scripts/gpu_scaling.sh
+#   bash scripts/gpu_scaling.sh --parallel --plain-ref   # runs side by side on free GPUs; + 1-GPU plain-engine runs
 #   bash scripts/gpu_scaling.sh --dry-run           # CPU: tiny presets at 1 and 2 ranks (gloo), fp32
 #
 # Environment: OUT [/tmp/gpu_scaling_out]  GPUS [1,2,4,8 up to the visible count]  CASES [all four]
@@ -20,7 +21,7 @@ mkdir -p "$OUT"
 dry=0
 for a in "$@"; do [ "$a" = "--dry-run" ] && dry=1; done
 if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
+  bash scripts/gpu_wheels.sh
 fi
 export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-} PATH=$PWD/.gpu/site/bin:$PATH
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
@@ -29,7 +30,8 @@ if [ "$dry" = 1 ]; then
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
   gpus=1,2
 else
-  n=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then n=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+  else n=$(nvidia-smi -L 2>/dev/null | wc -l); fi
   [ "$n" -ge 1 ] || { echo "gpu_scaling.sh: no GPU listed by nvidia-smi -L (use --dry-run on CPU)" >&2; exit 2; }
   gpus=${GPUS:-$(for g in 1 2 4 8; do [ "$g" -le "$n" ] && printf '%s,' "$g"; done | sed 's/,$//')}
   { nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv

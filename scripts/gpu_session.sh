@@ -8,13 +8,35 @@
 #   step      scripts/gpu_step.sh (training step throughput, memory, profile, no-grad / grad forward)
 #   generate  scripts/gpu_generate.sh (generation tests and lm bench generate)
 #   fla       scripts/gpu_fla.sh (fla backend and conversion tests, triton vs fla speed)
+#   ds        DeepSpeed's own cost on 1 GPU: Mamba2-350M with the plain engine vs DeepSpeed ZeRO-2 with bf16
+#             weights and with autocast (scripts/gpu_scaling.sh --gpus 1 --plain-ref)
+#   scaling   scripts/gpu_scaling.sh --parallel --plain-ref over every GPU visible (1, 2, 4, 8)
+# On a machine of several GPUs, groups of phases run side by side, one GPU each (outputs in $OUT/gpuI):
+#   bash scripts/gpu_session.sh --split "tests kernels" step generate "ds fla"
 # Carry .gpu (scripts ../shared/tools/gpu-carry.sh .gpu): deepspeed, fla wheels and mamba_ssm's Triton SSD.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 T0=$(date +%s)
+if [ "${1:-}" = "--split" ]; then
+  shift
+  bash scripts/gpu_wheels.sh
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
+  else mapfile -t ids < <(nvidia-smi -L | awk '{print NR-1}'); fi
+  [ "$#" -le "${#ids[@]}" ] || { echo "gpu_session.sh: $# groups for ${#ids[@]} GPUs" >&2; exit 2; }
+  i=0
+  for g in "$@"; do
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=${ids[$i]} OUT=$OUT/gpu$i bash scripts/gpu_session.sh $g > "$OUT/gpu$i.log" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  for ((j = 0; j < i; j++)); do echo "######## GPU $j"; grep -v "^\s*$" "$OUT/gpu$j.log" | tail -n 60; done
+  echo "total $(( $(date +%s) - T0 )) s"
+  exit 0
+fi
 if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
+  bash scripts/gpu_wheels.sh
 fi
 export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-} PATH=$PWD/.gpu/site/bin:$PATH
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
@@ -59,10 +81,20 @@ phase_kernels() {
 phase_step() { OUT=$OUT bash scripts/gpu_step.sh; echo "== step ($(el))"; }
 phase_generate() { OUT=$OUT bash scripts/gpu_generate.sh; echo "== generate ($(el))"; }
 phase_fla() { OUT=$OUT bash scripts/gpu_fla.sh; echo "== fla ($(el))"; }
+phase_ds() {
+  local m
+  for m in weights autocast; do
+    OUT=$OUT/ds_$m CASES=mamba2-350m-explicit GPUS=1 STEPS=${DS_STEPS:-12} bash scripts/gpu_scaling.sh \
+      --deepspeed-bf16 $m $([ $m = weights ] && echo --plain-ref) > "$OUT/ds_$m.log" 2>&1
+    tail -n 8 "$OUT/ds_$m.log"
+  done
+  echo "== ds ($(el))"
+}
+phase_scaling() { OUT=$OUT/scaling bash scripts/gpu_scaling.sh --parallel --plain-ref ${SCALING_ARGS:-}; echo "== scaling ($(el))"; }
 
 for p in "$@"; do
   case $p in
-    tests|kernels|step|generate|fla) "phase_$p" ;;
+    tests|kernels|step|generate|fla|ds|scaling) "phase_$p" ;;
     *) echo "unknown phase $p"; exit 2 ;;
   esac
 done

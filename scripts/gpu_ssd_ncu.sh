@@ -11,7 +11,7 @@ set -u
 OUT=${OUT:-/tmp/ssd_out}
 mkdir -p "$OUT"
 if ls .gpu/wheels/*.whl >/dev/null 2>&1; then  # fla (the DeltaProduct peer) and the other wheels the image lacks
-  python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
+  bash scripts/gpu_wheels.sh
 fi
 export PYTHONPATH=$PWD/.gpu/site:$PWD/.gpu/peers:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1

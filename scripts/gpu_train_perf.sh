@@ -11,7 +11,7 @@ BUDGET=${BUDGET_S:-540}
 OUT=${OUT:-/tmp/train_perf_out}
 mkdir -p "$OUT"
 if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target .gpu/site .gpu/wheels/*.whl >/dev/null 2>&1
+  bash scripts/gpu_wheels.sh
 fi
 mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/lm_kernels
 export PYTHONPATH=/tmp/pp:$PWD/.gpu/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
