@@ -129,11 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--compile", default="on", choices=["on", "off"])
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    ap.add_argument("--deepspeed-bf16", default="weights", choices=["weights", "autocast"],
-                    help="train.deepspeed_bf16: bf16 weights with fp32 master weights, or fp32 weights + autocast")
-    ap.add_argument("--plain-ref", action="store_true",
-                    help="also each case on 1 GPU with the plain torch engine (key 'plain'): the reference of "
-                         "DeepSpeed's own cost")
+    ap.add_argument("--plain-ref", nargs="?", const="all", default=None, metavar="CASES",
+                    help="also these cases (comma-separated; all if none named) on 1 GPU with the plain torch "
+                         "engine (key 'plain'): the reference of DeepSpeed's own cost")
     ap.add_argument("--parallel", action="store_true",
                     help="run jobs side by side on free GPUs of the machine (the 1-GPU runs of all cases at once, "
                          "then two 2-GPU runs, ...); without it one run at a time")
@@ -165,7 +163,8 @@ def main(argv=None) -> int:
     # jobs: (case, key, world, engine); key "1", "2", ... (DeepSpeed) and "plain" (the torch engine on 1 GPU)
     jobs = [(case, str(n), n, "deepspeed") for case in names for n in worlds]
     if args.plain_ref:
-        jobs += [(case, "plain", 1, "torch") for case in names]
+        plain = names if args.plain_ref == "all" else [c for c in args.plain_ref.split(",") if c in names]
+        jobs += [(case, "plain", 1, "torch") for case in plain]
     jobs.sort(key=lambda j: (j[2], j[3] == "deepspeed"))  # 1-GPU references first
     n_gpus = 64 if args.dry_run else len(_visible())
     if max(worlds) > n_gpus:
@@ -178,7 +177,7 @@ def main(argv=None) -> int:
             compare(runs)
         doc = {"settings": {"gpus": worlds, "max_world": args.max_world, "seq_len": args.seq_len,
                             "steps": args.steps, "warmup": args.warmup, "precision": args.precision,
-                            "deepspeed_bf16": args.deepspeed_bf16, "compile": args.compile, "engine": "deepspeed",
+                            "compile": args.compile, "engine": "deepspeed",
                             "zero_stage": 2, "data": "synthetic", "dry_run": args.dry_run,
                             "parallel": args.parallel},
                "device": _device(args.dry_run),
@@ -197,7 +196,7 @@ def main(argv=None) -> int:
         cfg = run_config(run_dir, preset, overrides, implicit, seq_len=args.seq_len, micro=micro,
                          global_tokens=global_tokens, steps=args.steps, precision=args.precision,
                          compile_=args.compile == "on")
-        cfg["train"].update(engine=engine, deepspeed_bf16=args.deepspeed_bf16)
+        cfg["train"]["engine"] = engine
         cfg_path.write_text(json.dumps(cfg))
         # one launcher for every N (also 1): the same process setup at each world size
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),

@@ -8,8 +8,8 @@
 #   step      scripts/gpu_step.sh (training step throughput, memory, profile, no-grad / grad forward)
 #   generate  scripts/gpu_generate.sh (generation tests and lm bench generate)
 #   fla       scripts/gpu_fla.sh (fla backend and conversion tests, triton vs fla speed)
-#   ds        DeepSpeed's own cost on 1 GPU: Mamba2-350M with the plain engine vs DeepSpeed ZeRO-2 with bf16
-#             weights and with autocast (scripts/gpu_scaling.sh --gpus 1 --plain-ref)
+#   ds        DeepSpeed's own cost on 1 GPU: Mamba2-350M with the plain engine vs DeepSpeed ZeRO-2
+#             (scripts/gpu_scaling.sh --plain-ref with GPUS=1)
 #   scaling   scripts/gpu_scaling.sh --parallel --plain-ref over every GPU visible (1, 2, 4, 8)
 # On a machine of several GPUs, groups of phases run side by side, one GPU each (outputs in $OUT/gpuI):
 #   bash scripts/gpu_session.sh --split "tests kernels" step generate "ds fla"
@@ -82,13 +82,9 @@ phase_step() { OUT=$OUT bash scripts/gpu_step.sh; echo "== step ($(el))"; }
 phase_generate() { OUT=$OUT bash scripts/gpu_generate.sh; echo "== generate ($(el))"; }
 phase_fla() { OUT=$OUT bash scripts/gpu_fla.sh; echo "== fla ($(el))"; }
 phase_ds() {
-  local m
-  for m in weights autocast; do
-    OUT=$OUT/ds_$m CASES=mamba2-350m-explicit GPUS=1 STEPS=${DS_STEPS:-12} bash scripts/gpu_scaling.sh \
-      --deepspeed-bf16 $m $([ $m = weights ] && echo --plain-ref) > "$OUT/ds_$m.log" 2>&1
-    tail -n 8 "$OUT/ds_$m.log"
-  done
-  echo "== ds ($(el))"
+  OUT=$OUT/ds CASES=mamba2-350m-explicit GPUS=1 STEPS=${DS_STEPS:-12} bash scripts/gpu_scaling.sh --plain-ref \
+    > "$OUT/ds.log" 2>&1
+  tail -n 8 "$OUT/ds.log"; echo "== ds ($(el))"
 }
 phase_scaling() { OUT=$OUT/scaling bash scripts/gpu_scaling.sh --parallel --plain-ref ${SCALING_ARGS:-}; echo "== scaling ($(el))"; }
 

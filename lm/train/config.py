@@ -84,9 +84,6 @@ class TrainSection:
     engine: str = "auto"                     # auto (deepspeed for several ranks or a deepspeed_config, else torch) | deepspeed | torch
     zero_stage: int = 2
     deepspeed_config: Union[str, None] = None  # a base DeepSpeed json; batch/clip/precision/zero are set from here
-    # DeepSpeed's bf16: "weights" (the model in bf16, fp32 master weights in ZeRO's optimizer) or "autocast"
-    # (fp32 weights under torch.autocast, DeepSpeed's torch_autocast: the torch engine's numerics)
-    deepspeed_bf16: str = "weights"
     device: str = "auto"                     # auto | cpu | cuda
     seed: int = 0
     max_bad_steps: int = 5                   # stop after this many non-finite steps in a row
@@ -393,8 +390,6 @@ def validate(cfg: TrainConfig) -> None:
     _need(t.global_batch_tokens >= 1, "train.global_batch_tokens", "must be >= 1", t.global_batch_tokens)
     _need(t.precision in ("bf16", "fp32"), "train.precision", "must be bf16 or fp32", t.precision)
     _need(t.engine in ("auto", "deepspeed", "torch"), "train.engine", "must be auto, deepspeed or torch", t.engine)
-    _need(t.deepspeed_bf16 in ("weights", "autocast"), "train.deepspeed_bf16", "must be weights or autocast",
-          t.deepspeed_bf16)
     _need(t.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3", t.zero_stage)
     _need(t.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda", t.device)
     _need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1", t.max_bad_steps)

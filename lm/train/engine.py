@@ -76,10 +76,7 @@ class TorchEngine:
 
 
 def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: int, world_size: int,
-                     grad_clip: float, precision: str, zero_stage: int, bf16_mode: str = "weights") -> dict:
-    """DeepSpeed's config: the base json (if any) with the batch, clipping, precision and ZeRO stage of the run.
-    bf16_mode "weights": bf16 model, fp32 master weights in ZeRO's optimizer; "autocast": fp32 weights under
-    torch.autocast (DeepSpeed's torch_autocast, Linear/Conv gradients communicated in bf16)."""
+                     grad_clip: float, precision: str, zero_stage: int) -> dict:
     cfg: dict = {}
     if base:
         from ..resources import config_path
@@ -94,16 +91,11 @@ def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: i
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": grad_clip,
-        "bf16": {**cfg.get("bf16", {}), "enabled": precision == "bf16" and bf16_mode == "weights",
-                 "check_grad_overflow": True},
+        "bf16": {**cfg.get("bf16", {}), "enabled": precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     })
-    if precision == "bf16" and bf16_mode == "autocast":
-        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
-    else:
-        cfg.pop("torch_autocast", None)
     cfg.setdefault("steps_per_print", 10**12)
     cfg.setdefault("wall_clock_breakdown", False)
     cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": zero_stage}

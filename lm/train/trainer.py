@@ -98,8 +98,7 @@ def build_engine(cfg: TrainConfig, model, dist: Dist, plan: Plan):
     if dist.engine == "deepspeed":
         ds_cfg = deepspeed_config(base=t.deepspeed_config, micro_batch_size=t.micro_batch_size,
                                   accumulation=plan.accumulation, world_size=dist.world,
-                                  grad_clip=cfg.optim.grad_clip, precision=t.precision, zero_stage=t.zero_stage,
-                                  bf16_mode=t.deepspeed_bf16)
+                                  grad_clip=cfg.optim.grad_clip, precision=t.precision, zero_stage=t.zero_stage)
         return DeepSpeedEngine(model, optimizer, ds_cfg)
     return TorchEngine(model, optimizer, accumulation=plan.accumulation, grad_clip=cfg.optim.grad_clip,
                        precision=t.precision, device=dist.device)
