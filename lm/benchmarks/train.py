@@ -58,7 +58,8 @@ def run_case(args) -> dict:
         "schedule": {"kind": "constant", "warmup": 0},
         "train": {"steps": args.warmup + args.steps, "global_batch_tokens": tokens_per_step,
                   "micro_batch_size": args.micro, "precision": args.precision, "engine": args.engine,
-                  "zero_stage": 2, "device": args.device},
+                  "zero_stage": args.zero_stage, "deepspeed_config": args.deepspeed_config,
+                  "device": args.device},
         "checkpoint": {"at_end": False, "export": False},
         "log": {"progress": False, "peak_flops": args.peak_flops},
         "eval": {"at_end": False, "sample_tokens": 0},
@@ -221,6 +222,9 @@ def main() -> int:
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--engine", default="auto", choices=["auto", "deepspeed", "torch"],
                     help="train.engine (auto: plain PyTorch in one process)")
+    ap.add_argument("--zero-stage", type=int, default=2, help="train.zero_stage (DeepSpeed engine)")
+    ap.add_argument("--deepspeed-config", default=None,
+                    help="train.deepspeed_config: a DeepSpeed json or a packaged one (zero1, zero2)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing")
     ap.add_argument("--compile", default="off", choices=["off", "on", "both"],
@@ -259,6 +263,8 @@ def main() -> int:
             cmd = [sys.executable, "-m", "lm.benchmarks.train", "--case", case, "--size", args.size, "--seq-len", str(args.seq_len),
                    "--micro", str(micro), "--accum", str(accum), "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--precision", args.precision, "--engine", args.engine,
+                   "--zero-stage", str(args.zero_stage)] + (["--deepspeed-config", args.deepspeed_config]
+                                                            if args.deepspeed_config else []) + [
                    "--device", args.device, "--peak-flops", str(args.peak_flops), "--compile", mode, "--profile", str(args.profile)] + (["--act-ckpt"] if args.act_ckpt else [])
             t0 = time.time()
             try:

@@ -6,8 +6,11 @@ The PyTorch form (`_common.l2norm`) runs as ~6 eager kernels forward and ~8 back
 torch.compile treats as one opaque call: on an H100 they were ~100 ms of a 365 ms DeltaProduct-392M training step
 (lm_kernels/deltaproduct/BENCH.md, session 12). Here the forward reads x once (any strides over its three leading
 dims: q and k arrive as views of the fused projection) and writes y contiguous plus one float32 factor per row;
-the backward reads x, that factor and dy once:
+the backward reads y, that factor and dy once:
     r = (sum(x^2) + eps)^-1/2,  y = r x,  dx = r (dy - y sum(y dy))
+Saving y rather than x costs no memory of its own: the DeltaProduct op saves y (its q and k) anyway, while x, the
+short conv's output, would be kept alive only for this backward (3072 B per token per layer of DeltaProduct-392M,
+~4.8 GB at micro-batch 16; lm/train/BENCH.md).
 """
 from __future__ import annotations
 
@@ -44,11 +47,14 @@ def _l2norm_fwd_kernel(x, y, r, R, T, Hn, sb, st, sh, eps, D: tl.constexpr, BD: 
 
 
 @triton.jit
-def _l2norm_bwd_kernel(x, r, dy, dx, R, T, Hn, sb, st, sh, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    xv, rows, out, m = _load_rows(x, R, T, Hn, sb, st, sh, D, BD, BR)
+def _l2norm_bwd_kernel(y, r, dy, dx, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    out = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    m = (rows < R)[:, None] & (cols < D)[None, :]
+    yv = tl.load(y + out, mask=m, other=0.0).to(tl.float32)
     rr = tl.load(r + rows, mask=rows < R, other=0.0)
     dyv = tl.load(dy + out, mask=m, other=0.0).to(tl.float32)
-    yv = xv * rr[:, None]
     s = tl.sum(yv * dyv, 1)
     tl.store(dx + out, (rr[:, None] * (dyv - yv * s[:, None])).to(dx.dtype.element_ty), mask=m)
 
@@ -73,21 +79,21 @@ def _fwd(x, eps):
 class _L2NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, eps):
-        xg, y, r = _fwd(x, eps)
-        ctx.save_for_backward(xg, r)
-        ctx.shape = x.shape
-        return y.reshape(x.shape)
+        _, y, r = _fwd(x, eps)
+        y = y.reshape(x.shape)
+        ctx.save_for_backward(y, r)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, r = ctx.saved_tensors
-        _, R, T, Hn, sb, st, sh, D = _geometry(x)
+        y, r = ctx.saved_tensors
+        R, D = r.numel(), y.shape[-1]
         dy = dy.contiguous()
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
         if R:
-            _l2norm_bwd_kernel[(triton.cdiv(R, _BR),)](x, r, dy, dx, R, T, Hn, sb, st, sh, D=D,
-                                                       BD=triton.next_power_of_2(D), BR=_BR, num_warps=4)
-        return dx.reshape(ctx.shape), None
+            _l2norm_bwd_kernel[(triton.cdiv(R, _BR),)](y, r, dy, dx, R, D=D, BD=triton.next_power_of_2(D), BR=_BR,
+                                                       num_warps=4)
+        return dx, None
 
 
 def l2norm_triton(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
