@@ -4,12 +4,13 @@
 # Phases:
 #   tests     every GPU test file, in parallel processes (a CUDA fault kills only its process), and
 #             scripts/gpu_check_models.py (every family through the kernels vs the CPU reference)
-#   kernels   lm bench ssd (vs mamba_ssm's Triton SSD) and lm bench deltaproduct (vs fla; + --decode), one after another
+#   kernels   lm bench ssd (vs mamba_ssm's Triton SSD) and lm bench deltaproduct (vs fla; + --decode), one after
+#             another (KERNEL_BENCHES="ssd dp decode" picks)
 #   step      scripts/gpu_step.sh (training step throughput, memory, profile, no-grad / grad forward)
 #   generate  scripts/gpu_generate.sh (generation tests and lm bench generate)
 #   fla       scripts/gpu_fla.sh (fla backend and conversion tests, triton vs fla speed)
-#   ds        DeepSpeed's own cost on 1 GPU: Mamba2-350M with the plain engine vs DeepSpeed ZeRO-2
-#             (scripts/gpu_scaling.sh --plain-ref with GPUS=1)
+#   ds        DeepSpeed's own cost on 1 GPU: lm bench train, Mamba2-350M under DeepSpeed ZeRO-2 and under the
+#             hook-free ZeRO-1 (configs/deepspeed/zero1.json), with a profile (the plain engine: phase step)
 #   scaling   scripts/gpu_scaling.sh --parallel --plain-ref over every GPU visible (1, 2, 4, 8)
 # On a machine of several GPUs, groups of phases run side by side, one GPU each (outputs in $OUT/gpuI):
 #   bash scripts/gpu_session.sh --split "tests kernels" step generate "ds fla"
@@ -69,22 +70,34 @@ phase_tests() {
   echo "== models"; tail -n 14 "$OUT/models.log"
 }
 
-phase_kernels() {
-  timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.ssd --json "$OUT/bench_ssd.json" > "$OUT/bench_ssd.log" 2>&1
-  echo "== ssd bench exit $? ($(el))"; grep -v "^\s*$" "$OUT/bench_ssd.log" | grep -vi warn | tail -n 30
-  timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.deltaproduct --profile --json "$OUT/bench_dp.json" > "$OUT/bench_dp.log" 2>&1
-  echo "== deltaproduct bench exit $? ($(el))"; tail -n 24 "$OUT/bench_dp.log"
-  timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.deltaproduct --decode --json "$OUT/bench_dp_decode.json" > "$OUT/bench_dp_decode.log" 2>&1
-  echo "== decode bench exit $? ($(el))"; tail -n 8 "$OUT/bench_dp_decode.log"
+phase_kernels() {  # KERNEL_BENCHES: a subset of "ssd dp decode"
+  local b
+  for b in ${KERNEL_BENCHES:-ssd dp decode}; do
+    case $b in
+      ssd) timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.ssd --json "$OUT/bench_ssd.json" > "$OUT/bench_ssd.log" 2>&1
+           echo "== ssd bench exit $? ($(el))"; grep -v "^\s*$" "$OUT/bench_ssd.log" | grep -vi warn | tail -n 30 ;;
+      dp) timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.deltaproduct --profile --json "$OUT/bench_dp.json" \
+            > "$OUT/bench_dp.log" 2>&1
+          echo "== deltaproduct bench exit $? ($(el))"; tail -n 24 "$OUT/bench_dp.log" ;;
+      decode) timeout ${BENCH_TIMEOUT:-240} python3 -m lm.benchmarks.deltaproduct --decode \
+                --json "$OUT/bench_dp_decode.json" > "$OUT/bench_dp_decode.log" 2>&1
+              echo "== decode bench exit $? ($(el))"; tail -n 8 "$OUT/bench_dp_decode.log" ;;
+    esac
+  done
 }
 
 phase_step() { OUT=$OUT bash scripts/gpu_step.sh; echo "== step ($(el))"; }
 phase_generate() { OUT=$OUT bash scripts/gpu_generate.sh; echo "== generate ($(el))"; }
 phase_fla() { OUT=$OUT bash scripts/gpu_fla.sh; echo "== fla ($(el))"; }
-phase_ds() {
-  OUT=$OUT/ds CASES=mamba2-350m-explicit GPUS=1 STEPS=${DS_STEPS:-12} bash scripts/gpu_scaling.sh --plain-ref \
-    > "$OUT/ds.log" 2>&1
-  tail -n 8 "$OUT/ds.log"; echo "== ds ($(el))"
+phase_ds() {  # DeepSpeed's own cost on 1 GPU: the step of Mamba2-350M (micro 16) under ZeRO-2 and hook-free ZeRO-1
+  local name args
+  for name in zero2 zero1; do
+    args=(--zero-stage 2); [ $name = zero1 ] && args=(--zero-stage 1 --deepspeed-config zero1)
+    timeout ${DS_TIMEOUT:-200} python3 -m lm.benchmarks.train --cases mamba2-explicit --size 350m --seq-len 2048 \
+      --precision bf16 --compile on --micro "${MICRO:-16}" --steps 4 --warmup 2 --engine deepspeed "${args[@]}" \
+      --profile 2 --timeout 190 --out "$OUT/ds_$name.json" > "$OUT/ds_$name.log" 2>&1
+    echo "== ds $name exit $? ($(el))"; grep -v "^    " "$OUT/ds_$name.log" | grep -E "tok/s|busy" | tail -n 4
+  done
 }
 phase_scaling() { OUT=$OUT/scaling bash scripts/gpu_scaling.sh --parallel --plain-ref ${SCALING_ARGS:-}; echo "== scaling ($(el))"; }
 
