@@ -121,16 +121,21 @@ class Mamba2Mixer(Mixer):
         B = B.reshape(b, t, self.ngroups, self.d_state)
         C = C.reshape(b, t, self.ngroups, self.d_state)
         A = -torch.exp(self.A_log.float())
+        new = {"conv": conv_state}
         if cache is not None and t == 1 and "ssm" in state:
+            # a static cache's SSM buffer is updated in place by the step (no copy after it)
+            out = cache.buffer(self.layer_idx, "ssm")
             y, ssm = ssd_step(state["ssm"], xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D,
-                              dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+                              dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, out_state=out)
             y = y.unsqueeze(1)
+            if out is None:
+                new["ssm"] = ssm
         else:
-            y, ssm = ssd_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
-                              dt_softplus=True, dt_limit=self.dt_limit, initial_state=state.get("ssm"),
-                              cu_seqlens=cu_seqlens, return_final_state=cache is not None)
+            y, new["ssm"] = ssd_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                                     dt_softplus=True, dt_limit=self.dt_limit, initial_state=state.get("ssm"),
+                                     cu_seqlens=cu_seqlens, return_final_state=cache is not None)
         if cache is not None:
-            cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
+            cache.update(self.layer_idx, **new)
         # z is projected here, next to its only use: torch.compile breaks the block's graph at the conv and SSD calls,
         # so in this graph the injection add fuses into the gated norm's kernel instead of a pass of its own
         y = self.norm(y.reshape(b, t, self.d_inner), self.project(x, injection, "z"))
