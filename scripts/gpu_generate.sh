@@ -18,8 +18,8 @@ T0=$(date +%s)
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/env.txt"
 rc=0
 echo "== gpu tests ($(($(date +%s) - T0)) s)"
-timeout "${TEST_TIMEOUT:-150}" $PY -m pytest tests/test_generate_gpu.py tests/test_ssd_gpu.py::test_gpu_decode_step_vs_reference \
-  -q -rA -p no:cacheprovider 2>&1 \
+timeout "${TEST_TIMEOUT:-150}" $PY -m pytest tests/test_generate_gpu.py \
+  tests/test_ssd_gpu.py::test_gpu_decode_step_vs_reference -q -rA -p no:cacheprovider 2>&1 \
   | tee "$OUT/tests.log" || rc=1
 echo "== lm bench generate ($(($(date +%s) - T0)) s)"
 # shellcheck disable=SC2086
