@@ -109,8 +109,14 @@ class Mamba2Mixer(Mixer):
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
-        xbc, dt = self.project(x, injection, "xbc"), self.project(x, injection, "dt")
         state = cache.get(self.layer_idx) if cache is not None else {}
+        step = cache is not None and t == 1 and "ssm" in state
+        z = None
+        if step:  # one decode token: in_proj as one product (the step is launch bound; views of a few KB)
+            zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + injection
+            z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
+        else:
+            xbc, dt = self.project(x, injection, "xbc"), self.project(x, injection, "dt")
         xbc, conv_state = causal_conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
             conv_state=state.get("conv"), activation="silu",
@@ -122,7 +128,7 @@ class Mamba2Mixer(Mixer):
         C = C.reshape(b, t, self.ngroups, self.d_state)
         A = -torch.exp(self.A_log.float())
         new = {"conv": conv_state}
-        if cache is not None and t == 1 and "ssm" in state:
+        if step:
             # a static cache's SSM buffer is updated in place by the step (no copy after it)
             out = cache.buffer(self.layer_idx, "ssm")
             y, ssm = ssd_step(state["ssm"], xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D,
@@ -138,7 +144,7 @@ class Mamba2Mixer(Mixer):
             cache.update(self.layer_idx, **new)
         # z is projected here, next to its only use: torch.compile breaks the block's graph at the conv and SSD calls,
         # so in this graph the injection add fuses into the gated norm's kernel instead of a pass of its own
-        y = self.norm(y.reshape(b, t, self.d_inner), self.project(x, injection, "z"))
+        y = self.norm(y.reshape(b, t, self.d_inner), z if z is not None else self.project(x, injection, "z"))
         return self.out_proj(y)
 
 
