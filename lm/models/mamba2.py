@@ -3,7 +3,8 @@
 Parameterisation and parameter names follow mamba_ssm's `Mamba2` (in_proj, conv1d, dt_bias, A_log, D,
 norm, out_proj; d_state, headdim, ngroups, expand, chunk_size, softplus dt with limits). In the
 implicit model the injection is added to in_proj's output, so x, B, C and dt all depend on the iterate
-(paper 003, App. D.3). in_proj runs as three products (z, xBC, dt in separate buffers; see `project`).
+(paper 003, App. D.3). in_proj runs as three products (z, xBC, dt in separate buffers; see `project`), a
+decode token as one.
 The SSD runs through `lm_kernels.ssd` (Triton on CUDA, PyTorch on CPU).
 """
 from __future__ import annotations
