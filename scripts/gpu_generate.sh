@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run for issue 29 (generation at recurrent speed), results in $OUT:
 #   1. tests/test_generate_gpu.py (CUDA-graph decode = eager tokens, graph = static logits, reuse / K/V growth /
-#      beams, implicit fixed-iteration step, graph faster than eager); about 40 s
+#      beams, implicit fixed-iteration step, graph faster than eager, the decode kernels = their PyTorch forms) and
+#      the SSD decode step kernel at Mamba2-350M shapes (tests/test_ssd_gpu.py); about 40 s
 #   2. lm bench generate at the issue's shapes (B 1/16/64, prompt 512/2048, 256 new tokens; lm_llama-350m,
 #      lm_mamba2-350m, lm_deltaproduct-392m-nh2, implicit lm_mamba2-350m, transformers' eager Llama-350M) ->
 #      $OUT/bench_generate.json. GEN_BENCH_ARGS overrides the bench's arguments (e.g. "--batch 1 --prompt 512").
@@ -17,7 +18,8 @@ T0=$(date +%s)
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/env.txt"
 rc=0
 echo "== gpu tests ($(($(date +%s) - T0)) s)"
-timeout "${TEST_TIMEOUT:-150}" $PY -m pytest tests/test_generate_gpu.py -q -rA -p no:cacheprovider 2>&1 \
+timeout "${TEST_TIMEOUT:-150}" $PY -m pytest tests/test_generate_gpu.py \
+  tests/test_ssd_gpu.py::test_gpu_decode_step_vs_reference -q -rA -p no:cacheprovider 2>&1 \
   | tee "$OUT/tests.log" || rc=1
 echo "== lm bench generate ($(($(date +%s) - T0)) s)"
 # shellcheck disable=SC2086

@@ -1,6 +1,7 @@
 """Every Triton kernel stays inside its arguments' memory (tests/bounds_check.py under the interpreter):
-forward and backward of the SSD, DeltaProduct (nh 1..4, gates, packed documents) and LRU block scans at
-small ragged shapes. A GPU reports such a bug as an illegal address or a silent wrong read."""
+forward and backward of the SSD, DeltaProduct (nh 1..4, gates, packed documents) and LRU block scans, the SSD
+decode step and the RMSNorm forward at small ragged shapes. A GPU reports such a bug as an illegal address or a
+silent wrong read."""
 import os
 
 import pytest
@@ -80,6 +81,31 @@ def test_ssd_in_bounds(cu):
         _grads([y, f], list(d.values()))
         with torch.no_grad():
             ssd_scan(**d, chunk_size=16, cu_seqlens=cu_t, backend="triton")
+
+
+def test_ssd_step_in_bounds():
+    """The decode step on strided views of one conv output (odd headdim / d_state, two headdim blocks), D per
+    channel and z, the state updated in place."""
+    from lm_kernels.ssd import ssd_step
+
+    torch.manual_seed(0)
+    b, h, p, g, n = 2, 4, 40, 2, 12
+    xbc = torch.randn(b, h * p + 2 * g * n)
+    x, B, C = xbc.split([h * p, g * n, g * n], dim=-1)
+    state = torch.randn(b, h, p, n)
+    with bounds_checked():
+        ssd_step(state, x.view(b, h, p), torch.randn(b, h), -torch.rand(h), B.view(b, g, n), C.view(b, g, n),
+                 D=torch.randn(h, p), z=torch.randn(b, h, p), dt_bias=torch.randn(h), dt_limit=(0.01, 2.0),
+                 out_state=state, backend="triton")
+
+
+def test_rmsnorm_in_bounds():
+    from lm_kernels.rmsnorm import rms_norm_triton
+
+    base = torch.randn(3, 2, 2 * 36)
+    with bounds_checked():
+        rms_norm_triton(base[..., :36], torch.randn(36), 1e-5, z=base[..., 36:], group_size=12)
+        rms_norm_triton(torch.randn(5, 20), None, 1e-5)
 
 
 @pytest.mark.parametrize("m", [2, 5])

@@ -126,3 +126,30 @@ def test_gpu_repeat_calls_and_strided_inputs():
         ya, _ = ssd_scan(**xs, **kw, backend="triton")
         yb, _ = ssd_scan(**{**xs, **wide}, **kw, backend="triton")
     assert rel(yb, ya) < 1e-5, rel(yb, ya)
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_gpu_decode_step_vs_reference(b):
+    """The one-kernel decode step (step.py) at Mamba2-350M's shapes (32 heads of 64, d_state 128, bf16 activations)
+    against the float64 PyTorch step, three steps chained with the state updated in place (out_state=state, as the
+    static decode cache does), x / B / C as strided views of one conv output; auto picks the kernel on CUDA."""
+    from lm_kernels.ssd import ssd_step, ssd_step_reference
+    h, p, g, n = 32, 64, 1, 128
+    gen = torch.Generator().manual_seed(b)
+    r = lambda *s: torch.randn(*s, generator=gen).cuda()  # noqa: E731
+    A, D, dt_bias = -torch.exp(r(h) * 0.5), r(h), r(h) * 0.5 - 2.0
+    state = r(b, h, p, n) * 0.3
+    ref = state.double()
+    for _ in range(3):
+        xbc = r(b, h * p + 2 * g * n).bfloat16()
+        x, B, C = xbc.split([h * p, g * n, g * n], dim=-1)
+        x, B, C = x.view(b, h, p), B.view(b, g, n), C.view(b, g, n)
+        dt = (r(b, h) * 0.5).bfloat16()
+        kw = dict(D=D, dt_bias=dt_bias, dt_limit=(0.0, 4.0))
+        y_ref, ref = ssd_step_reference(ref, x.double(), dt.double(), A.double(), B.double(), C.double(),
+                                        **{**kw, "D": D.double(), "dt_bias": dt_bias.double()})
+        with torch.no_grad():
+            y, s = ssd_step(state, x, dt, A, B, C, out_state=state, **kw)
+        assert s is state and y.dtype == torch.bfloat16
+        assert rel(y, y_ref) < 1e-2, rel(y, y_ref)
+        assert rel(state, ref) < 1e-5, rel(state, ref)

@@ -83,6 +83,13 @@ class LMCache:
             self._unbind()
         self.layers.setdefault(layer_idx, {}).update(state)
 
+    def buffer(self, layer_idx: int, key: str) -> torch.Tensor | None:
+        """Static caches that are not frozen: the buffer of state `key`, for a mixer to write its new state into
+        directly (in place, instead of a new tensor that `update` then copies); None otherwise (then `update`)."""
+        if self.static and not self.frozen:
+            return self.layers[layer_idx].get(key)
+        return None
+
     def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """Attention: append the new keys/values (b, h, t, d) after the cached ones. Returns (keys, values, mask):
         all keys/values to attend to (b, h, s, d) and mask (t, s) bool of what each new token sees, or None

@@ -1,7 +1,8 @@
 """Shared building blocks: RMSNorm (plain and gated), SwiGLU MLP, causal depthwise conv, rotary embedding.
 
-Everything here is plain PyTorch and works on packed sequences (`cu_seqlens`) and with a generation
-cache (conv state). The math lives in functions; the modules only hold parameters.
+Everything here works on packed sequences (`cu_seqlens`) and with a generation cache (conv state). The math
+lives in functions; the modules only hold parameters. PyTorch, except the conv (a Triton kernel on CUDA) and the
+RMSNorm forward without autograd on CUDA (one Triton kernel, for the launch-bound decode step).
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 
 # the depthwise causal conv of Mamba2 / FP-Mamba / DeltaProduct: the Triton kernel on CUDA, the PyTorch reference on
 # CPU (LM_CONV1D_BACKEND=reference|triton overrides); the models import it from here
+from lm_kernels.backend import resolve_backend
 from lm_kernels.conv1d import causal_conv1d  # noqa: F401
+from lm_kernels.rmsnorm import rms_norm_triton
 from lm_kernels.varlen import position_in_document  # noqa: F401  (the models import it from here)
 
 
@@ -77,10 +80,25 @@ class _RMSNormFn(torch.autograd.Function):
         return dx.to(x.dtype), dz, dw, None, None
 
 
+def _fused_forward(x, z, weight) -> bool:
+    """Whether rms_norm runs the one-kernel Triton forward (lm_kernels.rmsnorm): when no input needs a gradient
+    (generation, eval), not under torch.compile (which fuses the formula itself), no float64, and the "rmsnorm"
+    backend is "triton" (automatic on CUDA; LM_RMSNORM_BACKEND=reference|triton overrides)."""
+    ts = [t for t in (x, z, weight) if t is not None]
+    if torch.compiler.is_compiling() or x.dtype == torch.float64:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return False
+    return resolve_backend("rmsnorm", None, x.device) == "triton"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, z: torch.Tensor | None = None,
              group_size: int | None = None) -> torch.Tensor:
     """y = u / rms(u) * weight with u = x * silu(z) (or x), per group of `group_size` channels (default:
-    all); computed in at least float32 and returned in x's dtype."""
+    all); computed in at least float32 and returned in x's dtype. Without autograd on CUDA one Triton kernel
+    (see `_fused_forward`), else the PyTorch formula with its own backward (_RMSNormFn)."""
+    if _fused_forward(x, z, weight):
+        return rms_norm_triton(x, weight, eps, z=z, group_size=group_size)
     return _RMSNormFn.apply(x, z, weight, group_size or x.shape[-1], eps)
 
 

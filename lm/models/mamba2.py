@@ -3,7 +3,8 @@
 Parameterisation and parameter names follow mamba_ssm's `Mamba2` (in_proj, conv1d, dt_bias, A_log, D,
 norm, out_proj; d_state, headdim, ngroups, expand, chunk_size, softplus dt with limits). In the
 implicit model the injection is added to in_proj's output, so x, B, C and dt all depend on the iterate
-(paper 003, App. D.3). in_proj runs as three products (z, xBC, dt in separate buffers; see `project`).
+(paper 003, App. D.3). in_proj runs as three products (z, xBC, dt in separate buffers; see `project`), a
+decode token as one.
 The SSD runs through `lm_kernels.ssd` (Triton on CUDA, PyTorch on CPU).
 """
 from __future__ import annotations
@@ -109,8 +110,14 @@ class Mamba2Mixer(Mixer):
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
-        xbc, dt = self.project(x, injection, "xbc"), self.project(x, injection, "dt")
         state = cache.get(self.layer_idx) if cache is not None else {}
+        step = cache is not None and t == 1 and "ssm" in state
+        z = None
+        if step:  # one decode token: in_proj as one product (the step is launch bound; views of a few KB)
+            zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + injection
+            z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
+        else:
+            xbc, dt = self.project(x, injection, "xbc"), self.project(x, injection, "dt")
         xbc, conv_state = causal_conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
             conv_state=state.get("conv"), activation="silu",
@@ -121,19 +128,24 @@ class Mamba2Mixer(Mixer):
         B = B.reshape(b, t, self.ngroups, self.d_state)
         C = C.reshape(b, t, self.ngroups, self.d_state)
         A = -torch.exp(self.A_log.float())
-        if cache is not None and t == 1 and "ssm" in state:
+        new = {"conv": conv_state}
+        if step:
+            # a static cache's SSM buffer is updated in place by the step (no copy after it)
+            out = cache.buffer(self.layer_idx, "ssm")
             y, ssm = ssd_step(state["ssm"], xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D,
-                              dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+                              dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, out_state=out)
             y = y.unsqueeze(1)
+            if out is None:
+                new["ssm"] = ssm
         else:
-            y, ssm = ssd_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
-                              dt_softplus=True, dt_limit=self.dt_limit, initial_state=state.get("ssm"),
-                              cu_seqlens=cu_seqlens, return_final_state=cache is not None)
+            y, new["ssm"] = ssd_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                                     dt_softplus=True, dt_limit=self.dt_limit, initial_state=state.get("ssm"),
+                                     cu_seqlens=cu_seqlens, return_final_state=cache is not None)
         if cache is not None:
-            cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
+            cache.update(self.layer_idx, **new)
         # z is projected here, next to its only use: torch.compile breaks the block's graph at the conv and SSD calls,
         # so in this graph the injection add fuses into the gated norm's kernel instead of a pass of its own
-        y = self.norm(y.reshape(b, t, self.d_inner), self.project(x, injection, "z"))
+        y = self.norm(y.reshape(b, t, self.d_inner), z if z is not None else self.project(x, injection, "z"))
         return self.out_proj(y)
 
 

@@ -1,4 +1,4 @@
-"""Per-timestep SSD recurrence: the reference of the reference (slow; tests only) and the decode step."""
+"""Per-timestep SSD recurrence: the reference of the reference (slow; tests only) and the PyTorch decode step."""
 from __future__ import annotations
 
 import torch
@@ -53,14 +53,18 @@ def ssd_scan_naive(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=No
     return y, final.float() if dtype != torch.float64 else final
 
 
-def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=True,
-             dt_limit=(0.0, float("inf"))):
-    """One token of the recurrence (generation). state (b,h,p,n) float32, x (b,h,p), dt (b,h),
-    B/C (b,g,n). Returns (y (b,h,p) in x's dtype, new_state float32 (float64 if state is)); `state`
-    is not modified."""
+def ssd_step_reference(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=True,
+                       dt_limit=(0.0, float("inf")), out_state=None):
+    """One token of the recurrence (generation), in PyTorch: the CPU path of `ssd_step` and the reference of its
+    Triton kernel. state (b,h,p,n) float32, x (b,h,p), dt (b,h), B/C (b,g,n). Returns (y (b,h,p) in x's dtype,
+    new_state float32 (float64 if state is)); `state` is not modified unless it is `out_state`, the tensor the new
+    state is copied into and returned as new_state (may be `state`: an update in place)."""
     b, h, p, g, n = check_step_args(state, x, dt, A, B, C, D, z, dt_bias)
     dtype = compute_dtype(state, x, dt, A, B, C, D, z, dt_bias)
     y, new_state = _recurrence(x[:, None].to(dtype), process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype)[:, None],
                                A.to(dtype), B[:, None].to(dtype), C[:, None].to(dtype), state.to(dtype))
     y = apply_skip_and_gate(y[:, 0], x, D, z, dtype).to(x.dtype)
-    return y, new_state.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    new_state = new_state.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    if out_state is not None:
+        return y, out_state.copy_(new_state)
+    return y, new_state

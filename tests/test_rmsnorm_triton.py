@@ -1,0 +1,93 @@
+"""The one-kernel RMSNorm forward (lm_kernels/rmsnorm, under TRITON_INTERPRET=1 on CPU) vs the PyTorch formula
+(lm.models.layers._RMSNormFn), rms_norm's choice between them, and generation with it."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import lm  # noqa: F401
+import lm.models.layers as layers
+from lm.models import decode as Dec
+from lm.models.presets import load_config
+from lm_kernels.rmsnorm import rms_norm_triton
+
+triton = pytest.importorskip("triton")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape,group,gate,weight", [((3, 5, 64), None, False, True),
+                                                     ((2, 1, 48), 12, True, True),
+                                                     ((4, 40), 20, True, False),
+                                                     ((1, 1, 96), None, True, True)],
+                         ids=["plain", "gated-groups12", "gated-noweight", "gated-onegroup-96"])
+def test_matches_pytorch_formula(shape, group, gate, weight, dtype):
+    d = shape[-1]
+    x = torch.randn(shape).to(dtype) * 3
+    z = torch.randn(shape).to(dtype) if gate else None
+    w = torch.randn(d).to(dtype) if weight else None
+    ref = layers._RMSNormFn.apply(x, z, w, group or d, 1e-5)
+    y = rms_norm_triton(x, w, 1e-5, z=z, group_size=group)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert rel(y, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_strided_input():
+    base = torch.randn(4, 2 * 32)
+    x = base[:, :32]  # row stride 64
+    z = base[:, 32:]
+    w = torch.randn(32)
+    assert torch.allclose(rms_norm_triton(x, w, 1e-6, z=z), layers._RMSNormFn.apply(x.contiguous(), z.contiguous(),
+                                                                                    w, 32, 1e-6), atol=1e-5)
+    xt = torch.randn(32, 4).t()  # channel stride 4
+    assert torch.allclose(rms_norm_triton(xt, w, 1e-6), layers._RMSNormFn.apply(xt, None, w, 32, 1e-6), atol=1e-5)
+
+
+def test_rms_norm_dispatch(monkeypatch):
+    """rms_norm runs the kernel only where no gradient is needed and the backend is triton (auto: CUDA)."""
+    calls = []
+    real = layers.rms_norm_triton
+    monkeypatch.setattr(layers, "rms_norm_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w = torch.randn(2, 16), torch.randn(16, requires_grad=True)
+    monkeypatch.delenv("LM_RMSNORM_BACKEND", raising=False)
+    with torch.no_grad():
+        layers.rms_norm(x, w, 1e-5)
+    assert calls == [] or torch.cuda.is_available()
+    monkeypatch.setenv("LM_RMSNORM_BACKEND", "triton")
+    calls.clear()
+    y = layers.rms_norm(x, w, 1e-5)  # w needs a gradient: the autograd formula
+    assert calls == [] and y.requires_grad
+    with torch.no_grad():
+        y2 = layers.rms_norm(x, w, 1e-5)
+        layers.rms_norm(x.double(), w.double(), 1e-5)  # float64: the formula
+    assert calls == [1] and torch.allclose(y2, y.detach(), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "llama"])
+def test_generation_with_the_kernel_equals_formula(family, monkeypatch):
+    """Greedy static-decoder generation with the norm kernel (and, for Mamba2, the SSD step kernel) gives the
+    eager PyTorch path's tokens."""
+    import lm.models.mamba2 as mamba2
+    from lm_kernels.ssd import ssd_step
+    presets = {"mamba2": ("lm_mamba2-tiny", dict(d_state=16, headdim=8, ngroups=2, chunk_size=8)),
+               "llama": ("lm_llama-tiny", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64))}
+    preset, kw = presets[family]
+    torch.manual_seed(0)
+    cfg = load_config(preset, vocab_size=64, hidden_size=32, num_hidden_layers=2, **kw)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    prompt = torch.randint(1, 64, (2, 5))
+    args = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    monkeypatch.delenv("LM_RMSNORM_BACKEND", raising=False)
+    with torch.no_grad():
+        eager = model.generate(prompt, attention_mask=torch.ones_like(prompt), decode="eager", **args)
+    calls = []
+    real = layers.rms_norm_triton
+    monkeypatch.setattr(layers, "rms_norm_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("LM_RMSNORM_BACKEND", "triton")
+    monkeypatch.setattr(mamba2, "ssd_step", lambda *a, **k: ssd_step(*a, **k, backend="triton"))
+    with torch.no_grad():
+        static = model.generate(prompt, attention_mask=torch.ones_like(prompt), decode="static", **args)
+    Dec.release_decoders(model)
+    assert calls and torch.equal(static, eager)
