@@ -15,6 +15,9 @@
 # On a machine of several GPUs, groups of phases run side by side, one GPU each (outputs in $OUT/gpuI):
 #   bash scripts/gpu_session.sh --split "tests kernels" step generate "ds fla"
 # Carry .gpu (scripts ../shared/tools/gpu-carry.sh .gpu): deepspeed, fla wheels and mamba_ssm's Triton SSD.
+# The device tool returns at most 8 files: write under another folder and pack it, e.g.
+#   O=/tmp/o OUT_DIR=$OUT; OUT=$O bash scripts/gpu_session.sh step > $O/session.log 2>&1; tar czf $OUT_DIR/all.tgz -C /tmp o
+# Timings of phases that share a machine with `tests` (compiling on every core) are not clean: run timed phases alone.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
