@@ -84,6 +84,19 @@ def test_step_matches_reference(case, dtype):
     assert rel(y, yr) < (1e-6 if dtype == torch.float32 else 1e-2) and rel(s, sr) < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_step_from_a_log(backend):
+    """a_log=True: A given as the mixer's A_log parameter (A = -exp(A_log), formed inside the kernel) equals the step
+    given A itself, on both paths."""
+    d, kw = make(2, 6, 10, 3, 12, D="hp", z=True)
+    d32, kw32 = cast(d, torch.float32), {k: v.float() for k, v in kw.items()}
+    y_ref, s_ref = ssd_step_reference(**d, **kw)
+    A_log = torch.log(-d32["A"])
+    y, s = ssd_step(d32["state"], d32["x"], d32["dt"], A_log, d32["B"], d32["C"], **kw32, a_log=True,
+                    backend=backend)
+    assert rel(y, y_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
 def test_chained_steps_in_place_equal_scan():
     """Steps with out_state=state (the static cache's in-place update) over t tokens equal the scan's outputs and
     final state; strided views of one (b, t, channels) buffer as inputs, as the Mamba2 mixer passes them."""

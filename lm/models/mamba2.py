@@ -127,17 +127,19 @@ class Mamba2Mixer(Mixer):
         xs = xs.reshape(b, t, self.nheads, self.headdim)
         B = B.reshape(b, t, self.ngroups, self.d_state)
         C = C.reshape(b, t, self.ngroups, self.d_state)
-        A = -torch.exp(self.A_log.float())
         new = {"conv": conv_state}
         if step:
             # a static cache's SSM buffer is updated in place by the step (no copy after it)
             out = cache.buffer(self.layer_idx, "ssm")
-            y, ssm = ssd_step(state["ssm"], xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D,
-                              dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, out_state=out)
+            # A = -exp(A_log) inside the step (a_log): no kernels of its own per decode token
+            y, ssm = ssd_step(state["ssm"], xs[:, 0], dt[:, 0], self.A_log, B[:, 0], C[:, 0], D=self.D,
+                              dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, out_state=out,
+                              a_log=True)
             y = y.unsqueeze(1)
             if out is None:
                 new["ssm"] = ssm
         else:
+            A = -torch.exp(self.A_log.float())
             y, new["ssm"] = ssd_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
                                      dt_softplus=True, dt_limit=self.dt_limit, initial_state=state.get("ssm"),
                                      cu_seqlens=cu_seqlens, return_final_state=cache is not None)

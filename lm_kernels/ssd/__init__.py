@@ -54,10 +54,11 @@ def _step_triton(state, x, dt, A, B, C, **kwargs):
 
 
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=True,
-             dt_limit=(0.0, float("inf")), out_state=None, backend=None):
+             dt_limit=(0.0, float("inf")), out_state=None, backend=None, a_log=False):
     """One token of the recurrence (generation); returns (y (b,h,p) in x's dtype, new_state). See module
     docstring. On CUDA one Triton kernel (step.py), else (and for autograd) the PyTorch reference
-    (naive.ssd_step_reference)."""
+    (naive.ssd_step_reference). a_log=True: `A` is the log parameter A_log and A = -exp(A_log) (inside the
+    kernel: a decode step launches no kernels of its own for it)."""
     kwargs = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, out_state=out_state)
     ts = [t for t in (state, x, dt, A, B, C, D, z, dt_bias) if t is not None]
     f64 = any(t.dtype == torch.float64 for t in ts)
@@ -70,5 +71,7 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
         if out_state is not None and (out_state.shape != state.shape or out_state.dtype != torch.float32):
             raise ValueError(f"ssd_step: out_state must be float32 of the state's shape {tuple(state.shape)}, got "
                              f"{out_state.dtype} {tuple(out_state.shape)}")
-        return _step_triton(state, x, dt, A, B, C, **kwargs)
+        return _step_triton(state, x, dt, A, B, C, a_log=a_log, **kwargs)
+    if a_log:
+        A = -torch.exp(A.float())
     return ssd_step_reference(state, x, dt, A, B, C, **kwargs)

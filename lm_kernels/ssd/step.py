@@ -22,7 +22,8 @@ def _ssd_step_kernel(s_in, x, dt, A, B, C, D, z, dt_bias, y, s_out,
                      ss_b, ss_h, ss_p, ss_n, sx_b, sx_h, sx_p, sdt_b, sdt_h, sB_b, sB_g, sB_n, sC_b, sC_g, sC_n,
                      sz_b, sz_h, sz_p, sy_b, sy_h, sy_p, so_b, so_h, so_p, so_n,
                      BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
-                     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr):
+                     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr,
+                     A_LOG: tl.constexpr):
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
     i_h = i_bh % H
@@ -40,7 +41,10 @@ def _ssd_step_kernel(s_in, x, dt, A, B, C, D, z, dt_bias, y, s_out,
         d = softplus(d)
     if CLAMP:
         d = tl.minimum(tl.maximum(d, dt_lo), dt_hi)
-    decay = tl.exp(d * tl.load(A + i_h).to(tl.float32))
+    a = tl.load(A + i_h).to(tl.float32)
+    if A_LOG:  # A holds the mixer's A_log parameter: A = -exp(A_log)
+        a = -tl.exp(a)
+    decay = tl.exp(d * a)
 
     b_x = tl.load(x + i_b * sx_b + i_h * sx_h + o_p * sx_p, mask=mp, other=0.0).to(tl.float32)
     b_B = tl.load(B + i_b * sB_b + i_g * sB_g + o_n * sB_n, mask=mn, other=0.0).to(tl.float32)
@@ -63,9 +67,9 @@ def _ssd_step_kernel(s_in, x, dt, A, B, C, D, z, dt_bias, y, s_out,
 
 
 def ssd_step_triton(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=True,
-                    dt_limit=(0.0, float("inf")), out_state=None):
+                    dt_limit=(0.0, float("inf")), out_state=None, a_log=False):
     """Triton form of `ssd_step` (arguments checked by the caller; no float64). Returns (y (b,h,p) in x's dtype,
-    new state float32: `out_state` when given, else a new tensor)."""
+    new state float32: `out_state` when given, else a new tensor). a_log: A is log(-A) (computed in the kernel)."""
     b, h, p, n = state.shape
     g = B.shape[1]
     s_out = torch.empty(b, h, p, n, dtype=torch.float32, device=state.device) if out_state is None else out_state
@@ -85,5 +89,5 @@ def ssd_step_triton(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_s
         *s_out.stride(),
         BP=BP, BN=BN, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2, HAS_Z=z is not None,
         HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), CLAMP=lo > 0.0 or hi < float("inf"),
-        num_warps=4)
+        A_LOG=bool(a_log), num_warps=4)
     return y, s_out
