@@ -128,3 +128,32 @@ def test_decode_kernels_equal_pytorch_forms(monkeypatch):
     monkeypatch.setenv("LM_SSD_BACKEND", "reference")
     monkeypatch.setenv("LM_RMSNORM_BACKEND", "reference")
     assert torch.equal(gen(model, prompt, "graph", n=24), out)
+
+
+def test_llama_decode_kernel_equals_pytorch_form(monkeypatch):
+    """The Llama decode step's kernel (rotary embedding of q and k, K/V written into the static cache) against its
+    PyTorch form on CUDA at Llama-350M's shapes (16 heads of 64, bf16, a 2048-slot cache, a late position; batch 4 with
+    GQA), and greedy CUDA-graph generation of a float32 Llama with the kernel = with the PyTorch form."""
+    from lm.models.layers import rotary_cos_sin
+    from lm_kernels.rope import rope_kv_step, rope_kv_step_reference
+    for b, h, hkv in ((1, 16, 16), (4, 16, 4)):
+        d, cap, pos = 64, 2048, 1337
+        qkv = torch.randn(b, 1, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        cos, sin = rotary_cos_sin(torch.tensor([pos], device="cuda"), d, 10000.0, torch.float32)
+        kc = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        kr, vr = kc.double(), vc.double()
+        p = torch.tensor([pos], device="cuda")
+        q_ref = rope_kv_step_reference(qkv.double(), cos.double(), sin.double(), kr, vr, p, h, hkv)
+        q = rope_kv_step(qkv, cos, sin, kc, vc, p, h, hkv, backend="triton")
+        for a, r in ((q, q_ref), (kc, kr), (vc, vr)):
+            err = ((a.double() - r).norm() / r.norm()).item()
+            assert err < 1e-2, err
+        assert torch.equal(vc[:, :, pos], vr[:, :, pos].to(vc.dtype))
+    model = make("llama")
+    prompt = torch.randint(1, V, (2, 9), device="cuda")
+    monkeypatch.setenv("LM_ROPE_BACKEND", "triton")
+    out = gen(model, prompt, "graph", n=24)
+    D.release_decoders(model)
+    monkeypatch.setenv("LM_ROPE_BACKEND", "reference")
+    assert torch.equal(gen(model, prompt, "graph", n=24), out)
