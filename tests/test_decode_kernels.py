@@ -1,6 +1,7 @@
-"""The number of kernels a Mamba2 or Llama layer's one-token decode step launches (issue 29: inside a CUDA graph the step is
-launch bound). Counted on CPU: every aten op that is not a view or an allocation is one kernel, every Triton launch
-(SSD step, conv, RMSNorm, rotary + K/V write; run by the interpreter) one, with the backends set as CUDA's automatic choice sets them."""
+"""The number of kernels a Mamba2 or Llama layer's one-token decode step launches (issue 29: inside a CUDA graph the
+step is launch bound). Counted on CPU: every aten op that is not a view or an allocation is one kernel, every Triton
+launch (SSD step, conv, RMSNorm, rotary + K/V write, SwiGLU's gate; run by the interpreter) one, with the backends set
+as CUDA's automatic choice sets them."""
 import collections
 
 import pytest
@@ -64,12 +65,13 @@ def step_kernels(layers_n, monkeypatch, family="mamba2"):
     dec = next(iter(Dec._DECODERS[model].values()))
     mode = _Count()
     with monkeypatch.context() as m:
-        for op in ("ssd", "conv1d", "rmsnorm", "rope"):
+        for op in ("ssd", "conv1d", "rmsnorm", "rope", "swiglu"):
             m.setenv(f"LM_{op.upper()}_BACKEND", "triton")
         m.setattr(ssd, "_step_triton", mode.launch("triton:ssd_step", ssd._step_triton))
         m.setattr(conv1d, "_run_triton", mode.launch("triton:conv1d", conv1d._run_triton))
         m.setattr(layers, "rms_norm_triton", mode.launch("triton:rmsnorm", layers.rms_norm_triton))
         m.setattr(rope, "_triton", mode.launch("triton:rope", rope._triton))
+        m.setattr(layers, "silu_mul_triton", mode.launch("triton:silu_mul", layers.silu_mul_triton))
         with torch.no_grad(), mode:
             dec._run()
     Dec.release_decoders(model)
@@ -87,11 +89,12 @@ def test_mamba2_decode_layer_kernels(monkeypatch):
 
 
 def test_llama_decode_layer_kernels(monkeypatch):
-    """13 per layer: pre-norm, qkv_proj, the rotary embedding of q and k with the K/V cache write (one kernel), SDPA
+    """12 per layer: pre-norm, qkv_proj, the rotary embedding of q and k with the K/V cache write (one kernel), SDPA
     under the step's additive mask (made once per step, not per layer), o_proj, residual add, MLP norm, gate and up
-    products, silu, their product, down_proj, residual add. The PyTorch rotation (casts, mul/neg/cat/add), two
-    index_copy_ and SDPA's conversion of a bool mask (scalar_tensor x2, where) made it 29."""
+    products, silu(gate) * up (one kernel), down_proj, residual add. The PyTorch rotation (casts, mul/neg/cat/add),
+    two index_copy_, SDPA's conversion of a bool mask (scalar_tensor x2, where) and silu, mul made it 29."""
     one, two = step_kernels(1, monkeypatch, "llama"), step_kernels(2, monkeypatch, "llama")
     layer = two - one
-    assert layer["triton:rope"] == 1 and layer["triton:rmsnorm"] == 2 and layer["mm"] == 5
-    assert sum(layer.values()) <= 13, dict(layer)
+    assert layer["triton:rope"] == 1 and layer["triton:rmsnorm"] == 2 and layer["triton:silu_mul"] == 1
+    assert layer["mm"] == 5
+    assert sum(layer.values()) <= 12, dict(layer)

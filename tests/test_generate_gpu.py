@@ -130,10 +130,11 @@ def test_decode_kernels_equal_pytorch_forms(monkeypatch):
     assert torch.equal(gen(model, prompt, "graph", n=24), out)
 
 
-def test_llama_decode_kernel_equals_pytorch_form(monkeypatch):
+def test_llama_decode_kernels_equal_pytorch_forms(monkeypatch):
     """The Llama decode step's kernel (rotary embedding of q and k, K/V written into the static cache) against its
     PyTorch form on CUDA at Llama-350M's shapes (16 heads of 64, bf16, a 2048-slot cache, a late position; batch 4 with
-    GQA), and greedy CUDA-graph generation of a float32 Llama with the kernel = with the PyTorch form."""
+    GQA), SwiGLU's silu_mul kernel at its width (2816), and greedy CUDA-graph generation of a float32 Llama with the
+    kernels = with the PyTorch forms."""
     from lm.models.layers import rotary_cos_sin
     from lm_kernels.rope import rope_kv_step, rope_kv_step_reference
     for b, h, hkv in ((1, 16, 16), (4, 16, 4)):
@@ -150,10 +151,16 @@ def test_llama_decode_kernel_equals_pytorch_form(monkeypatch):
             err = ((a.double() - r).norm() / r.norm()).item()
             assert err < 1e-2, err
         assert torch.equal(vc[:, :, pos], vr[:, :, pos].to(vc.dtype))
+    from lm_kernels.swiglu import silu_mul_triton
+    g, u = (torch.randn(1, 1, 2816, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    ref = torch.nn.functional.silu(g.double()) * u.double()
+    assert ((silu_mul_triton(g, u).double() - ref).norm() / ref.norm()).item() < 1e-2
     model = make("llama")
     prompt = torch.randint(1, V, (2, 9), device="cuda")
-    monkeypatch.setenv("LM_ROPE_BACKEND", "triton")
+    for op in ("ROPE", "SWIGLU"):
+        monkeypatch.setenv(f"LM_{op}_BACKEND", "triton")
     out = gen(model, prompt, "graph", n=24)
     D.release_decoders(model)
-    monkeypatch.setenv("LM_ROPE_BACKEND", "reference")
+    for op in ("ROPE", "SWIGLU"):
+        monkeypatch.setenv(f"LM_{op}_BACKEND", "reference")
     assert torch.equal(gen(model, prompt, "graph", n=24), out)

@@ -53,7 +53,8 @@ def _check(qkv, cos, sin, k_cache, v_cache, position, n_heads, n_kv):
                          f"({n_heads} + 2 * {n_kv}) * {d} with an even head_dim")
     for name, buf in (("k_cache", k_cache), ("v_cache", v_cache)):
         if buf.dim() != 4 or buf.shape[0] != b or buf.shape[1] != n_kv or buf.shape[3] != d:
-            raise ValueError(f"rope_kv_step: {name} has shape {tuple(buf.shape)}, expected ({b}, {n_kv}, capacity, {d})")
+            raise ValueError(f"rope_kv_step: {name} has shape {tuple(buf.shape)}, expected "
+                             f"({b}, {n_kv}, capacity, {d})")
     if cos.shape[-1] != d or sin.shape != cos.shape or cos.numel() != d:
         raise ValueError(f"rope_kv_step: cos and sin must hold one position's table of {d} values, got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
