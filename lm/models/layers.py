@@ -113,6 +113,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, self(x + h)): a residual add and this norm, one Triton kernel where `rms_norm` runs one (the
+        sum rounded to x's dtype before it is normed, as the separate add rounds it)."""
+        if h.shape == x.shape and h.dtype == x.dtype and _fused_forward(x, h, self.weight):
+            y, s = rms_norm_triton(x, self.weight, self.eps, residual=h)
+            return s, y
+        x = x + h
+        return x, self(x)
+
 
 class GatedRMSNorm(nn.Module):
     """Mamba2's gated norm: RMSNorm(y * silu(z)) per group of `group_size` channels (norm_before_gate=False)."""
