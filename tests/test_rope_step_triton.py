@@ -1,8 +1,9 @@
 """Llama's one-token decode step kernel (lm_kernels/rope/triton_rope.py, under TRITON_INTERPRET=1 on CPU): the rotary
 embedding of q and k and the write of k and v into a static cache, against its PyTorch form (rope_kv_step_reference)
 in float64, for GQA and full heads, head_dim not a power of two, batch > 1, positions > 0 and a strided projection;
-and greedy generation through the static decoder with the kernels (this one and SwiGLU's silu_mul) = with the PyTorch
-forms (explicit and implicit Llama, the implicit one's frozen iterations rewriting the same slot)."""
+and greedy generation through the static decoder with the kernels (this one, SwiGLU's silu_mul, the RMSNorm with its
+fused residual add) = with the PyTorch forms (explicit and implicit Llama, the implicit one's frozen iterations
+rewriting the same slot)."""
 import dataclasses
 
 import pytest
@@ -80,6 +81,7 @@ def _generate(model, prompt, backend, monkeypatch):
     with monkeypatch.context() as m:
         m.setenv("LM_ROPE_BACKEND", backend)
         m.setenv("LM_SWIGLU_BACKEND", backend)
+        m.setenv("LM_RMSNORM_BACKEND", backend)
         m.setattr(rope_mod, "_triton", lambda *a: (calls.append(1), _orig_triton(*a))[1])
         with torch.no_grad():
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), decode="static", max_new_tokens=8,
