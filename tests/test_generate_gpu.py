@@ -128,3 +128,43 @@ def test_decode_kernels_equal_pytorch_forms(monkeypatch):
     monkeypatch.setenv("LM_SSD_BACKEND", "reference")
     monkeypatch.setenv("LM_RMSNORM_BACKEND", "reference")
     assert torch.equal(gen(model, prompt, "graph", n=24), out)
+
+
+def test_llama_decode_kernels_equal_pytorch_forms(monkeypatch):
+    """The Llama decode step's kernel (rotary embedding of q and k, K/V written into the static cache) against its
+    PyTorch form on CUDA at Llama-350M's shapes (16 heads of 64, bf16, a 2048-slot cache, a late position; batch 4 with
+    GQA), SwiGLU's silu_mul kernel at its width (2816), the residual add fused into the RMSNorm kernel (the bf16 sum bit
+    for bit), and greedy CUDA-graph generation of a float32 Llama with the kernels = with the PyTorch forms."""
+    from lm.models.layers import rotary_cos_sin
+    from lm_kernels.rope import rope_kv_step, rope_kv_step_reference
+    for b, h, hkv in ((1, 16, 16), (4, 16, 4)):
+        d, cap, pos = 64, 2048, 1337
+        qkv = torch.randn(b, 1, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        cos, sin = rotary_cos_sin(torch.tensor([pos], device="cuda"), d, 10000.0, torch.float32)
+        kc = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        kr, vr = kc.double(), vc.double()
+        p = torch.tensor([pos], device="cuda")
+        q_ref = rope_kv_step_reference(qkv.double(), cos.double(), sin.double(), kr, vr, p, h, hkv)
+        q = rope_kv_step(qkv, cos, sin, kc, vc, p, h, hkv, backend="triton")
+        for a, r in ((q, q_ref), (kc, kr), (vc, vr)):
+            err = ((a.double() - r).norm() / r.norm()).item()
+            assert err < 1e-2, err
+        assert torch.equal(vc[:, :, pos], vr[:, :, pos].to(vc.dtype))
+    from lm_kernels.swiglu import silu_mul_triton
+    g, u = (torch.randn(1, 1, 2816, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    ref = torch.nn.functional.silu(g.double()) * u.double()
+    assert ((silu_mul_triton(g, u).double() - ref).norm() / ref.norm()).item() < 1e-2
+    from lm_kernels.rmsnorm import rms_norm_triton
+    x, h, w = g[..., :1024], u[..., :1024], torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    y, s = rms_norm_triton(x, w, 1e-5, residual=h)
+    assert torch.equal(s, x + h) and torch.equal(y, rms_norm_triton(x + h, w, 1e-5))
+    model = make("llama")
+    prompt = torch.randint(1, V, (2, 9), device="cuda")
+    for op in ("ROPE", "SWIGLU", "RMSNORM"):
+        monkeypatch.setenv(f"LM_{op}_BACKEND", "triton")
+    out = gen(model, prompt, "graph", n=24)
+    D.release_decoders(model)
+    for op in ("ROPE", "SWIGLU", "RMSNORM"):
+        monkeypatch.setenv(f"LM_{op}_BACKEND", "reference")
+    assert torch.equal(gen(model, prompt, "graph", n=24), out)

@@ -1,5 +1,6 @@
 """The one-kernel RMSNorm forward (lm_kernels/rmsnorm, under TRITON_INTERPRET=1 on CPU) vs the PyTorch formula
-(lm.models.layers._RMSNormFn), rms_norm's choice between them, and generation with it."""
+(lm.models.layers._RMSNormFn), the fused residual add (RMSNorm.add_forward), rms_norm's choice between them, and
+generation with it."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -43,6 +44,39 @@ def test_strided_input():
                                                                                     w, 32, 1e-6), atol=1e-5)
     xt = torch.randn(32, 4).t()  # channel stride 4
     assert torch.allclose(rms_norm_triton(xt, w, 1e-6), layers._RMSNormFn.apply(xt, None, w, 32, 1e-6), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 1, 64), (2, 4, 40)])
+def test_residual_add_fused(shape, dtype, monkeypatch):
+    """y, s = rms_norm_triton(x, w, eps, residual=h): s is the add x + h in x's dtype, y the norm of s;
+    RMSNorm.add_forward runs it where rms_norm runs the kernel and the add and the module otherwise. (s is the add bit
+    for bit where the kernel's cast to bfloat16 rounds to nearest as PyTorch's does; the interpreter's truncates.)"""
+    x, h = (torch.randn(shape).to(dtype) * 3 for _ in range(2))
+    norm = layers.RMSNorm(shape[-1]).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+    y, s = rms_norm_triton(x, norm.weight, 1e-5, residual=h)
+    if dtype == torch.float32 or torch.cuda.is_available():
+        assert torch.equal(s, x + h)
+    assert rel(s, x.double() + h.double()) < (1e-7 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(y, rms_norm_triton(s, norm.weight, 1e-5))
+    assert rel(y, layers._RMSNormFn.apply(s, None, norm.weight, shape[-1], 1e-5)) < (
+        1e-6 if dtype == torch.float32 else 1e-2)
+    calls = []
+    real = layers.rms_norm_triton
+    monkeypatch.setattr(layers, "rms_norm_triton", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setenv("LM_RMSNORM_BACKEND", "triton")
+    with torch.no_grad():
+        s2, y2 = norm.add_forward(x, h)
+    assert torch.equal(s2, s) and torch.equal(y2, y) and "residual" in calls[-1]
+    calls.clear()
+    s3, y3 = norm.add_forward(x, h)  # the weight needs a gradient: the add and the autograd formula
+    assert not calls and y3.requires_grad and torch.equal(s3, x + h)
+    monkeypatch.setenv("LM_RMSNORM_BACKEND", "reference")
+    with torch.no_grad():
+        s4, y4 = norm.add_forward(x, h.float() if dtype != torch.float32 else h)
+    assert not calls and s4.dtype == torch.float32
 
 
 def test_rms_norm_dispatch(monkeypatch):

@@ -11,7 +11,9 @@ Two kinds of cache:
 - static (`LMCache.static_like`, used by `lm.models.decode.StaticDecoder`): every entry is a buffer
   allocated once; `update` copies into it and `append_kv` writes the new keys/values at `position` (a
   device tensor, so that no Python integer enters the step) into (b, h, capacity, d) buffers that attention
-  reads whole under a mask. A one-token step on a static cache touches no Python-side state, which is
+  reads whole under an additive mask (0 on the written slots each new token sees, -inf on the others, computed
+  once per step). Attention's one-token decode step writes its keys/values itself (`kv_buffers`, one kernel with
+  the rotary embedding: lm_kernels.rope). A one-token step on a static cache touches no Python-side state, which is
   what CUDA-graph capture needs.
 
 A dynamic cache that generation is decoding with a static decoder is *bound* to it: its states live in the
@@ -46,7 +48,7 @@ class LMCache:
         self.static = False
         self.position: torch.Tensor | None = None  # (1,) long: position of the first new token
         self.capacity = 0  # K/V slots
-        self._step_tensors = None  # (positions, attention mask) of the current step, see begin_step
+        self._step_tensors = None  # (positions, {dtype: attention mask}) of the current step, see begin_step
 
     @classmethod
     def static_like(cls, layers: dict, capacity: int, device) -> "LMCache":
@@ -92,8 +94,9 @@ class LMCache:
 
     def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """Attention: append the new keys/values (b, h, t, d) after the cached ones. Returns (keys, values, mask):
-        all keys/values to attend to (b, h, s, d) and mask (t, s) bool of what each new token sees, or None
-        for the plain case (the cached s - t positions and the new ones causally).
+        all keys/values to attend to (b, h, s, d) and mask (t, s), additive in k's dtype (see `attention_mask`),
+        of what each new token sees, or None for the plain case (the cached s - t positions and the new ones
+        causally).
 
         Dynamic: concatenation, stored unless frozen. Static: written at slots position .. position + t - 1 of
         the (b, h, capacity, d) buffers, also while frozen (an implicit model's iterations rewrite the same
@@ -106,10 +109,29 @@ class LMCache:
             self.update(layer_idx, k=k, v=v)
             return k, v, None
         bufs = self.layers[layer_idx]
-        q_pos, mask = self._step(k.shape[2], k.device)
+        q_pos = self._step(k.shape[2], k.device)[0]
         bufs["k"].index_copy_(2, q_pos, k)
         bufs["v"].index_copy_(2, q_pos, v)
-        return bufs["k"], bufs["v"], mask
+        return bufs["k"], bufs["v"], self.attention_mask(k.shape[2], k.dtype, k.device)
+
+    def kv_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static caches: attention's (b, h, capacity, d) K and V buffers, for a step that writes the new keys and
+        values at slots `positions(t)` itself (instead of through `append_kv`; also while frozen, as there)."""
+        bufs = self.layers[layer_idx]
+        return bufs["k"], bufs["v"]
+
+    def attention_mask(self, t: int, dtype, device) -> torch.Tensor:
+        """Static caches: the (t, capacity) additive mask of this step in `dtype`: 0 where new token i (at position
+        `position` + i) sees slot j <= its position, -inf on the later (unwritten) slots. Made once per step and
+        dtype: additive rather than bool, since SDPA turns a bool mask into this one on every call (3 kernels per
+        layer)."""
+        q_pos, masks = self._step(t, device)
+        mask = masks.get(dtype)
+        if mask is None:
+            seen = torch.arange(self.capacity, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            mask = masks[dtype] = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
+                ~seen, float("-inf"))
+        return mask
 
     def positions(self, t: int, device) -> torch.Tensor:
         """Positions (t,) of the next t tokens: from `seen_tokens` (dynamic) or the `position` tensor (static)."""
@@ -118,16 +140,14 @@ class LMCache:
         return torch.arange(self.seen_tokens, self.seen_tokens + t, device=device)
 
     def begin_step(self, t: int) -> None:
-        """Static caches: forget the positions / attention mask of the previous step (they are computed once
+        """Static caches: forget the positions / attention masks of the previous step (they are computed once
         per step from `position`, not once per layer)."""
         self._step_tensors = None
 
     def _step(self, t: int, device):
         st = self._step_tensors
         if st is None or st[0].shape[0] != t:
-            q_pos = self.position + torch.arange(t, device=device)
-            mask = torch.arange(self.capacity, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
-            st = self._step_tensors = (q_pos, mask)
+            st = self._step_tensors = (self.position + torch.arange(t, device=device), {})
         return st
 
     @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
 Everything here works on packed sequences (`cu_seqlens`) and with a generation cache (conv state). The math
 lives in functions; the modules only hold parameters. PyTorch, except the conv (a Triton kernel on CUDA) and the
-RMSNorm forward without autograd on CUDA (one Triton kernel, for the launch-bound decode step).
+RMSNorm forward and SwiGLU's silu(g) * u without autograd on CUDA (one Triton kernel each, for the launch-bound
+decode step).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from lm_kernels.backend import resolve_backend
 from lm_kernels.conv1d import causal_conv1d  # noqa: F401
 from lm_kernels.rmsnorm import rms_norm_triton
+from lm_kernels.swiglu import silu_mul_triton
 from lm_kernels.varlen import position_in_document  # noqa: F401  (the models import it from here)
 
 
@@ -111,6 +113,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, self(x + h)): a residual add and this norm, one Triton kernel where `rms_norm` runs one (the
+        sum rounded to x's dtype before it is normed, as the separate add rounds it)."""
+        if h.shape == x.shape and h.dtype == x.dtype and _fused_forward(x, h, self.weight):
+            y, s = rms_norm_triton(x, self.weight, self.eps, residual=h)
+            return s, y
+        x = x + h
+        return x, self(x)
+
 
 class GatedRMSNorm(nn.Module):
     """Mamba2's gated norm: RMSNorm(y * silu(z)) per group of `group_size` channels (norm_before_gate=False)."""
@@ -127,6 +138,17 @@ class GatedRMSNorm(nn.Module):
         return rms_norm(y, self.weight, self.eps, z=z, group_size=self.group_size)
 
 
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u: one Triton kernel (lm_kernels.swiglu) when no input needs a gradient, not under torch.compile
+    (which fuses the formula itself), no float64, and the "swiglu" backend is "triton" (automatic on CUDA;
+    LM_SWIGLU_BACKEND=reference|triton overrides); else the PyTorch formula (two kernels)."""
+    if (not torch.compiler.is_compiling() and g.dtype != torch.float64 and g.dtype == u.dtype
+            and not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad))
+            and resolve_backend("swiglu", None, g.device) == "triton"):
+        return silu_mul_triton(g, u)
+    return F.silu(g) * u
+
+
 class SwiGLU(nn.Module):
     """Llama's MLP: down(silu(gate(x)) * up(x))."""
 
@@ -137,7 +159,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:

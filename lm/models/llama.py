@@ -9,6 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import LMConfig
+from lm_kernels.rope import rope_kv_step
+
 from .layers import apply_rotary, position_in_document, rotary_cos_sin
 from .modeling import LMForCausalLM, LMModel, Mixer
 
@@ -76,6 +78,12 @@ class Attention(Mixer):
         if injection is not None:
             qkv = qkv + injection
         hd = self.head_dim
+        if cache is not None and cache.static and t == 1 and rope is not None and cu_seqlens is None:
+            # the one-token decode step: rotate q and k and write k and v into the cache's buffers at the step's
+            # slot (one Triton kernel on CUDA), attend to the whole buffers under the step's additive mask
+            k, v = cache.kv_buffers(self.layer_idx)
+            q = rope_kv_step(qkv, rope[0], rope[1], k, v, cache.position, self.n_heads, self.n_kv)
+            return self._attend(q, k, v, cache.attention_mask(t, q.dtype, x.device))
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         q = q.view(b, t, self.n_heads, hd).transpose(1, 2)
         k = k.view(b, t, self.n_kv, hd).transpose(1, 2)
@@ -95,21 +103,26 @@ class Attention(Mixer):
         if cache is not None:  # all cached keys/values with the new ones appended (a static cache: under a mask)
             k, v, mask = cache.append_kv(self.layer_idx, k, v)
 
+        if cu_seqlens is None and mask is None and k.shape[2] != t:
+            # new tokens attend to all cached ones and causally among themselves
+            s = k.shape[2]
+            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
+        return self._attend(q, k, v, mask, cu_seqlens, pos if cu_seqlens is not None else None)
+
+    def _attend(self, q, k, v, mask, cu_seqlens=None, pos=None):
+        """o_proj(attention of q (b, h, t, d) to k, v (b, h_kv, s, d)): under `mask` (t, s) if given, else causal
+        (s == t) or per packed document (cu_seqlens, pos)."""
+        b, _, t, hd = q.shape
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-
-        s = k.shape[2]
         if cu_seqlens is not None:
             o = varlen_causal_attention(q, k, v, cu_seqlens, pos)
         elif mask is not None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif s == t:
+        else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # new tokens attend to all cached ones and causally among themselves
-            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * hd))
 
 

@@ -84,10 +84,11 @@ class Block(nn.Module):
             self.mlp_norm = self.mlp = None
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, **shared):
-        x = x + self.mixer(self.norm(x), injection=injection, cache=cache, cu_seqlens=cu_seqlens, **shared)
-        if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x))
-        return x
+        h = self.mixer(self.norm(x), injection=injection, cache=cache, cu_seqlens=cu_seqlens, **shared)
+        if self.mlp is None:
+            return x + h
+        x, u = self.mlp_norm.add_forward(x, h)  # x + h and its norm (one kernel without autograd on CUDA)
+        return x + self.mlp(u)
 
 
 class Injection(nn.Module):
