@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import LMConfig
 from lm_kernels.rope import rope_kv_step
 
+from .config import LMConfig
 from .layers import apply_rotary, position_in_document, rotary_cos_sin
 from .modeling import LMForCausalLM, LMModel, Mixer
 
