@@ -109,3 +109,37 @@ shutdown()
     assert all(isinstance(la[s], float) for s in (1, 2, 4)) and la == lb
     start = next(r for r in ra if r.get("event") == "start")
     assert start["engine"] == "deepspeed"
+
+
+def test_deepspeed_step_does_not_synchronise_the_device(tmp_path, tmp_path_factory):
+    """DeepSpeed's throughput timer (on by default) calls the accelerator's synchronize() at the start and the end of
+    every micro-batch, a full device drain each; the trainer's DeepSpeed config turns it off: no synchronize() per
+    training step (counted over steps 3-6 of a one-process run)."""
+    data = make_corpus(tmp_path_factory)
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from deepspeed.accelerator import get_accelerator
+from test_train_loop import _cfg
+from lm.train.trainer import train, shutdown
+calls = []
+acc = type(get_accelerator())
+orig = acc.synchronize
+acc.synchronize = lambda self, *a, **k: (calls.append(step[0]), orig(self, *a, **k))[1]
+step = [0]
+def hook(s, micro, out):
+    step[0] = s
+    return out
+train(_cfg({str(tmp_path)!r} + "/r", {str(data)!r}, train={{"engine": "deepspeed", "steps": 6}}),
+      hooks={{"after_forward": hook}})
+shutdown()
+print("CALLS", json.dumps(calls))
+""")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    calls = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("CALLS "))[6:])
+    assert [s for s in calls if s >= 3] == [], calls

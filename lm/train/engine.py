@@ -96,6 +96,10 @@ def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: i
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     })
+    # DeepSpeed's throughput timer (on by default, "synchronized") synchronises the device at the start and the end
+    # of every micro-batch: the GPU drains and waits for the host to launch the next work. The trainer measures
+    # tokens/s itself, so the timer is off unless the base json sets it.
+    cfg.setdefault("timers", {"throughput": {"enabled": False}})
     cfg.setdefault("steps_per_print", 10**12)
     cfg.setdefault("wall_clock_breakdown", False)
     cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": zero_stage}
