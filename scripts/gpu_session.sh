@@ -12,6 +12,8 @@
 #   ds        DeepSpeed's own cost on 1 GPU: lm bench train, Mamba2-350M under DeepSpeed ZeRO-2 and under the
 #             hook-free ZeRO-1 (configs/deepspeed/zero1.json), with a profile (the plain engine: phase step)
 #   scaling   scripts/gpu_scaling.sh --parallel --plain-ref over every GPU visible (1, 2, 4, 8)
+#   ssdtests  tests/test_ssd_gpu.py alone (its long cases need the machine to themselves)
+# PACK=DIR: at the end, $OUT packed into DIR/all.tgz and the phase logs copied there (the device tool returns 8 files)
 # On a machine of several GPUs, groups of phases run side by side, one GPU each (outputs in $OUT/gpuI):
 #   bash scripts/gpu_session.sh --split "tests kernels" step generate "ds fla"
 # Carry .gpu (scripts ../shared/tools/gpu-carry.sh .gpu): deepspeed, fla wheels and mamba_ssm's Triton SSD.
@@ -31,12 +33,13 @@ if [ "${1:-}" = "--split" ]; then
   i=0
   for g in "$@"; do
     # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES=${ids[$i]} OUT=$OUT/gpu$i bash scripts/gpu_session.sh $g > "$OUT/gpu$i.log" 2>&1 &
+    PACK= CUDA_VISIBLE_DEVICES=${ids[$i]} OUT=$OUT/gpu$i bash scripts/gpu_session.sh $g > "$OUT/gpu$i.log" 2>&1 &
     i=$((i + 1))
   done
   wait
   for ((j = 0; j < i; j++)); do echo "######## GPU $j"; grep -v "^\s*$" "$OUT/gpu$j.log" | tail -n 60; done
   echo "total $(( $(date +%s) - T0 )) s"
+  [ -n "${PACK:-}" ] && mkdir -p "$PACK" && tar czf "$PACK/all.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
   exit 0
 fi
 if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
@@ -102,12 +105,20 @@ phase_ds() {  # DeepSpeed's own cost on 1 GPU: the step of Mamba2-350M (micro 16
     echo "== ds $name exit $? ($(el))"; grep -v "^    " "$OUT/ds_$name.log" | grep -E "tok/s|busy" | tail -n 4
   done
 }
+phase_ssdtests() {
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -m gpu tests/test_ssd_gpu.py -q -p no:cacheprovider > "$OUT/ssd_tests.log" 2>&1
+  echo "== ssd tests exit $? ($(el))"; tail -n 5 "$OUT/ssd_tests.log"
+}
 phase_scaling() { OUT=$OUT/scaling bash scripts/gpu_scaling.sh --parallel --plain-ref ${SCALING_ARGS:-}; echo "== scaling ($(el))"; }
 
 for p in "$@"; do
   case $p in
-    tests|kernels|step|generate|fla|ds|scaling) "phase_$p" ;;
+    tests|kernels|step|generate|fla|ds|scaling|ssdtests) "phase_$p" ;;
     *) echo "unknown phase $p"; exit 2 ;;
   esac
 done
 echo "total $(el)"
+if [ -n "${PACK:-}" ]; then
+  mkdir -p "$PACK"
+  tar czf "$PACK/all.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+fi
