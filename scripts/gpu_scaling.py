@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from lm.train.distributed import free_port
+
 # name -> (preset, model overrides, implicit settings or None, micro-batch on an H100)
 CASES = {
     "mamba2-350m-explicit": ("lm_mamba2-350m", {}, None, 8),
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
                "-m", "lm.train", str(cfg_path)]
         run_env = dict(env)
         if args.dry_run:  # runs side by side on one host need their own rendezvous ports
-            cmd[3:4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}"]
+            cmd[3:4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}"]
         else:
             run_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         log = out / "runs" / f"{name}.log"
@@ -274,14 +276,6 @@ def _visible() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         n = 0
     return [str(i) for i in range(max(n, 1))]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device(dry_run: bool) -> str:

@@ -13,17 +13,17 @@
 #             hook-free ZeRO-1 (configs/deepspeed/zero1.json), with a profile (the plain engine: phase step)
 #   scaling   scripts/gpu_scaling.sh --parallel --plain-ref over every GPU visible (1, 2, 4, 8)
 #   ssdtests  tests/test_ssd_gpu.py alone (its long cases need the machine to themselves)
-# PACK=DIR: at the end, $OUT packed into DIR/all.tgz and the phase logs copied there (the device tool returns 8 files)
+# PACK=DIR: at the end, $OUT packed into DIR/all.tgz (the device tool returns at most 8 files), e.g. in a device call:
+#   R=$OUT; OUT=/tmp/o PACK=$R bash scripts/gpu_session.sh step > $R/session.log 2>&1
 # On a machine of several GPUs, groups of phases run side by side, one GPU each (outputs in $OUT/gpuI):
 #   bash scripts/gpu_session.sh --split "tests kernels" step generate "ds fla"
 # Carry .gpu (scripts ../shared/tools/gpu-carry.sh .gpu): deepspeed, fla wheels and mamba_ssm's Triton SSD.
-# The device tool returns at most 8 files: write under another folder and pack it, e.g.
-#   O=/tmp/o OUT_DIR=$OUT; OUT=$O bash scripts/gpu_session.sh step > $O/session.log 2>&1; tar czf $OUT_DIR/all.tgz -C /tmp o
 # Timings of phases that share a machine with `tests` (compiling on every core) are not clean: run timed phases alone.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 T0=$(date +%s)
+pack() { [ -z "${PACK:-}" ] || { mkdir -p "$PACK" && tar czf "$PACK/all.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }; }
 if [ "${1:-}" = "--split" ]; then
   shift
   bash scripts/gpu_wheels.sh
@@ -39,7 +39,7 @@ if [ "${1:-}" = "--split" ]; then
   wait
   for ((j = 0; j < i; j++)); do echo "######## GPU $j"; grep -v "^\s*$" "$OUT/gpu$j.log" | tail -n 60; done
   echo "total $(( $(date +%s) - T0 )) s"
-  [ -n "${PACK:-}" ] && mkdir -p "$PACK" && tar czf "$PACK/all.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+  pack
   exit 0
 fi
 if ls .gpu/wheels/*.whl >/dev/null 2>&1; then
@@ -118,7 +118,4 @@ for p in "$@"; do
   esac
 done
 echo "total $(el)"
-if [ -n "${PACK:-}" ]; then
-  mkdir -p "$PACK"
-  tar czf "$PACK/all.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
-fi
+pack

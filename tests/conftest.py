@@ -27,6 +27,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def fast_interpreter():
+    """The Triton interpreter checks every int32 op for overflow (slow in Python). Kernel test modules whose index
+    math is bounded by the tensor sizes turn the check off: `pytestmark = pytest.mark.usefixtures("fast_interpreter")`."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import dataclasses
+
+    from triton.runtime import interpreter as interp
+    old = interp.interpreter_builder.options
+    interp.interpreter_builder.options = dataclasses.replace(old, sanitize_overflow=False)
+    yield
+    interp.interpreter_builder.options = old
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -4,8 +4,6 @@ in float64, for GQA and full heads, head_dim not a power of two, batch > 1, posi
 and greedy generation through the static decoder with the kernels (this one, SwiGLU's silu_mul, the RMSNorm with its
 fused residual add) = with the PyTorch forms (explicit and implicit Llama, the implicit one's frozen iterations
 rewriting the same slot)."""
-import dataclasses
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,19 +16,7 @@ from lm.models.presets import load_config
 from lm_kernels.rope import rope_kv_step, rope_kv_step_reference
 
 pytest.importorskip("triton")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_interpreter():
-    """The interpreter's int32 overflow checks are slow in Python; the index math is bounded by the tensor sizes."""
-    if torch.cuda.is_available():
-        yield
-        return
-    from triton.runtime import interpreter as interp
-    old = interp.interpreter_builder.options
-    interp.interpreter_builder.options = dataclasses.replace(old, sanitize_overflow=False)
-    yield
-    interp.interpreter_builder.options = old
+pytestmark = pytest.mark.usefixtures("fast_interpreter")
 
 
 def rel(a, b):

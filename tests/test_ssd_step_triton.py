@@ -1,8 +1,6 @@
 """The one-kernel SSD decode step (lm_kernels/ssd/step.py, under TRITON_INTERPRET=1 on CPU) vs the PyTorch step
 (ssd_step_reference), chained steps vs the scan, the in-place update of `out_state`, and Mamba2 generation through
 the static decoder with the kernel."""
-import dataclasses
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,19 +14,7 @@ from lm_kernels.ssd import ssd_scan, ssd_step, ssd_step_reference
 triton = pytest.importorskip("triton")
 
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_interpreter():
-    """The interpreter's int32 overflow checks are slow in Python; the index math is bounded by the tensor sizes."""
-    if torch.cuda.is_available():
-        yield
-        return
-    from triton.runtime import interpreter as interp
-    old = interp.interpreter_builder.options
-    interp.interpreter_builder.options = dataclasses.replace(old, sanitize_overflow=False)
-    yield
-    interp.interpreter_builder.options = old
+pytestmark = pytest.mark.usefixtures("fast_interpreter")
 
 
 def rel(a, b):

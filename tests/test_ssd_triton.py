@@ -1,6 +1,4 @@
 """SSD Triton kernels (run under TRITON_INTERPRET=1 on CPU) vs the float64 PyTorch reference."""
-import dataclasses
-
 import pytest
 import torch
 
@@ -9,20 +7,7 @@ from lm_kernels.ssd import ssd_scan
 triton = pytest.importorskip("triton")
 
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_interpreter():
-    """The interpreter checks every int32 op for overflow (slow in Python); the kernels' index math is
-    bounded by the tensor sizes, so turn the check off for these tests."""
-    if torch.cuda.is_available():
-        yield
-        return
-    from triton.runtime import interpreter as interp
-    old = interp.interpreter_builder.options
-    interp.interpreter_builder.options = dataclasses.replace(old, sanitize_overflow=False)
-    yield
-    interp.interpreter_builder.options = old
+pytestmark = pytest.mark.usefixtures("fast_interpreter")
 
 
 def make(b, t, h, p, g, n, *, D="h", z=True, bias=True, init=True, ns=None):

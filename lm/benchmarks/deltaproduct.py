@@ -24,6 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lm_kernels.backend import triton_available
+
 
 def compile_stats():
     """Per compiled Triton kernel of the op: registers, spills, warps, stages, shared memory, and the
@@ -173,11 +175,9 @@ def main(argv=None):
     rows = []
     info = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                 dtype=str(dtype), shape=dict(B=a.B, T=a.T, H=a.H, K=a.K, V=a.V), gated=True)
-    try:
+    if triton_available():
         import triton
         info["triton"] = triton.__version__
-    except Exception:
-        pass
     for nh in a.nh:
         q, k, v, beta, g, h0 = make_inputs(a.B, a.T, a.H, a.K, a.V, nh, device, dtype)
         rows.append(run_one(a, nh, q, k, v, beta, g, h0, device, fla_fwd, chunk_deltaproduct))

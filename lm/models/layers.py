@@ -82,24 +82,24 @@ class _RMSNormFn(torch.autograd.Function):
         return dx.to(x.dtype), dz, dw, None, None
 
 
-def _fused_forward(x, z, weight) -> bool:
-    """Whether rms_norm runs the one-kernel Triton forward (lm_kernels.rmsnorm): when no input needs a gradient
-    (generation, eval), not under torch.compile (which fuses the formula itself), no float64, and the "rmsnorm"
-    backend is "triton" (automatic on CUDA; LM_RMSNORM_BACKEND=reference|triton overrides)."""
-    ts = [t for t in (x, z, weight) if t is not None]
-    if torch.compiler.is_compiling() or x.dtype == torch.float64:
+def _kernel_forward(op: str, *tensors) -> bool:
+    """Whether `op` ("rmsnorm", "swiglu") runs its one-kernel Triton forward (lm_kernels.rmsnorm / .swiglu): when no
+    input needs a gradient (generation, eval), not under torch.compile (which fuses the formula itself), no float64,
+    and the op's backend is "triton" (automatic on CUDA; LM_<OP>_BACKEND=reference|triton overrides)."""
+    ts = [t for t in tensors if t is not None]
+    if torch.compiler.is_compiling() or ts[0].dtype == torch.float64:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return False
-    return resolve_backend("rmsnorm", None, x.device) == "triton"
+    return resolve_backend(op, None, ts[0].device) == "triton"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, z: torch.Tensor | None = None,
              group_size: int | None = None) -> torch.Tensor:
     """y = u / rms(u) * weight with u = x * silu(z) (or x), per group of `group_size` channels (default:
     all); computed in at least float32 and returned in x's dtype. Without autograd on CUDA one Triton kernel
-    (see `_fused_forward`), else the PyTorch formula with its own backward (_RMSNormFn)."""
-    if _fused_forward(x, z, weight):
+    (see `_kernel_forward`), else the PyTorch formula with its own backward (_RMSNormFn)."""
+    if _kernel_forward("rmsnorm", x, z, weight):
         return rms_norm_triton(x, weight, eps, z=z, group_size=group_size)
     return _RMSNormFn.apply(x, z, weight, group_size or x.shape[-1], eps)
 
@@ -116,7 +116,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, self(x + h)): a residual add and this norm, one Triton kernel where `rms_norm` runs one (the
         sum rounded to x's dtype before it is normed, as the separate add rounds it)."""
-        if h.shape == x.shape and h.dtype == x.dtype and _fused_forward(x, h, self.weight):
+        if h.shape == x.shape and h.dtype == x.dtype and _kernel_forward("rmsnorm", x, h, self.weight):
             y, s = rms_norm_triton(x, self.weight, self.eps, residual=h)
             return s, y
         x = x + h
@@ -139,12 +139,9 @@ class GatedRMSNorm(nn.Module):
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u: one Triton kernel (lm_kernels.swiglu) when no input needs a gradient, not under torch.compile
-    (which fuses the formula itself), no float64, and the "swiglu" backend is "triton" (automatic on CUDA;
-    LM_SWIGLU_BACKEND=reference|triton overrides); else the PyTorch formula (two kernels)."""
-    if (not torch.compiler.is_compiling() and g.dtype != torch.float64 and g.dtype == u.dtype
-            and not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad))
-            and resolve_backend("swiglu", None, g.device) == "triton"):
+    """silu(g) * u: one Triton kernel (lm_kernels.swiglu) where `_kernel_forward` allows it and g, u share a dtype;
+    else the PyTorch formula (two kernels)."""
+    if g.dtype == u.dtype and _kernel_forward("swiglu", g, u):
         return silu_mul_triton(g, u)
     return F.silu(g) * u
 

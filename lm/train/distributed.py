@@ -12,7 +12,8 @@ import socket
 import torch
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -73,7 +74,7 @@ class Dist:
                 os.environ.setdefault("LOCAL_RANK", "0")
                 os.environ.setdefault("WORLD_SIZE", "1")
                 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ.setdefault("MASTER_PORT", str(_free_port()))
+                os.environ.setdefault("MASTER_PORT", str(free_port()))
             import deepspeed
 
             if not torch.distributed.is_initialized():  # kept for a later train() in this process (shutdown())

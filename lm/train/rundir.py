@@ -82,7 +82,7 @@ class RunLock:
                     os.replace(self.path, self.path.with_name(f"{LOCK}.stale.{os.getpid()}"))
                     os.unlink(self.path.with_name(f"{LOCK}.stale.{os.getpid()}"))
                 except FileNotFoundError:
-                    pass
+                    pass  # another process took the stale lock first: try again against its lock
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(text)
@@ -106,7 +106,7 @@ class RunLock:
                 if json.loads(self.path.read_text()).get("pid") == self.me["pid"]:
                     self.path.unlink()
             except (OSError, ValueError):
-                pass
+                pass  # already gone or unreadable: nothing of ours to remove
             self.held = False
 
 
