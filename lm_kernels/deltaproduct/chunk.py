@@ -6,10 +6,18 @@ the BQ ~ BT/nh tokens whose last row lies in a chunk. A batch of B sequences run
 length and varlen share every kernel. Phases, one module each:
 
     prep.py       parallel over chunks: gate cumsum, T = (I + A)^-1, W (and Aqk for nh >= 2)
-    fwd.py        sequential over chunks: U, Vn = U - W S, the output, the state; with grad also each chunk's
-                  entering state and Vn
+    fwd.py        sequential over chunks: U, Vn = U - W S, the output, the state
     bwd_state.py  sequential over chunks in reverse: dVn and each chunk's state gradient
     bwd.py        parallel over chunks: dq, dk, dv, dbeta, dg
+
+What the backward keeps: the inputs, the gate cumsum gc and T (n_h H chunk per token, in k's dtype). It does not
+keep W, Vn (each the size of k / v) or the state entering each chunk (n_h H K V / chunk per token: at
+DeltaProduct-392M n_h = 2 four hidden vectors, with W and Vn ~12.8 GB at micro-batch 16 x 2048 tokens): the
+backward recomputes them (`_recompute`) with one launch of the prep that forms W alone from the saved T and gc
+(W_ONLY: reads T, K, beta, writes W) and one of the sequential forward that stores the states and Vn without
+forming the output (SAVE without OUT), both the forward's code at the forward's launch configs, so they are the
+values the forward had. T stays saved: forming it again is the prep's costly part (the A blocks, the inversions).
+The forward runs the same launches with and without grad.
 
 Each kernel runs one measured launch config (configs.py; the measurements are in BENCH.md).
 """
