@@ -12,7 +12,7 @@ length and varlen share every kernel. Phases, one module each:
 
 What the backward keeps: the inputs, the gate cumsum gc and T (n_h H chunk per token, in k's dtype). It does not
 keep W, Vn (each the size of k / v) or the state entering each chunk (n_h H K V / chunk per token: at
-DeltaProduct-392M n_h = 2 four hidden vectors, with W and Vn ~12.8 GB at micro-batch 16 x 2048 tokens): the
+DeltaProduct-392M n_h = 2 four hidden vectors, with W and Vn ~12.9 GB at micro-batch 16 x 2048 tokens): the
 backward recomputes them (`_recompute`) with one launch of the prep that forms W alone from the saved T and gc
 (W_ONLY: reads T, K, beta, writes W) and one of the sequential forward that stores the states and Vn without
 forming the output (SAVE without OUT), both the forward's code at the forward's launch configs, so they are the
