@@ -308,3 +308,71 @@ def test_triton_decode_step_empty_batch():
     o, S_new = deltaproduct_step(S, torch.zeros(0, 2, 16), torch.zeros(0, 2, 2, 16), torch.zeros(0, 2, 2, 8),
                                  torch.zeros(0, 2, 2), backend="triton")
     assert o.shape == (0, 2, 8) and S_new.shape == (0, 2, 16, 8)
+
+
+def _launch_parts(ins, nh, chunk, cu):
+    """The op's flattened inputs and launch metadata (as chunk_deltaproduct_triton builds them)."""
+    import lm_kernels.deltaproduct.chunk as tc
+    q, k, v, beta, g, h0 = ins
+    B, T, H, K = q.shape
+    cu_tok = tuple(range(0, B * T + 1, T)) if cu is None else tuple(cu)
+    cseq, crow, coff, NT, cu_rows = tc._tables(cu_tok, nh, chunk, q.device)
+    meta = dict(nh=nh, BT=chunk, scale=K ** -0.5, output_final=True, cseq=cseq, crow=crow, coff=coff, NT=NT,
+                N=len(cu_tok) - 1, cu_rows=cu_rows)
+    q, k, v = (x.reshape(1, -1, H, x.shape[-1]).contiguous() for x in (q, k, v))
+    beta = beta.reshape(1, -1, H).contiguous()
+    g = g.reshape(1, -1, H).contiguous() if g is not None else None
+    return (q, k, v, beta, g, h0), meta
+
+
+def check_recompute_is_the_saving_forward(ins, nh, chunk, cu=None):
+    """What the backward recomputes (W by the prep with W_ONLY; the chunk states, Vn and at nh = 1 Aqk^T by the
+    sequential forward with SAVE, without the output) equals, bit for bit, what one forward pass that also stores
+    them gives (the prep, then the sequential forward with OUT and SAVE: the forward with grad before the backward
+    recomputed them); the forward's own output and final state equal that pass's."""
+    import lm_kernels.deltaproduct.chunk as tc
+    (q, k, v, beta, g, h0), meta = _launch_parts(ins, nh, chunk, cu)
+    L, H, K, V, BK, BV, BQ, prec = tc._sizes(k, v, meta)
+    gc = torch.empty(1, L, H, dtype=torch.float32, device=k.device)
+    Tm = torch.empty(1, L, H, chunk, dtype=k.dtype, device=k.device)
+    aqk = torch.empty(meta["NT"], H, BQ, chunk, dtype=k.dtype, device=k.device) if nh >= 2 else None
+    w = tc._prep(q, k, beta, g, gc, Tm, aqk, meta, w_only=False)
+    o1, ht1, hs1, vn1, aqkt1 = tc._sequential(q, k, v, beta, h0, gc, Tm, w, aqk, meta, out=True, save=True, final=True)
+    o, ht, (gc2, Tm2) = tc._fwd(q, k, v, beta, g, h0, meta)
+    assert torch.equal(gc2, gc) and torch.equal(Tm2, Tm)
+    assert torch.equal(o, o1) and torch.equal(ht, ht1)
+    w2, hs2, vn2, aqkt2 = tc._recompute(q, k, v, beta, h0, gc2, Tm2, meta)
+    assert torch.equal(w2, w) and torch.equal(hs2, hs1) and torch.equal(vn2, vn1)
+    assert (aqkt2 is None) == (aqkt1 is None) == (nh >= 2)
+    if aqkt1 is not None:
+        assert torch.equal(aqkt2, aqkt1)
+
+
+@pytest.mark.parametrize("nh,gate,h0,cu", [(1, True, True, None), (2, False, False, None), (2, True, True, [0, 9, 30]),
+                                           (3, True, False, [0, 17, 30])], ids=["nh1", "nh2-plain", "nh2-varlen",
+                                                                                "nh3-varlen"])
+def test_triton_backward_recompute_is_the_saving_forward(nh, gate, h0, cu):
+    N = len(cu) - 1 if cu else 1
+    ins = make(1, 30, 2, 16, 16, nh, gate, h0, N)
+    check_recompute_is_the_saving_forward(ins, nh, 16, cu)
+
+
+@pytest.mark.parametrize("nh", [1, 2])
+def test_triton_saves_the_inputs_gc_and_T_only(nh):
+    """The op keeps its inputs, the gate cumsum gc (L H float32) and T (L H chunk, k's dtype) for the backward; W,
+    Vn and the chunk states (the bulk: n_h H K V / chunk per token) are recomputed there."""
+    B, T, H, K, V, C = 2, 20, 2, 16, 16, 16
+    leaves = [x.requires_grad_(True) for x in make(B, T, H, K, V, nh, True, True, B)]
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, s = chunk_deltaproduct(*leaves[:5], initial_state=leaves[5], output_final_state=True, num_householder=nh,
+                                  chunk_size=C, backend="triton")
+    inputs = sum(x.numel() * x.element_size() for x in leaves)
+    L = B * T * nh
+    assert sum(saved.values()) == inputs + L * H * 4 + L * H * C * 4
+    (o.sum() + s.sum()).backward()

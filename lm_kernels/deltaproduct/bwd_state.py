@@ -22,8 +22,9 @@ def _bwd_state_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aqkt, cu_rows, chunk_o
                       BK: tl.constexpr, BV: tl.constexpr, BQ: tl.constexpr, USE_DHT: tl.constexpr,
                       STORE_DH0: tl.constexpr, PREC: tl.constexpr, LOAD_AQ: tl.constexpr):
     """See the module docstring. The state-independent part Aqk^T dO is formed off the loop-carried chain, from the
-    forward's saved Aqk^T (LOAD_AQ, nh = 1) or from the Q and K tiles (nh >= 2). Q^T and W^T are loaded directly, the
-    decays scale dO rows and the (K dS) rows instead of the Q and K tiles, int32 tile offsets."""
+    Aqk^T the backward's recompute stored (LOAD_AQ, nh = 1; chunk.py `_recompute`) or from the Q and K tiles (nh >=
+    2). Q^T and W^T are loaded directly, the decays scale dO rows and the (K dS) rows instead of the Q and K tiles,
+    int32 tile offsets."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_rows + i_n)
     eos = tl.load(cu_rows + i_n + 1)

@@ -6,10 +6,18 @@ the BQ ~ BT/nh tokens whose last row lies in a chunk. A batch of B sequences run
 length and varlen share every kernel. Phases, one module each:
 
     prep.py       parallel over chunks: gate cumsum, T = (I + A)^-1, W (and Aqk for nh >= 2)
-    fwd.py        sequential over chunks: U, Vn = U - W S, the output, the state; with grad also each chunk's
-                  entering state and Vn
+    fwd.py        sequential over chunks: U, Vn = U - W S, the output, the state
     bwd_state.py  sequential over chunks in reverse: dVn and each chunk's state gradient
     bwd.py        parallel over chunks: dq, dk, dv, dbeta, dg
+
+What the backward keeps: the inputs, the gate cumsum gc and T (n_h H chunk per token, in k's dtype). It does not
+keep W, Vn (each the size of k / v) or the state entering each chunk (n_h H K V / chunk per token: at
+DeltaProduct-392M n_h = 2 four hidden vectors, with W and Vn ~12.9 GB at micro-batch 16 x 2048 tokens): the
+backward recomputes them (`_recompute`) with one launch of the prep that forms W alone from the saved T and gc
+(W_ONLY: reads T, K, beta, writes W) and one of the sequential forward that stores the states and Vn without
+forming the output (SAVE without OUT), both the forward's code at the forward's launch configs, so they are the
+values the forward had. T stays saved: forming it again is the prep's costly part (the A blocks, the inversions).
+The forward runs the same launches with and without grad.
 
 Each kernel runs one measured launch config (configs.py; the measurements are in BENCH.md).
 """
@@ -134,38 +142,70 @@ def _sizes(k, v, meta):
     return L, H, K, V, BK, BV, _bq(meta["BT"], meta["nh"]), prec
 
 
-def _fwd(q, k, v, beta, g, h0, meta, save):
-    """q (1,T,H,K), k,v,beta rows (1,L,..), g (1,T,H) or None. Returns o, final state, tensors saved for backward."""
-    nh, BT, scale, output_final = meta["nh"], meta["BT"], meta["scale"], meta["output_final"]
+def _fwd(q, k, v, beta, g, h0, meta):
+    """q (1,T,H,K), k,v,beta rows (1,L,..), g (1,T,H) or None. Returns o, the final state (or None) and what the
+    backward keeps besides the inputs: gc and T (it recomputes the rest, `_recompute`). The same launches with and
+    without grad."""
     L, H, K, V, BK, BV, BQ, prec = _sizes(k, v, meta)
     dev = k.device
-    cseq, crow, coff, NT, cu_rows, N = meta["cseq"], meta["crow"], meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
     gc = torch.empty(1, L, H, dtype=torch.float32, device=dev)
-    Tm = torch.empty(1, L, H, BT, dtype=k.dtype, device=dev)  # T is only ever a tensor-core operand in k's dtype
-    w = torch.empty_like(k)
-    o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev)
+    Tm = torch.empty(1, L, H, meta["BT"], dtype=k.dtype, device=dev)  # only ever a tensor-core operand in k's dtype
     # nh >= 2: the prep forms Aqk (for nh = 1 its 64-token query tile overloads the prep; the sequential forward forms
-    # it there, and with grad saves Aqk^T for the sequential backward)
+    # it there)
+    aqk = torch.empty(meta["NT"], H, BQ, meta["BT"], dtype=k.dtype, device=dev) if meta["nh"] >= 2 else None
+    w = _prep(q, k, beta, g, gc, Tm, aqk, meta, w_only=False)
+    o, ht, *_ = _sequential(q, k, v, beta, h0, gc, Tm, w, aqk, meta, out=True, save=False, final=meta["output_final"])
+    return o, ht, (gc, Tm)
+
+
+def _prep(q, k, beta, g, gc, Tm, aqk, meta, *, w_only):
+    """One launch of the prep (prep.py); returns W. Without `w_only` it also writes gc, T and (nh >= 2) aqk; with it,
+    W is formed from the gc and T already there (g and aqk are not read)."""
+    L, H, K, V, BK, BV, BQ, prec = _sizes(k, k, meta)
+    w = torch.empty_like(k)
+    _launch(_prep_kernel, "prep", (meta["NT"], H),
+            (k, beta, g if g is not None else gc, gc, Tm, meta["cseq"], meta["crow"], meta["cu_rows"], q, w,
+             aqk if aqk is not None else gc, meta["scale"]),
+            dict(NH=meta["nh"], H=H, K=K, BT=meta["BT"], BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec,
+                 MP="tf32" if prec == "tf32" else "ieee", INTRA=meta["nh"] >= 2, W_ONLY=w_only))
+    return w
+
+
+def _sequential(q, k, v, beta, h0, gc, Tm, w, aqk, meta, *, out, save, final):
+    """One launch of the sequential forward (fwd.py): with `out` the output o (and with `final` the final state),
+    with `save` the chunk states, Vn and (nh = 1) Aqk^T. Returns (o, ht, hs, vn, aqkt), None for what it did not
+    form. aqk: the prep's (nh >= 2, read with `out`)."""
+    nh, BT, scale = meta["nh"], meta["BT"], meta["scale"]
+    L, H, K, V, BK, BV, BQ, prec = _sizes(k, v, meta)
+    dev = k.device
+    coff, NT, cu_rows, N = meta["coff"], meta["NT"], meta["cu_rows"], meta["N"]
     intra = nh >= 2
-    aqk = torch.empty(NT, H, BQ, BT, dtype=k.dtype, device=dev) if intra else gc
-    aqkt = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev) if save and not intra else None
-    _launch(_prep_kernel, "prep", (NT, H), (k, beta, g if g is not None else gc, gc, Tm, cseq, crow, cu_rows, q, w, aqk,
-                                          scale),
-            dict(NH=nh, H=H, K=K, BT=BT, BK=BK, BQ=BQ, USE_G=g is not None, PREC=prec,
-                 MP="tf32" if prec == "tf32" else "ieee", INTRA=intra))
-    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final else None
+    o = torch.empty(*q.shape[:3], V, dtype=v.dtype, device=dev) if out else None
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if final else None
     hs = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev) if save else None
     vn = torch.empty_like(v) if save else None
-    args = (q, k, w, gc, h0 if h0 is not None else gc, o, ht if ht is not None else gc, hs if hs is not None else gc,
-            vn if vn is not None else gc, aqk, aqkt if aqkt is not None else gc, v, Tm, beta, cu_rows, coff, scale)
-    kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, BQP=max(BQ, 64), USE_H0=h0 is not None,
-              STORE_FINAL=output_final, SAVE=save, INTRA=intra, PREC=prec)
+    aqkt = torch.empty(NT, H, BT, BQ, dtype=k.dtype, device=dev) if save and not intra else None
+    x = lambda t: t if t is not None else gc  # noqa: E731  (an unused pointer argument)
+    args = (q, k, w, gc, x(h0), x(o), x(ht), x(hs), x(vn), x(aqk), x(aqkt), v, Tm, beta, cu_rows, coff, scale)
+    kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, BQP=max(BQ, 64), USE_H0=h0 is not None, STORE_FINAL=final,
+              OUT=out, SAVE=save, INTRA=intra, PREC=prec)
     _launch(_fwd_kernel, "fwd", lambda m: (triton.cdiv(V, m["BV"]), N, H), args, kw)
-    return o, ht, (gc, Tm, w, hs, vn, aqkt)
+    return o, ht, hs, vn, aqkt
 
 
-def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
-    gc, Tm, w, hs, vn, aqkt = saved
+def _recompute(q, k, v, beta, h0, gc, Tm, meta):
+    """What the backward kernels read besides the inputs, gc and T: W (the prep again with W_ONLY: W from T, gc, K
+    and beta), then the chunk states hs (NT, H, K, V), Vn and, at nh = 1, Aqk^T (the sequential forward again with
+    SAVE and without the output). Both run the forward's code at the forward's launch configs on the forward's
+    inputs, so they reproduce its W, states and Vn bit for bit. Saving them instead would keep W and Vn (2 x k's
+    size) and n_h H K V / BT values per token (4 hidden vectors at DeltaProduct-392M) per layer until the backward."""
+    w = _prep(q, k, beta, None, gc, Tm, None, meta, w_only=True)
+    *_, hs, vn, aqkt = _sequential(q, k, v, beta, h0, gc, Tm, w, None, meta, out=False, save=True, final=False)
+    return w, hs, vn, aqkt
+
+
+def _bwd(q, k, v, beta, g, h0, gc, Tm, do, dht, meta):
+    w, hs, vn, aqkt = _recompute(q, k, v, beta, h0, gc, Tm, meta)
     nh, BT, scale = meta["nh"], meta["BT"], meta["scale"]
     L, H, K, V, BK, BV, BQ, prec = _sizes(k, v, meta)
     dev = k.device
@@ -213,15 +253,15 @@ def _bwd(q, k, v, beta, g, h0, saved, do, dht, meta):
 class _ChunkDeltaProductFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, beta, g, h0, meta):
-        o, ht, saved = _fwd(q, k, v, beta, g, h0, meta, save=True)
+        o, ht, saved = _fwd(q, k, v, beta, g, h0, meta)
         ctx.save_for_backward(q, k, v, beta, g, h0, *saved)
         ctx.meta = meta
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, g, h0, *saved = ctx.saved_tensors
-        dq, dk, dv, db, dg, dh0 = _bwd(q, k, v, beta, g, h0, saved, do, dht, ctx.meta)
+        q, k, v, beta, g, h0, gc, Tm = ctx.saved_tensors
+        dq, dk, dv, db, dg, dh0 = _bwd(q, k, v, beta, g, h0, gc, Tm, do, dht, ctx.meta)
         return dq, dk, dv, db, dg, dh0, None
 
 
@@ -286,5 +326,5 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
     if needs_grad:
         o, ht = _ChunkDeltaProductFn.apply(q, k, v, beta, g, h0, meta)
     else:
-        o, ht, _ = _fwd(q, k, v, beta, g, h0, meta, save=False)
+        o, ht, _ = _fwd(q, k, v, beta, g, h0, meta)
     return o.reshape(B, T, H, V), ht

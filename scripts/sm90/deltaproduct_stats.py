@@ -8,8 +8,9 @@ triton, whose code generation can differ from the GPU image's: use them to compa
 and `lm bench deltaproduct`'s compile_stats (triton's metadata on the GPU) for the record. Defaults: the bench shape
 (K 128, V 256, chunk 64, bf16) at each kernel's launch config (lm_kernels/deltaproduct/configs.py); --K / --V /
 --chunk / --dtype check other shapes, e.g. that a launch fits in the 232448 bytes of shared memory an H100 gives a
-program. Kernels: prep, fwd / fwd_save (the sequential forward without / with grad), bwd_state (the sequential
-backward), qk / wy (the backward of key heads of two or more K slices), main (that of one-slice heads).
+program. Kernels: prep, prep_w (the prep's W alone, the backward's recompute), fwd (the sequential forward, with or
+without grad), fwd_states (the same kernel in the backward's recompute: states, Vn, no output), bwd_state (the
+sequential backward), qk / wy (the backward of key heads of two or more K slices), main (that of one-slice heads).
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def stats(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16",
 
 def launch_config(name, nh, K):
     """(BV or None, num_warps, num_stages) of `name` as chunk.py launches it."""
-    cfg = configs.BASE[{"fwd_save": "fwd"}.get(name, name)]
+    cfg = configs.BASE[{"fwd_states": "fwd", "prep_w": "prep"}.get(name, name)]
     if name == "main" and nh == 1:
         cfg = configs.MAIN_NH1
     if name == "wy" and K > 128:
@@ -82,12 +83,12 @@ def kernel_and_constexprs(name, nh, K, V, BT, BV, dtype):
     prec = "tf32x3" if dtype == "fp32" else "tf32"
     intra = nh >= 2
     common = dict(NH=nh, H=16, K=K, BT=BT, BK=BK, PREC=prec)
-    if name == "prep":
-        return prep._prep_kernel, dict(common, BQ=BQ, USE_G=True, MP="ieee" if dtype == "fp32" else "tf32",
-                                       INTRA=intra), _FP32_PTRS
-    if name in ("fwd", "fwd_save"):
+    if name in ("prep", "prep_w"):
+        return prep._prep_kernel, dict(common, BQ=BQ, USE_G=name == "prep", MP="ieee" if dtype == "fp32" else "tf32",
+                                       INTRA=intra, W_ONLY=name == "prep_w"), _FP32_PTRS
+    if name in ("fwd", "fwd_states"):
         return fwd._fwd_kernel, dict(common, V=V, BV=BV, BQ=BQ, BQP=max(BQ, 64), USE_H0=False, STORE_FINAL=False,
-                                     SAVE=name == "fwd_save", INTRA=intra), _FP32_PTRS
+                                     OUT=name == "fwd", SAVE=name == "fwd_states", INTRA=intra), _FP32_PTRS
     if name == "bwd_state":
         return bwd_state._bwd_state_kernel, dict(common, V=V, BV=BV, BQ=BQ, USE_DHT=False, STORE_DH0=False,
                                                  LOAD_AQ=not intra), _FP32_PTRS
@@ -99,13 +100,13 @@ def kernel_and_constexprs(name, nh, K, V, BT, BV, dtype):
     if name == "wy":
         return bwd._bwd_wy_kernel, dict(common, V=V, BV=BV, NK=triton.cdiv(K, min(BK, chunk.SPLIT_BK)), USE_G=True), \
             _FP32_PTRS - {"db"}
-    raise SystemExit(f"unknown kernel {name}: prep, fwd, fwd_save, bwd_state, main, qk, wy")
+    raise SystemExit(f"unknown kernel {name}: prep, prep_w, fwd, fwd_states, bwd_state, main, qk, wy")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nh", type=int, nargs="+", default=[1])
-    p.add_argument("--kernels", nargs="+", default=["prep", "fwd_save", "bwd_state", "qk", "wy"])
+    p.add_argument("--kernels", nargs="+", default=["prep", "prep_w", "fwd", "fwd_states", "bwd_state", "qk", "wy"])
     p.add_argument("--configs", nargs="+", default=None,
                    help="BV/warps/stages to compile instead of each kernel's launch config")
     p.add_argument("--K", type=int, default=128, help="key head size")
