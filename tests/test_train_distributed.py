@@ -143,3 +143,60 @@ print("CALLS", json.dumps(calls))
     assert p.returncode == 0, p.stderr[-4000:]
     calls = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("CALLS "))[6:])
     assert [s for s in calls if s >= 3] == [], calls
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_deepspeed_fused_overflow_check_and_grad_norm_equal_deepspeeds(tmp_path, tmp_path_factory, precision):
+    """The trainer's ZeRO-2 overflow check and gradient norm (lm.train.engine._fused_zero_grad_checks: foreach norms
+    instead of DeepSpeed's loop over parameters) give DeepSpeed's own results at every step of a one-process run,
+    the NaN step (skipped: an overflow under bf16, an invalid norm -1 under fp32) included."""
+    data = make_corpus(tmp_path_factory)
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+import lm.train.engine as E
+from test_train_loop import _cfg
+from lm.train.trainer import train, shutdown
+pairs = []
+fused = E._fused_zero_grad_checks
+def both(opt):
+    fused(opt)
+    f_over, f_norm = opt.has_overflow_partitioned_grads_serial, opt.get_grad_norm_direct
+    def over():
+        a, b = f_over(), Z.has_overflow_partitioned_grads_serial(opt)
+        pairs.append(["overflow", bool(a), bool(b)])
+        return a
+    def norm(g, p, norm_type=2):
+        a, b = f_norm(g, p, norm_type), Z.get_grad_norm_direct(opt, g, p, norm_type)
+        pairs.append(["norm", float(a), float(b)])
+        return a
+    opt.has_overflow_partitioned_grads_serial, opt.get_grad_norm_direct = over, norm
+E._fused_zero_grad_checks = both
+def hook(step, micro, out):
+    if step == 3:  # the 4th step
+        out.loss = out.loss * float("nan")
+    return out
+train(_cfg({str(tmp_path)!r} + "/r", {str(data)!r}, train={{"engine": "deepspeed", "steps": 5,
+                                                          "precision": {precision!r}}}),
+      hooks={{"after_forward": hook}})
+shutdown()
+print("PAIRS", json.dumps(pairs))
+""")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    pairs = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("PAIRS "))[6:])
+    overs = [(a, b) for k, a, b in pairs if k == "overflow"]
+    norms = [(a, b) for k, a, b in pairs if k == "norm"]
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in norms), pairs
+    if precision == "bf16":  # checked first; the NaN step stops before the norm
+        assert [a for a, _ in overs] == [False, False, False, True, False] and all(a == b for a, b in overs), pairs
+        assert len(norms) in (4, 8) and all(b > 0 for _, b in norms), pairs  # one norm per parameter group
+    else:  # no overflow check: the NaN step's norms are DeepSpeed's invalid -1
+        g = len(norms) // 5
+        assert overs == [] and g in (1, 2) and len(norms) == 5 * g, pairs
+        assert [b == -1.0 for _, b in norms] == [False] * 3 * g + [True] * g + [False] * g, pairs

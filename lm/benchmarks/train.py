@@ -131,7 +131,29 @@ def _profile_rows(prof, n_steps: int, top: int = 40) -> dict:
             rows.append({"name": e.key[:120], "ms_per_step": dev / 1e3 / n_steps, "calls_per_step": e.count / n_steps})
             total += dev / 1e3 / n_steps
     rows.sort(key=lambda r: -r["ms_per_step"])
-    return {"device_ms_per_step": total, "kernels": rows[:top]}
+    return {"device_ms_per_step": total, "kernels": rows[:top], **_host_rows(prof, n_steps)}
+
+
+_SYNC = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def _host_rows(prof, n_steps: int, top: int = 25) -> dict:
+    """Where the host's time goes per step: the waits on the device (synchronize calls and tensor-to-Python
+    reads, each a drain after which the device idles until the host has launched new work) and the host
+    events (aten ops, runtime calls, user annotations) with the most self CPU time."""
+    rows, sync_ms, sync_calls = [], 0.0, 0.0
+    for e in prof.key_averages():
+        if e.device_type is not None and "cuda" in str(e.device_type).lower():
+            continue
+        ms = e.self_cpu_time_total / 1e3 / n_steps
+        if e.key.startswith("ProfilerStep"):
+            continue
+        if e.key in _SYNC:
+            sync_ms += ms
+            sync_calls += e.count / n_steps
+        rows.append({"name": e.key[:120], "self_ms_per_step": ms, "calls_per_step": e.count / n_steps})
+    rows.sort(key=lambda r: -r["self_ms_per_step"])
+    return {"host_sync_ms_per_step": sync_ms, "host_sync_calls_per_step": sync_calls, "host": rows[:top]}
 
 
 def forward_ratio(args) -> dict:
@@ -287,6 +309,10 @@ def main() -> int:
                           "top kernels (ms/step, calls/step):")
                     for k in pr["kernels"][:25]:
                         print(f"    {k['ms_per_step']:8.2f} {k['calls_per_step']:6.0f}  {k['name']}")
+                    print(f"  host: waits on the device {pr['host_sync_ms_per_step']:.1f} ms in "
+                          f"{pr['host_sync_calls_per_step']:.0f} calls per step; top host events (self ms/step, calls/step):")
+                    for k in pr["host"][:15]:
+                        print(f"    {k['self_ms_per_step']:8.2f} {k['calls_per_step']:6.0f}  {k['name']}")
                 break
             if "out of memory" in text.lower() and micro > 1:
                 micro, accum = micro // 2, accum * 2
