@@ -1,0 +1,83 @@
+"""Issue #29, deliverable 4: the time of a local lm-eval generation task (lm_local_generate: 200 greedy
+generate_until requests of up to 16 tokens after a 40-word context) through `lm eval`, with the models' default
+decode (CUDA-graph step on CUDA) against `--decode eager` (the per-token Python path), on random-weight 350M models.
+
+    python scripts/gpu_eval_generate.py --tasks-dir DIR [--presets lm_mamba2-350m,lm_llama-350m] [--out JSON]
+
+DIR holds the task files that `python -m lm.eval.local_tasks --data data/shakespeare --out DIR` writes (their data
+paths are rewritten to DIR, so the folder may have moved since). Random weights: the time, not the score, is the
+measurement (greedy generation of a random model rarely stops at "\\n", so every request runs its 16 tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _tasks_here(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        text = f.read_text()
+        if f.suffix == ".yaml":
+            text = re.sub(r"(\S*/)?([a-z]+\.jsonl)", lambda m: str(dst / m.group(2)), text)
+        (dst / f.name).write_text(text)
+    return dst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks-dir", required=True)
+    ap.add_argument("--presets", default="lm_mamba2-350m,lm_llama-350m")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        print("lm-eval is not installed here: nothing measured")
+        return 0
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lm.data import load_tokenizer
+    from lm.models.presets import load_config
+
+    tmp = Path(tempfile.mkdtemp(prefix="evalgen-"))
+    tasks = _tasks_here(Path(args.tasks_dir), tmp / "tasks")
+    rows = []
+    for preset in args.presets.split(","):
+        torch.manual_seed(0)
+        ckpt = tmp / preset
+        AutoModelForCausalLM.from_config(load_config(preset)).to(torch.bfloat16).save_pretrained(ckpt)
+        load_tokenizer("default").save_pretrained(str(ckpt))
+        for decode in ("auto", "eager"):
+            cmd = [sys.executable, "-m", "lm.cli", "eval", str(ckpt), "--tasks", "lm_local_generate",
+                   "--include-path", str(tasks), "--dtype", "bfloat16", "--decode", decode,
+                   "--output", str(tmp / f"{preset}-{decode}.json")]
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            row = {"preset": preset, "decode": decode, "wall_s": wall, "rc": p.returncode}
+            if p.returncode != 0:
+                row["error"] = (p.stdout + p.stderr)[-1500:]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
+            if "error" in row:
+                print(row["error"])
+    for preset in args.presets.split(","):
+        a, e = (next(r for r in rows if r["preset"] == preset and r["decode"] == d) for d in ("auto", "eager"))
+        if a["rc"] == 0 and e["rc"] == 0:
+            print(f"{preset}: lm_local_generate {a['wall_s']:.1f} s with the default decode, {e['wall_s']:.1f} s eager "
+                  f"({e['wall_s'] / a['wall_s']:.2f}x; whole `lm eval` processes, model load included)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
