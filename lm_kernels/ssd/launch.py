@@ -173,6 +173,17 @@ def num_chunk_blocks(b, t, nseq, chunk_size, varlen):
     return t // chunk_size + nseq if varlen else b * max(1, -(-t // chunk_size))
 
 
+def table_layout(nseq, ncb):
+    """(offsets of cu, chunk_first, chunk_t0, chunk_len in the int32 chunk table, its length) for packed documents;
+    each part starts at a multiple of 4 elements: 16-byte aligned pointers, as the kernels were compiled for (an
+    unaligned one would compile another variant of each kernel)."""
+    offs, n = [], 0
+    for size in (nseq + 1, nseq + 1, ncb, ncb):
+        offs.append(n)
+        n = n + -(-size // 4) * 4
+    return offs, n
+
+
 class Plan:
     """Shapes, block sizes and the chunk table of one call (shared by forward and backward)."""
 
@@ -189,6 +200,9 @@ class Plan:
         if self.varlen:
             self.nseq = cu_seqlens.numel() - 1
             self.NCB = num_chunk_blocks(b, t, self.nseq, L, True)  # upper bound on the chunks (no host sync)
+            # cu | chunk_first | chunk_t0 | chunk_len in one int32 buffer: one tensor for the backward to reuse
+            offs, total = table_layout(self.nseq, self.NCB)
+            sizes = (self.nseq + 1, self.nseq + 1, self.NCB, self.NCB)
             if table is None:
                 cu = cu_seqlens.to(device=dev, dtype=torch.int64)
                 lens = cu[1:] - cu[:-1]
@@ -198,11 +212,11 @@ class Plan:
                 s = torch.searchsorted(first[1:], j, right=True).clamp_max(self.nseq - 1)
                 t0 = cu[s] + (j - first[s]) * L
                 clen = torch.where(j < first[-1], torch.minimum(cu[s + 1] - t0, torch.full_like(t0, L)), 0)
-                # cu | chunk_first | chunk_t0 | chunk_len in one int32 buffer: one tensor for the backward to reuse
-                table = torch.cat([cu, first, t0, clen]).to(torch.int32)
+                table = torch.empty(total, dtype=torch.int32, device=dev)
+                for o, n, v in zip(offs, sizes, (cu, first, t0, clen)):
+                    table[o:o + n].copy_(v)
             self.table = table
-            self.cu, self.chunk_first, self.chunk_t0, self.chunk_len = table.split(
-                [self.nseq + 1, self.nseq + 1, self.NCB, self.NCB])
+            self.cu, self.chunk_first, self.chunk_t0, self.chunk_len = (table[o:o + n] for o, n in zip(offs, sizes))
             self.NC = 0
         else:
             self.nseq = b

@@ -217,7 +217,7 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_s
             x.new_empty(ncb, h, p, n, dtype=state_dtype(x.dtype)),
             x.new_empty(ncb, g, chunk_size, chunk_size, dtype=cb_dtype(x.dtype)),
             x.new_empty(b, t, h, p) if save and z is not None else _nothing(x),
-            x.new_empty(2 * (nseq + 1) + 2 * ncb, dtype=torch.int32) if varlen else _nothing(x, torch.int32))
+            x.new_empty(ln.table_layout(nseq, ncb)[1], dtype=torch.int32) if varlen else _nothing(x, torch.int32))
 
 
 @torch.library.custom_op("lm::ssd_scan_bwd", mutates_args=(), tags=_TAGS)
