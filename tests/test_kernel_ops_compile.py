@@ -178,7 +178,7 @@ def test_opcheck():
 
 
 @pytest.mark.parametrize("use", ["explicit", "implicit", "packed"])
-def test_mamba2_block_compiles_as_one_graph(use, monkeypatch):
+def test_mamba2_block_compiles_as_one_graph(use, monkeypatch, tmp_path):
     """torch._dynamo.explain on a tiny Mamba2 block (pre-norm, mixer, residual) with the Triton conv and SSD: one
     graph, no break; and the block compiled by inductor gives the eager output and gradients."""
     import lm  # noqa: F401  (registration)
@@ -186,6 +186,8 @@ def test_mamba2_block_compiles_as_one_graph(use, monkeypatch):
     from lm.models.mamba2 import Mamba2Mixer
     from lm.models.modeling import Block
 
+    # a fresh inductor cache: a cached graph keeps the op outputs' shapes from when it was traced
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("LM_SSD_BACKEND", "triton")
     monkeypatch.setenv("LM_CONV1D_BACKEND", "triton")
     cfg = LMMamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, d_state=16, headdim=8, chunk_size=16)
