@@ -1,7 +1,8 @@
 """model.compile (torch.compile per block, as the trainer does; the paper recipes set it): the compiled
 model gives the eager model's loss and gradients. Llama exercises the rotary tables passed into the
-compiled blocks (Mixer.shared_inputs); implicit Mamba2 the fixed-point solver calling compiled blocks and
-the Triton/reference kernels as graph breaks. Needs a C compiler for inductor's CPU code (skipped without);
+compiled blocks (Mixer.shared_inputs); implicit Mamba2 the fixed-point solver calling compiled blocks (on CPU the
+reference conv traced into them, the reference SSD an opaque call; the Triton ones are custom ops inside the graph:
+test_kernel_ops_compile.py). Needs a C compiler for inductor's CPU code (skipped without);
 ~20-30 s per model on 2 cores."""
 import shutil
 

@@ -145,8 +145,9 @@ class Mamba2Mixer(Mixer):
                                      cu_seqlens=cu_seqlens, return_final_state=cache is not None)
         if cache is not None:
             cache.update(self.layer_idx, **new)
-        # z is projected here, next to its only use: torch.compile breaks the block's graph at the conv and SSD calls,
-        # so in this graph the injection add fuses into the gated norm's kernel instead of a pass of its own
+        # z is projected here, next to its only use: without grad (fixed-point iterations, eval) its buffer is not
+        # alive across the conv and the scan (inductor keeps that order). Compiled, the block is one graph (the Triton
+        # conv and scan are custom ops in it): the injection add fuses into the gated norm's kernel
         y = self.norm(y.reshape(b, t, self.d_inner), z if z is not None else self.project(x, injection, "z"))
         return self.out_proj(y)
 

@@ -41,7 +41,7 @@ class ModelSection:
     implicit: Union[ImplicitSettings, None] = dataclasses.field(default=None, metadata={"parse": _implicit})
     init_from: Union[str, None] = None       # an HF folder (lm export output) to start from
     activation_checkpointing: bool = False   # model.gradient_checkpointing_enable()
-    compile: bool = False                    # torch.compile each block (the scan kernels stay opaque calls)
+    compile: bool = False                    # torch.compile each block (a Mamba2 block: one graph)
 
 
 @dataclasses.dataclass

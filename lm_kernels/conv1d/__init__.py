@@ -13,13 +13,11 @@ dtype and the new conv state (b, c, w-1) in x's dtype (the last w-1 inputs). Wei
 rounded to x's dtype, as the reference does; the Triton path accumulates in float32.
 
 Backends (lm_kernels.backend.resolve_backend): "reference" (PyTorch, autograd), "triton" (Triton kernels
-with their own backward: gradients of x, weight, bias and conv_state; the backward recomputes the
-pre-activation), None = auto: Triton when x is on CUDA, triton imports, the width is at most 8 and t > 0, else
-the reference. LM_CONV1D_BACKEND=reference|triton overrides auto.
+with their own backward, the custom operators lm::causal_conv1d_fwd / _bwd: gradients of x, weight, bias and
+conv_state; the backward recomputes the pre-activation), None = auto: Triton when x is on CUDA, triton
+imports, the width is at most 8 and t > 0, else the reference. LM_CONV1D_BACKEND=reference|triton overrides auto.
 """
 from __future__ import annotations
-
-import torch
 
 from ..backend import resolve_backend
 from .naive import causal_conv1d_naive
@@ -30,7 +28,6 @@ __all__ = ["causal_conv1d", "causal_conv1d_reference", "causal_conv1d_naive"]
 MAX_TRITON_WIDTH = 8
 
 
-@torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
 def _run_triton(x, weight, bias, cu_seqlens, conv_state, activation):
     from .triton_conv1d import causal_conv1d_triton  # noqa: PLC0415 (lazy: triton is optional)
     return causal_conv1d_triton(x, weight, bias, cu_seqlens=cu_seqlens, conv_state=conv_state, activation=activation)
@@ -39,7 +36,8 @@ def _run_triton(x, weight, bias, cu_seqlens, conv_state, activation):
 def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu", backend=None):
     """Depthwise causal conv1d; returns (y (b, t, c), new conv state (b, c, w-1)). See module docstring.
 
-    Under torch.compile the Triton path is one opaque call; the reference path is traced as before."""
+    torch.compile traces through it: the Triton path is the custom operators lm::causal_conv1d_fwd / _bwd (one node
+    each in the graph, triton_conv1d.py), the reference path PyTorch ops."""
     which = resolve_backend("conv1d", backend, x.device, fits=weight.shape[-1] <= MAX_TRITON_WIDTH and x.shape[1] > 0)
     if which == "triton" and x.shape[1] > 0:
         return _run_triton(x, weight, bias, cu_seqlens, conv_state, activation)

@@ -1,5 +1,6 @@
 """Triton depthwise causal conv1d: launches (forward 1 kernel; backward 2 kernels, g = dy * act'(z) with
-the dweight/dbias partials, then dx, plus a sum of the partials) and the autograd.Function.
+the dweight/dbias partials, then dx, plus the sums of the partials) and the custom operators
+lm::causal_conv1d_fwd / lm::causal_conv1d_bwd with their autograd formula (one node each in a torch.compile graph).
 
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs
 outside autograd and saves nothing (the fixed-point iterations call it many times). With grad, only the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -153,9 +155,10 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
         *(dstate.stride() if dstate is not None else (0, 0, 0)),
         W=w, BS=_pow2(max(w - 1, 1)), VARLEN=cu_seqlens is not None, STATE_GRAD=state_grad, ACC=acc,
         XDT=_TL_DTYPE[x.dtype])
-    red = part.sum(0)  # (c, w [+ 1]): weight columns 0..w-1, then the bias
-    dweight = red[:, :w].to(weight.dtype)
-    dbias = red[:, w].to(bias.dtype) if bias is not None else None
+    # part (rows, c, w [+ 1]): weight columns 0..w-1, then the bias; reduced apart so that each gradient is a
+    # tensor of its own (not a strided view of one sum: an op's outputs may not alias)
+    dweight = part[..., :w].sum(0).to(weight.dtype)
+    dbias = part[..., w].sum(0).to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias, dstate
 
 
@@ -168,28 +171,78 @@ def _add_new_state_grad(dns, dx, dstate, t, w):
         dstate[:, :, t:] += dns[:, :, : w - 1 - t].to(dstate.dtype)
 
 
-class CausalConv1dFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, conv_state, cu_seqlens, silu):
-        y, new_state = conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
-        ctx.save_for_backward(x, weight, bias, conv_state, cu_seqlens)
-        ctx.silu = silu
-        ctx.set_materialize_grads(False)  # an unused new state gets no zero-filled gradient (and no add)
-        return y, new_state
+# --- the custom operators -------------------------------------------------------------------------------------------
+# lm::causal_conv1d_fwd / lm::causal_conv1d_bwd are the one way the Triton conv is called, eager and under
+# torch.compile (one node each in the graph, so a compiled block is not split at the conv). x is read through its
+# strides (channels contiguous): the exact-stride tag makes inductor pass it with the strides it had when traced (a
+# split view of a projection stays a view); a layout the kernels cannot read is copied inside (never, as called).
+_TAGS = (getattr(torch.Tag, "needs_exact_strides", torch.Tag.needs_fixed_stride_order),)
 
-    @staticmethod
-    def backward(ctx, dy, dns):
-        x, weight, bias, conv_state, cu_seqlens = ctx.saved_tensors
-        b, t, c = x.shape
-        w = weight.shape[-1]
-        state_grad = conv_state is not None and ctx.needs_input_grad[3]
-        if dy is None:
-            dy = torch.zeros(b, t, c, device=x.device, dtype=x.dtype)
-        dx, dweight, dbias, dstate = conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, ctx.silu, state_grad)
-        if dns is not None and w > 1:
-            _add_new_state_grad(dns, dx, dstate, t, w)
-        return (dx if ctx.needs_input_grad[0] else None, dweight if ctx.needs_input_grad[1] else None,
-                dbias if ctx.needs_input_grad[2] else None, dstate, None, None)
+
+def _nothing(like):
+    return like.new_empty(0)
+
+
+@torch.library.custom_op("lm::causal_conv1d_fwd", mutates_args=(), tags=_TAGS)
+def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      conv_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                      silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y (b, t, c) contiguous, new conv state (b, c, w-1)), both in x's dtype (conv1d_fwd)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
+
+
+@causal_conv1d_fwd.register_fake
+def _(x, weight, bias, conv_state, cu_seqlens, silu):
+    b, t, c = x.shape
+    return x.new_empty(b, t, c), x.new_empty(b, c, weight.shape[-1] - 1)
+
+
+@torch.library.custom_op("lm::causal_conv1d_bwd", mutates_args=(), tags=_TAGS)
+def causal_conv1d_bwd(dy: Optional[torch.Tensor], dnew_state: Optional[torch.Tensor], x: torch.Tensor,
+                      weight: torch.Tensor, bias: Optional[torch.Tensor], conv_state: Optional[torch.Tensor],
+                      cu_seqlens: Optional[torch.Tensor], silu: bool,
+                      state_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias (empty without bias), dconv_state (empty unless state_grad)); dy / dnew_state None: no
+    gradient reaches y / the new state."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    b, t, c = x.shape
+    w = weight.shape[-1]
+    if dy is None:
+        dy = torch.zeros(b, t, c, device=x.device, dtype=x.dtype)
+    dx, dweight, dbias, dstate = conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu, state_grad)
+    if dnew_state is not None and w > 1:
+        _add_new_state_grad(dnew_state, dx, dstate, t, w)
+    return dx, dweight, dbias if dbias is not None else _nothing(x), dstate if dstate is not None else _nothing(x)
+
+
+@causal_conv1d_bwd.register_fake
+def _(dy, dnew_state, x, weight, bias, conv_state, cu_seqlens, silu, state_grad):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            bias.new_empty(bias.shape) if bias is not None else _nothing(x),
+            conv_state.new_empty(conv_state.shape) if state_grad else _nothing(x))
+
+
+def _conv_setup_context(ctx, inputs, output):
+    x, weight, bias, conv_state, cu_seqlens, silu = inputs
+    ctx.save_for_backward(x, weight, bias, conv_state, cu_seqlens)
+    ctx.silu = silu
+    ctx.set_materialize_grads(False)  # an unused new state gets no zero-filled gradient (and no add)
+
+
+def _conv_backward(ctx, dy, dns):
+    x, weight, bias, conv_state, cu_seqlens = ctx.saved_tensors
+    state_grad = conv_state is not None and ctx.needs_input_grad[3]
+    dx, dweight, dbias, dstate = torch.ops.lm.causal_conv1d_bwd(dy, dns, x, weight, bias, conv_state, cu_seqlens,
+                                                                ctx.silu, state_grad)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, dweight if need[1] else None, dbias if bias is not None and need[2] else None,
+            dstate if state_grad else None, None, None)
+
+
+causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
 
 
 def check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, max_width=None):
@@ -224,6 +277,4 @@ def causal_conv1d_triton(x, weight, bias=None, *, cu_seqlens=None, conv_state=No
     silu = activation == "silu"
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(x.device)
-    if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (x, weight, bias, conv_state)):
-        return CausalConv1dFn.apply(x, weight, bias, conv_state, cu_seqlens, silu)
-    return conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
+    return torch.ops.lm.causal_conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)

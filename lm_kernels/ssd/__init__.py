@@ -18,9 +18,10 @@ unless it is passed as `out_state`, the float32 tensor the new state is written 
 buffer: the update in place saves the copy that would follow).
 
 Backends (lm_kernels.backend.resolve_backend): "reference" (PyTorch chunked, autograd), "triton" (Triton
-kernels with their own backward, triton_ssd.py; the decode step is one kernel, step.py; on CPU they run under
-TRITON_INTERPRET=1), None = auto: Triton when x is on CUDA and triton imports (the step: no float64 input, no grad),
-else the reference. LM_SSD_BACKEND=reference|triton overrides auto.
+kernels with their own backward, the custom operators lm::ssd_scan_fwd / _bwd, triton_ssd.py; the decode step
+is one kernel, step.py; on CPU they run under TRITON_INTERPRET=1), None = auto: Triton when x is on CUDA and
+triton imports (the step: no float64 input, no grad), else the reference. LM_SSD_BACKEND=reference|triton
+overrides auto.
 """
 from __future__ import annotations
 
@@ -34,17 +35,25 @@ from .reference import ssd_scan_reference
 __all__ = ["ssd_scan", "ssd_scan_naive", "ssd_step", "ssd_step_reference", "ssd_scan_reference"]
 
 
-@torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
+# The PyTorch reference stays one opaque call under torch.compile (the CPU path, tests): traced, inductor compiles its
+# chunked products into every block (the CPU compile tests took 2-10x longer) and its packed path reads the document
+# lengths on the host, a graph break anyway.
+_reference_opaque = torch.compiler.disable(ssd_scan_reference)
+
+
 def ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
              dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None, return_final_state=False,
              backend=None):
-    """Chunked SSD scan; returns (y in x's dtype, final_state float32 or None). See module docstring."""
+    """Chunked SSD scan; returns (y in x's dtype, final_state float32 or None). See module docstring.
+
+    torch.compile traces through it: the Triton path is the custom operators lm::ssd_scan_fwd / _bwd (one node
+    each in the graph, triton_ssd.py); the reference path is one opaque call (_reference_opaque)."""
     kwargs = dict(chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                   initial_state=initial_state, cu_seqlens=cu_seqlens, return_final_state=return_final_state)
     if resolve_backend("ssd", backend, x.device) == "triton":
         from .triton_ssd import ssd_scan_triton  # noqa: PLC0415 (lazy: triton is optional)
         return ssd_scan_triton(x, dt, A, B, C, **kwargs)
-    return ssd_scan_reference(x, dt, A, B, C, **kwargs)
+    return _reference_opaque(x, dt, A, B, C, **kwargs)
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (one Triton launch)

@@ -153,11 +153,12 @@ def _dummy_i32(dev):
 _PLANS = {}
 
 
-def plan(x, B, cu_seqlens, chunk_size):
+def plan(x, B, cu_seqlens, chunk_size, table=None):
     """Plan of a call, cached per (shapes, chunk, device) for fixed-length batches (no host work repeated by
-    the many same-shape calls of the fixed-point iterations); packed documents build their chunk table."""
+    the many same-shape calls of the fixed-point iterations); packed documents build their chunk table, or take
+    `table` (Plan.table of the forward's plan: the backward reuses it instead of rebuilding it)."""
     if cu_seqlens is not None:
-        return Plan(x, B, cu_seqlens, chunk_size)
+        return Plan(x, B, cu_seqlens, chunk_size, table)
     key = (x.shape, B.shape, chunk_size, x.device)
     pl = _PLANS.get(key)
     if pl is None:
@@ -167,10 +168,26 @@ def plan(x, B, cu_seqlens, chunk_size):
     return pl
 
 
+def num_chunk_blocks(b, t, nseq, chunk_size, varlen):
+    """Plan.NCB from the shapes alone (ints or SymInts, for the custom op's fake): chunk slots of the call."""
+    return t // chunk_size + nseq if varlen else b * max(1, -(-t // chunk_size))
+
+
+def table_layout(nseq, ncb):
+    """(offsets of cu, chunk_first, chunk_t0, chunk_len in the int32 chunk table, its length) for packed documents;
+    each part starts at a multiple of 4 elements: 16-byte aligned pointers, as the kernels were compiled for (an
+    unaligned one would compile another variant of each kernel)."""
+    offs, n = [], 0
+    for size in (nseq + 1, nseq + 1, ncb, ncb):
+        offs.append(n)
+        n = n + -(-size // 4) * 4
+    return offs, n
+
+
 class Plan:
     """Shapes, block sizes and the chunk table of one call (shared by forward and backward)."""
 
-    def __init__(self, x, B, cu_seqlens, chunk_size):
+    def __init__(self, x, B, cu_seqlens, chunk_size, table=None):
         b, t, h, p = x.shape
         g, n = B.shape[2], B.shape[3]
         L = chunk_size
@@ -179,26 +196,32 @@ class Plan:
         self.BT = b * t
         self.varlen = cu_seqlens is not None
         dev = x.device
+        self.table = None  # packed documents: the int32 chunk table, one buffer (see below)
         if self.varlen:
-            cu = cu_seqlens.to(device=dev, dtype=torch.int64)
-            self.nseq = cu.numel() - 1
-            lens = cu[1:] - cu[:-1]
-            nch = (lens + L - 1) // L
-            first = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0)])
-            self.NCB = t // L + self.nseq  # upper bound on the number of chunks (no host sync)
-            j = torch.arange(self.NCB, device=dev)
-            s = torch.searchsorted(first[1:], j, right=True).clamp_max(self.nseq - 1)
-            t0 = cu[s] + (j - first[s]) * L
-            clen = torch.where(j < first[-1], torch.minimum(cu[s + 1] - t0, torch.full_like(t0, L)), 0)
-            self.cu = cu.to(torch.int32)
-            self.chunk_first = first.to(torch.int32)
-            self.chunk_t0 = t0.to(torch.int32)
-            self.chunk_len = clen.to(torch.int32)
+            self.nseq = cu_seqlens.numel() - 1
+            self.NCB = num_chunk_blocks(b, t, self.nseq, L, True)  # upper bound on the chunks (no host sync)
+            # cu | chunk_first | chunk_t0 | chunk_len in one int32 buffer: one tensor for the backward to reuse
+            offs, total = table_layout(self.nseq, self.NCB)
+            sizes = (self.nseq + 1, self.nseq + 1, self.NCB, self.NCB)
+            if table is None:
+                cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+                lens = cu[1:] - cu[:-1]
+                nch = (lens + L - 1) // L
+                first = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0)])
+                j = torch.arange(self.NCB, device=dev)
+                s = torch.searchsorted(first[1:], j, right=True).clamp_max(self.nseq - 1)
+                t0 = cu[s] + (j - first[s]) * L
+                clen = torch.where(j < first[-1], torch.minimum(cu[s + 1] - t0, torch.full_like(t0, L)), 0)
+                table = torch.empty(total, dtype=torch.int32, device=dev)
+                for o, n, v in zip(offs, sizes, (cu, first, t0, clen)):
+                    table[o:o + n].copy_(v)
+            self.table = table
+            self.cu, self.chunk_first, self.chunk_t0, self.chunk_len = (table[o:o + n] for o, n in zip(offs, sizes))
             self.NC = 0
         else:
             self.nseq = b
             self.NC = max(1, -(-t // L))
-            self.NCB = b * self.NC
+            self.NCB = num_chunk_blocks(b, t, b, L, False)
             dummy = _dummy_i32(dev)
             self.cu = self.chunk_first = self.chunk_t0 = self.chunk_len = dummy
         self.BPF = p2(p)

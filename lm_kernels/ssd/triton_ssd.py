@@ -1,4 +1,5 @@
-"""Triton SSD scan: the launches (forward 3 kernels, backward 5-6) and the torch.autograd.Function.
+"""Triton SSD scan: the launches (forward 3 kernels, backward 5-6) and the custom operators lm::ssd_scan_fwd /
+lm::ssd_scan_bwd with their autograd formula (one node each in a torch.compile graph).
 
 Forward:  dtcb_fwd (dt bias / softplus / clamp with the in-chunk cumsum of dt*A, and C.B per chunk and group)
           -> state_fwd (every chunk's start state; the final state)
@@ -8,12 +9,16 @@ Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate) -> dcb_bwd (pe
           decay * dt) -> dx_bwd (dx, and the intra-chunk d(dt*A) shares) -> dbdc_bwd (dB, dC, the state part of
           d(dt*A)) -> dt_bwd (ddt, dA, ddt_bias).
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs outside
-autograd: nothing is saved and the pre-gate output is not stored. The chunk size must be a power of two >= 16.
+autograd: nothing is saved and the pre-gate output is not stored. With grad, the backward reads the inputs and the
+forward's dt / cumsum, chunk start states, C.B, pre-gate output (with z) and the chunk table (packed documents).
+The chunk size must be a power of two >= 16.
 Accumulation is float32; chunk start states are kept in bfloat16 for bfloat16 inputs (they enter the
 tensor-core products in that dtype anyway), else in float32; so is C.B (per chunk and group, read by every head).
 float32 inputs use tf32 products unless torch.get_float32_matmul_precision() == "highest".
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -24,23 +29,32 @@ from .common import check_scan_args
 from .launch import cdiv, dot_dt, dot_prec, limits, p2, tune_key
 
 
+def state_dtype(dtype):
+    """Chunk start states: bfloat16 for bfloat16 inputs, else float32 (see the module docstring)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def cb_dtype(dtype):
+    """C.B per chunk and group: the 16-bit input dtype, else float32."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save):
     dev = x.device
     H, P, N, L = pl.H, pl.P, pl.N, pl.L
     has_limit, lo, hi = limits(dt_limit)
-    dtp, cs = torch.empty(2, H, pl.BT, dtype=torch.float32, device=dev).unbind(0)
+    dtcs = torch.empty(2, H, pl.BT, dtype=torch.float32, device=dev)  # processed dt | in-chunk cumsum of dt*A
+    dtp, cs = dtcs.unbind(0)
     final = torch.empty(pl.nseq, H, P, N, dtype=torch.float32, device=dev) if want_final else None
     prec, ddt = dot_prec(x.dtype), dot_dt(x.dtype)
-    cb_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype, device=dev)
+    CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype(x.dtype), device=dev)
     tk = tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state)
     ln.launch(ln._dtcb_fwd, ("dtcb", tk), (pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK) + cdiv(H, pl.BH)), (
         dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, B, C, CB, pl.chunk_t0, pl.chunk_len,
         pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2), lo, hi),
         dict(L=L, BH=pl.BH, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
              HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt))
-    state_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype, device=dev)  # (p, n) per (chunk, head)
+    states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype(x.dtype), device=dev)  # (p, n) per (chunk, head)
     ln.launch(ln._state_fwd, ("state", tk), lambda META: (cdiv(P, META["BP"]) * cdiv(N, pl.BN), H, pl.nseq), (
         x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
         final if final is not None else dtp, pl.cu, pl.chunk_first,
@@ -65,13 +79,14 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
     else:
         ln.launch(ln._scan_fwd2, ("scan2", tk), lambda META: (cdiv(L, META["BM"]) * cdiv(P, META["BP"]), H, pl.NCB),
                   scan_args, flags)
-    return y, final, (dtp, cs, states, CB, ypre if store_pre else y)
+    return y, final, dtcs, states, CB, ypre
 
 
-def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, aux):
+def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states, CB,
+              ypre):
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
-    dtp, cs, states, CB, ypre = aux
+    dtp, cs = dtcs.unbind(0)
     prec, ddt_ = dot_prec(x.dtype), dot_dt(x.dtype)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -153,32 +168,120 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
 
 
-class SSDScanFn(torch.autograd.Function):
-    """Autograd wrapper; inputs arrive already checked and laid out by ssd_scan_triton."""
+# --- the custom operators -------------------------------------------------------------------------------------------
+# lm::ssd_scan_fwd / lm::ssd_scan_bwd are the one way the Triton scan is called, eager and under torch.compile:
+# dynamo records them as single nodes of the graph (their fakes give the output shapes), so a compiled Mamba2 block
+# stays one graph around the scan. Absent optional outputs are 0-element tensors (a custom op returns no None).
+# Inputs are read through their strides (x, B, C, z: last dim contiguous, B and C with equal strides; _prep): the
+# exact-stride tag makes inductor pass them with the strides they had when traced, and _prep inside the ops is then
+# a no-op (it only copies a layout the kernels cannot read, as ssd_scan_triton would have before the call).
+_TAGS = (getattr(torch.Tag, "needs_exact_strides", torch.Tag.needs_fixed_stride_order),)
 
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus, dt_limit,
-                return_final_state):
-        pl = ln.plan(x, B, cu_seqlens, chunk_size)
-        y, final, aux = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit,
-                                 return_final_state, save=True)
-        dtp, cs, states, CB, ypre = aux
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, CB,
-                              ypre if z is not None else None)
-        ctx.plan, ctx.dt_softplus, ctx.dt_limit = pl, dt_softplus, dt_limit
-        return y, final
 
-    @staticmethod
-    def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, z, dt_bias, initial_state, dtp, cs, states, CB, ypre = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros_like(x)
-        grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, ctx.plan, ctx.dt_softplus,
-                          ctx.dt_limit, (dtp, cs, states, CB, ypre))
-        return (*grads, None, None, None, None, None)
+def _nothing(like, dtype=None):
+    return like.new_empty(0, dtype=dtype)
+
+
+@torch.library.custom_op("lm::ssd_scan_fwd", mutates_args=(), tags=_TAGS)
+def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+                 initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], chunk_size: int,
+                 dt_softplus: bool, dt_lo: float, dt_hi: float, return_final_state: bool,
+                 save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor]:
+    """(y, final state (empty unless return_final_state), and what the backward reads: dt and cumsum (2, H, b*t)
+    float32, the chunk start states, C.B, the pre-gate output (empty unless `save` and z), the chunk table of
+    packed documents (int32, empty without cu_seqlens)). Arguments as ssd_scan_triton's, checked there."""
+    x, dt, B, C, z = _prep(x, dt, B, C, z)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    pl = ln.plan(x, B, cu_seqlens, chunk_size)
+    y, final, dtcs, states, CB, ypre = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus,
+                                                (dt_lo, dt_hi), return_final_state, save)
+    return (y, final if final is not None else _nothing(x, torch.float32), dtcs, states, CB,
+            ypre if ypre is not None else _nothing(x), pl.table if pl.table is not None else _nothing(x, torch.int32))
+
+
+@ssd_scan_fwd.register_fake
+def _(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus, dt_lo, dt_hi,
+      return_final_state, save):
+    b, t, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    varlen = cu_seqlens is not None
+    nseq = cu_seqlens.shape[0] - 1 if varlen else b
+    ncb = ln.num_chunk_blocks(b, t, nseq, chunk_size, varlen)
+    f32 = torch.float32
+    return (x.new_empty(b, t, h, p),
+            x.new_empty(nseq, h, p, n, dtype=f32) if return_final_state else _nothing(x, f32),
+            x.new_empty(2, h, b * t, dtype=f32),
+            x.new_empty(ncb, h, p, n, dtype=state_dtype(x.dtype)),
+            x.new_empty(ncb, g, chunk_size, chunk_size, dtype=cb_dtype(x.dtype)),
+            x.new_empty(b, t, h, p) if save and z is not None else _nothing(x),
+            x.new_empty(ln.table_layout(nseq, ncb)[1], dtype=torch.int32) if varlen else _nothing(x, torch.int32))
+
+
+@torch.library.custom_op("lm::ssd_scan_bwd", mutates_args=(), tags=_TAGS)
+def ssd_scan_bwd(dy: Optional[torch.Tensor], dfinal: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor,
+                 A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor],
+                 z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                 cu_seqlens: Optional[torch.Tensor], dtcs: torch.Tensor, states: torch.Tensor, CB: torch.Tensor,
+                 ypre: Optional[torch.Tensor], table: Optional[torch.Tensor], chunk_size: int, dt_softplus: bool,
+                 dt_lo: float, dt_hi: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    """(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_state), the last four empty where that input is None.
+    dy / dfinal None: no gradient reaches y / the final state. dtcs .. table: ssd_scan_fwd's outputs."""
+    x, dt, B, C, z = _prep(x, dt, B, C, z)
+    if z is not None and (ypre is None or ypre.shape != x.shape):
+        raise ValueError("ssd_scan_bwd: with z the forward must have run with save=True (it stores the pre-gate y)")
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    pl = ln.plan(x, B, cu_seqlens, chunk_size, table)
+    if dy is None:
+        dy = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, (dt_lo, dt_hi),
+                      dtcs, states, CB, ypre)
+    return tuple(v if v is not None else _nothing(x) for v in grads)
+
+
+@ssd_scan_bwd.register_fake
+def _(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB, ypre, table, chunk_size,
+      dt_softplus, dt_lo, dt_hi):
+    def like(v):
+        return v.new_empty(v.shape) if v is not None else _nothing(x)
+
+    return (x.new_empty(x.shape), like(dt), like(A), like(B), like(C), like(D), like(z), like(dt_bias),
+            like(initial_state))
+
+
+def _ssd_setup_context(ctx, inputs, output):
+    (x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus, dt_lo, dt_hi,
+     return_final_state, _save) = inputs
+    _y, _final, dtcs, states, CB, ypre, table = output
+    ctx.mark_non_differentiable(dtcs, states, CB, ypre, table)
+    ctx.set_materialize_grads(False)  # an unused output gets None, not a zero-filled gradient
+    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB,
+                          ypre if z is not None else None, table if cu_seqlens is not None else None)
+    ctx.args = (chunk_size, dt_softplus, dt_lo, dt_hi)
+    ctx.return_final_state = return_final_state
+
+
+def _ssd_backward(ctx, dy, dfinal, *_aux):
+    x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB, ypre, table = ctx.saved_tensors
+    grads = torch.ops.lm.ssd_scan_bwd(dy, dfinal if ctx.return_final_state else None, x, dt, A, B, C, D, z, dt_bias,
+                                      initial_state, cu_seqlens, dtcs, states, CB, ypre, table, *ctx.args)
+    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
+    return (dx, ddt, dA, dB, dC, dD if D is not None else None, dz if z is not None else None,
+            ddt_bias if dt_bias is not None else None, dinit if initial_state is not None else None,
+            None, None, None, None, None, None, None)
+
+
+ssd_scan_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup_context)
 
 
 def _prep(x, dt, B, C, z):
+    """The layout the kernels read: x, B, C, z with a contiguous last dim, B and C with the same strides, dt
+    contiguous (copies only what is not laid out so)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     dt = dt.contiguous()
@@ -191,8 +294,11 @@ def _prep(x, dt, B, C, z):
 
 def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
                     dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None, return_final_state=False):
-    """Triton SSD scan; same contract as lm_kernels.ssd.ssd_scan. Returns (y, final_state or None)."""
-    check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit)
+    """Triton SSD scan; same contract as lm_kernels.ssd.ssd_scan. Returns (y, final_state or None).
+    Under torch.compile the values of cu_seqlens are not read on the host (that would break the graph): check
+    them before (lm_kernels.varlen.check_cu_seqlens)."""
+    check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
+                    values=not torch.compiler.is_compiling())
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"ssd (triton backend): chunk_size must be a power of two >= 16, got {chunk_size}")
     for name, v in (("x", x), ("B", B), ("C", C)):
@@ -207,12 +313,10 @@ def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=N
     x, dt, B, C, z = _prep(x, dt, B, C, z)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(x.device)
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if needs_grad:
-        return SSDScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus,
-                               tuple(dt_limit), return_final_state)
-    pl = ln.plan(x, B, cu_seqlens, chunk_size)
-    y, final, _ = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit,
-                           return_final_state, save=False)
-    return y, final
+    out = torch.ops.lm.ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus,
+                                    float(dt_limit[0]), float(dt_limit[1]), return_final_state, needs_grad)
+    return out[0], (out[1] if return_final_state else None)
