@@ -93,6 +93,14 @@ def test_triton_odd_sizes_varlen(heads, groups):
     compare(d, torch.float32, 2e-5, chunk_size=16, cu_seqlens=cu, dt_limit=(0.0, 3.0))
 
 
+def test_triton_varlen_block_sizes_follow_dstate_not_chunk_count():
+    """Packed documents at a dstate (64) whose block sizes differ from those of the chunk-slot count (NCB = 8 here):
+    the plan's packed-table set-up must not touch the dstate it sizes the n blocks from."""
+    lens = [50, 0, 70, 1, 36]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    compare(make(1, sum(lens), 2, 16, 1, 64, ns=len(lens)), torch.float32, 2e-5, chunk_size=32, cu_seqlens=cu)
+
+
 def rounded(d, dtype):
     """The inputs rounded to `dtype` (kept float32), so that the float64 reference sees what the kernels see."""
     return {k: v.to(dtype).float() for k, v in d.items()}

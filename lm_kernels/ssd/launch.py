@@ -213,10 +213,10 @@ class Plan:
                 t0 = cu[s] + (j - first[s]) * L
                 clen = torch.where(j < first[-1], torch.minimum(cu[s + 1] - t0, torch.full_like(t0, L)), 0)
                 table = torch.empty(total, dtype=torch.int32, device=dev)
-                for o, n, v in zip(offs, sizes, (cu, first, t0, clen)):
-                    table[o:o + n].copy_(v)
+                for o, size, v in zip(offs, sizes, (cu, first, t0, clen)):
+                    table[o:o + size].copy_(v)
             self.table = table
-            self.cu, self.chunk_first, self.chunk_t0, self.chunk_len = (table[o:o + n] for o, n in zip(offs, sizes))
+            self.cu, self.chunk_first, self.chunk_t0, self.chunk_len = (table[o:o + size] for o, size in zip(offs, sizes))
             self.NC = 0
         else:
             self.nseq = b
