@@ -339,7 +339,9 @@ def check_recompute_is_the_saving_forward(ins, nh, chunk, cu=None):
     w = tc._prep(q, k, beta, g, gc, Tm, aqk, meta, w_only=False)
     o1, ht1, hs1, vn1, aqkt1 = tc._sequential(q, k, v, beta, h0, gc, Tm, w, aqk, meta, out=True, save=True, final=True)
     o, ht, (gc2, Tm2) = tc._fwd(q, k, v, beta, g, h0, meta)
-    assert torch.equal(gc2, gc) and torch.equal(Tm2, Tm)
+    # T's entries above each chunk's diagonal are never written (torch.empty: whatever the memory held), so T is
+    # compared through what is made of it: W below, rebuilt from the forward's T, equals the one-pass W
+    assert torch.equal(gc2, gc)
     assert torch.equal(o, o1) and torch.equal(ht, ht1)
     w2, hs2, vn2, aqkt2 = tc._recompute(q, k, v, beta, h0, gc2, Tm2, meta)
     assert torch.equal(w2, w) and torch.equal(hs2, hs1) and torch.equal(vn2, vn1)

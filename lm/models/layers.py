@@ -22,6 +22,22 @@ from lm_kernels.swiglu import silu_mul_triton
 from lm_kernels.varlen import position_in_document  # noqa: F401  (the models import it from here)
 
 
+def _rms_norm_math(x, z, weight, group: int, eps: float):
+    """(y in x's dtype, rstd per group in float32 or wider): the (gated, grouped) RMSNorm's forward formula."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(x.device.type, enabled=False):
+        u = x.to(acc)
+        if z is not None:
+            u = u * F.silu(z.to(acc))
+        shape = u.shape
+        ug = u.reshape(*shape[:-1], shape[-1] // group, group)
+        rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
+        y = (ug * rstd).reshape(shape)
+        if weight is not None:
+            y = y * weight.to(acc)
+    return y.to(x.dtype), rstd
+
+
 class _RMSNormFn(torch.autograd.Function):
     """(Gated, grouped) RMSNorm that saves only its inputs and the per-group rstd for backward.
 
@@ -32,20 +48,10 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, z, weight, group: int, eps: float):
-        acc = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
-            u = x.to(acc)
-            if z is not None:
-                u = u * F.silu(z.to(acc))
-            shape = u.shape
-            ug = u.reshape(*shape[:-1], shape[-1] // group, group)
-            rstd = torch.rsqrt(ug.pow(2).mean(-1, keepdim=True) + eps)
-            y = (ug * rstd).reshape(shape)
-            if weight is not None:
-                y = y * weight.to(acc)
+        y, rstd = _rms_norm_math(x, z, weight, group, eps)
         ctx.save_for_backward(x, z, weight, rstd)
         ctx.group = group
-        return y.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -98,7 +104,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, z: torch.
              group_size: int | None = None) -> torch.Tensor:
     """y = u / rms(u) * weight with u = x * silu(z) (or x), per group of `group_size` channels (default:
     all); computed in at least float32 and returned in x's dtype. Without autograd on CUDA one Triton kernel
-    (see `_kernel_forward`), else the PyTorch formula with its own backward (_RMSNormFn)."""
+    (see `_kernel_forward`); under torch.compile the formula, traced; else the formula with its own backward
+    (_RMSNormFn: saves only x, z and rstd)."""
+    if torch.compiler.is_compiling():
+        # the formula itself: inductor fuses it and AOTAutograd derives its backward. The autograd Function traced
+        # by dynamo lost its gradient on the GPU image (torch 2.11, CUDA: zero gradients for x, z and the weight
+        # of a compiled norm, tests/test_models_compile_gpu.py)
+        return _rms_norm_math(x, z, weight, group_size or x.shape[-1], eps)[0]
     if _kernel_forward("rmsnorm", x, z, weight):
         return rms_norm_triton(x, weight, eps, z=z, group_size=group_size)
     return _RMSNormFn.apply(x, z, weight, group_size or x.shape[-1], eps)
