@@ -68,3 +68,28 @@ def test_compiled_blocks_give_eager_gradients(preset, implicit):
     assert not bad, bad
     flat = rel(torch.cat([gc[n].flatten() for n in names]), torch.cat([ge[n].flatten() for n in names]))
     assert flat < 0.1, flat
+
+
+def test_whole_model_compiled_gives_eager_gradients():
+    """torch.compile over a whole model (not the trainer's per-block compile): the fused loss runs as an eager island
+    (lm.models.loss._chunked_loss), the norms as traced formulas; gradients equal eager's."""
+    from transformers import AutoModelForCausalLM
+
+    import lm  # noqa: F401  (registration)
+    from lm.models.presets import load_config
+
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(load_config("lm_llama-tiny")).cuda()
+    compiled = copy.deepcopy(eager)
+    ids = torch.randint(1, eager.config.vocab_size, (2, 128), device="cuda")
+    torch._dynamo.reset()
+    fn = torch.compile(compiled)
+    for m, f in ((eager, eager), (compiled, fn)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            f(ids, labels=ids).loss.backward()
+    names = [n for n, p in eager.named_parameters() if p.grad is not None]
+    got = dict(compiled.named_parameters())
+    assert all(got[n].grad is not None for n in names)
+    bad = {n: rel(got[n].grad, dict(eager.named_parameters())[n].grad) for n in names}
+    bad = {n: v for n, v in bad.items() if v > 0.15}
+    assert not bad, bad

@@ -145,11 +145,18 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         raise ValueError(f"h is {h.dtype} and weight {weight.dtype}: cast one, or run under torch.autocast")
     if impl is None:
         impl = "grad_in_forward" if (h.is_cuda and h.dtype != torch.float64 and _triton_ok()) else "recompute"
-    h2, t2 = h.reshape(-1, d), targets.reshape(-1)
-    with torch.autocast(dev, enabled=False):
+    return _chunked_loss(h.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens, ignore_index, impl)
+
+
+# An eager island under torch.compile (a whole compiled model): dynamo-traced autograd Functions lost their gradient
+# on the GPU image (torch 2.11, CUDA; seen with the RMSNorm's, lm.models.layers.rms_norm), and the grad-in-forward
+# Function launches Triton kernels with host-side chunking anyway.
+@torch.compiler.disable
+def _chunked_loss(h2, weight, t2, chunk_tokens: int, ignore_index: int, impl: str):
+    with torch.autocast(h2.device.type, enabled=False):
         if impl == "recompute":
             return _LinearCrossEntropy.apply(h2, weight, t2, chunk_tokens, ignore_index)
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        if torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad):
             return _LinearCrossEntropyGradInForward.apply(h2.contiguous(), weight, t2, chunk_tokens, ignore_index)
         return _forward_only_loss(h2, weight, t2, chunk_tokens, ignore_index)
 
