@@ -217,3 +217,23 @@ def test_mamba2_block_compiles_as_one_graph(use, monkeypatch, tmp_path):
     torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-5)
     for a, b in zip(g_c, g_e):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_model_checks_packed_offsets_once_before_compiled_blocks(monkeypatch, tmp_path):
+    """The compiled blocks' kernels take cu_seqlens unread (a host read would break the graph), so the model checks
+    the offsets once per forward, outside the blocks: offsets that do not end at the sequence length are refused with
+    an error naming them, before any block runs."""
+    from transformers import AutoModelForCausalLM
+
+    import lm  # noqa: F401  (registration)
+    from lm.models.presets import load_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(load_config("lm_mamba2-tiny"))
+    for layer in m.model.layers:
+        layer.compile(backend="eager")
+    ids = torch.randint(1, m.config.vocab_size, (1, 40))
+    assert torch.isfinite(m(ids, labels=ids, cu_seqlens=_cu([7, 23, 10])).loss)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing from 0 to seq_len \(40\)"):
+        m(ids, labels=ids, cu_seqlens=_cu([7, 23, 20]))

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from lm_kernels.varlen import check_cu_seqlens
+
 from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache
 from .config import ImplicitSettings, LMConfig
@@ -255,6 +257,9 @@ class LMModel(LMPreTrainedModel):
         simultaneous mode and commits their states in one pass, "sequential" solves them token by token (the
         generation mode run on the prompt); None = the config's `prefill` field where it has one (FP-Mamba),
         else "parallel"."""
+        if cu_seqlens is not None and not torch.compiler.is_compiling():
+            # once per forward, here: the compiled blocks' kernels take the offsets unread (no host sync inside a graph)
+            check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1], "model")
         emb = self.embed_tokens(input_ids)
         settings = self.config.implicit
         if settings is not None and self.injection is None:
