@@ -48,3 +48,14 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, *, fits:
             raise ValueError(f"{op}: backend='triton' on a {device.type} tensor needs TRITON_INTERPRET=1 set before "
                              "triton is imported; use backend='reference' on CPU")
     return backend
+
+
+# The Triton ops' custom operators (lm::ssd_scan_*, lm::causal_conv1d_*) read their inputs through their strides:
+# the exact-stride tag (torch >= 2.8; older: fixed stride order) makes inductor pass each input with the strides it
+# had when traced, so a split view of a projection stays a view.
+CUSTOM_OP_TAGS = (getattr(torch.Tag, "needs_exact_strides", torch.Tag.needs_fixed_stride_order),)
+
+
+def absent(like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A custom operator's absent optional output (it cannot return None): 0 elements, on `like`'s device."""
+    return like.new_empty(0, dtype=dtype)

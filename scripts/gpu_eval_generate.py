@@ -45,15 +45,14 @@ def _direct(args) -> int:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     docs = [json.loads(line)["context"] for line in open(Path(args.tasks_dir) / "generate.jsonl")]
-    nl = tok.encode("\n", add_special_tokens=False)
+    nl = torch.tensor(tok.encode("\n", add_special_tokens=False))
 
     class StopAtNewline(StoppingCriteria):
         def __init__(self, start):
             self.start = start
 
-        def __call__(self, input_ids, scores, **kw):
-            new = input_ids[:, self.start:]
-            return torch.tensor([bool(set(r.tolist()) & set(nl)) for r in new], device=input_ids.device)
+        def __call__(self, input_ids, scores, **kw):  # per row: a newline token among the generated ones
+            return torch.isin(input_ids[:, self.start:], nl.to(input_ids.device)).any(1)
 
     rows = []
     for preset in args.presets.split(","):
@@ -62,20 +61,20 @@ def _direct(args) -> int:
         model = AutoModelForCausalLM.from_config(load_config(preset)).to(dev, torch.bfloat16).eval()
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
         for decode in ("auto", "eager"):
-            def run(batches):
+            def run(n_docs):
                 n = 0
-                for i in range(0, len(batches) * 16, 16):
+                for i in range(0, n_docs, 16):
                     enc = tok(docs[i:i + 16], return_tensors="pt", padding=True).to(dev)
+                    stop = StoppingCriteriaList([StopAtNewline(enc.input_ids.shape[1])])
                     with torch.no_grad():
                         out = model.generate(**enc, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id,
-                                             stopping_criteria=StoppingCriteriaList([StopAtNewline(enc.input_ids.shape[1])]),
-                                             decode=decode)
+                                             stopping_criteria=stop, decode=decode)
                     n += out.shape[0] * (out.shape[1] - enc.input_ids.shape[1])
                 return n
-            run([0])
+            run(16)  # warm-up: one batch
             sync()
             t0 = time.perf_counter()
-            n = run(list(range(-(-len(docs) // 16))))
+            n = run(len(docs))
             sync()
             wall = time.perf_counter() - t0
             rows.append({"preset": preset, "decode": decode, "wall_s": wall, "requests": len(docs), "tokens": n})

@@ -78,6 +78,21 @@ def test_two_rank_zero2_train_checkpoint_resume(tmp_path, tmp_path_factory):
         assert resumed[s] == pytest.approx(losses[s], rel=1e-5), (s, resumed[s], losses[s])
 
 
+def _run_one_process(script):
+    """Run a training script as one process on CPU (DeepSpeed's CPU accelerator, no launcher's rank variables)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def _printed(p, tag: str):
+    """The JSON a script printed after `tag `."""
+    return json.loads(next(line for line in p.stdout.splitlines() if line.startswith(tag + " "))[len(tag) + 1:])
+
+
 def test_deepspeed_single_process_skips_nan_step_and_reinitialises(tmp_path, tmp_path_factory):
     """DeepSpeed engine in one process: a NaN loss is skipped (DeepSpeed drops the update), training
     goes on; a second train() in the same process reuses the process group."""
@@ -98,11 +113,7 @@ for name in ("a", "b"):
               hooks={{"after_forward": hook}})
 shutdown()
 """)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
+    _run_one_process(script)
     la, ra = _losses(tmp_path / "a")
     lb, _ = _losses(tmp_path / "b")
     assert la[3] == "nan" and [r["step"] for r in ra if r.get("event") == "skip"] == [3]
@@ -136,12 +147,8 @@ train(_cfg({str(tmp_path)!r} + "/r", {str(data)!r}, train={{"engine": "deepspeed
 shutdown()
 print("CALLS", json.dumps(calls))
 """)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    calls = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("CALLS "))[6:])
+    p = _run_one_process(script)
+    calls = _printed(p, "CALLS")
     assert [s for s in calls if s >= 3] == [], calls
 
 
@@ -184,12 +191,8 @@ train(_cfg({str(tmp_path)!r} + "/r", {str(data)!r}, train={{"engine": "deepspeed
 shutdown()
 print("PAIRS", json.dumps(pairs))
 """)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    pairs = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("PAIRS "))[6:])
+    p = _run_one_process(script)
+    pairs = _printed(p, "PAIRS")
     overs = [(a, b) for k, a, b in pairs if k == "overflow"]
     norms = [(a, b) for k, a, b in pairs if k == "norm"]
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in norms), pairs

@@ -106,14 +106,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, z: torch.
     all); computed in at least float32 and returned in x's dtype. Without autograd on CUDA one Triton kernel
     (see `_kernel_forward`); under torch.compile the formula, traced; else the formula with its own backward
     (_RMSNormFn: saves only x, z and rstd)."""
+    group = group_size or x.shape[-1]
     if torch.compiler.is_compiling():
         # the formula itself: inductor fuses it and AOTAutograd derives its backward. The autograd Function traced
         # by dynamo lost its gradient on the GPU image (torch 2.11, CUDA: zero gradients for x, z and the weight
         # of a compiled norm, tests/test_models_compile_gpu.py)
-        return _rms_norm_math(x, z, weight, group_size or x.shape[-1], eps)[0]
+        return _rms_norm_math(x, z, weight, group, eps)[0]
     if _kernel_forward("rmsnorm", x, z, weight):
         return rms_norm_triton(x, weight, eps, z=z, group_size=group_size)
-    return _RMSNormFn.apply(x, z, weight, group_size or x.shape[-1], eps)
+    return _RMSNormFn.apply(x, z, weight, group, eps)
 
 
 class RMSNorm(nn.Module):

@@ -115,8 +115,8 @@ def _fused_zero_grad_checks(opt) -> None:
     takes every gradient's norm in float64, one tensor at a time: ~4000 small kernel launches per step for a 48-layer
     model, during which the device idles until the host has launched them all (lm/train/BENCH.md, DeepSpeed's cost).
     Here both are `torch._foreach_norm` over the same gradients (the max-norm propagates NaN and exposes inf: an
-    overflow exactly where any element is non-finite; the 2-norm per tensor, summed in float64) followed by DeepSpeed's own reductions across ranks. Other optimizers (ZeRO-3, none) are left as they
-    are."""
+    overflow exactly where any element is non-finite; the 2-norm per tensor, summed in float64) followed by
+    DeepSpeed's own reductions across ranks. Other optimizers (ZeRO-3, none) are left as they are."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or getattr(opt, "has_moe_layers", False):

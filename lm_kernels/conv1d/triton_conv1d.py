@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import autotune
+from ..backend import CUSTOM_OP_TAGS, absent
 from . import triton_kernels as K
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -176,14 +177,7 @@ def _add_new_state_grad(dns, dx, dstate, t, w):
 # torch.compile (one node each in the graph, so a compiled block is not split at the conv). x is read through its
 # strides (channels contiguous): the exact-stride tag makes inductor pass it with the strides it had when traced (a
 # split view of a projection stays a view); a layout the kernels cannot read is copied inside (never, as called).
-_TAGS = (getattr(torch.Tag, "needs_exact_strides", torch.Tag.needs_fixed_stride_order),)
-
-
-def _nothing(like):
-    return like.new_empty(0)
-
-
-@torch.library.custom_op("lm::causal_conv1d_fwd", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("lm::causal_conv1d_fwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
 def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       conv_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                       silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +193,7 @@ def _(x, weight, bias, conv_state, cu_seqlens, silu):
     return x.new_empty(b, t, c), x.new_empty(b, c, weight.shape[-1] - 1)
 
 
-@torch.library.custom_op("lm::causal_conv1d_bwd", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("lm::causal_conv1d_bwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
 def causal_conv1d_bwd(dy: Optional[torch.Tensor], dnew_state: Optional[torch.Tensor], x: torch.Tensor,
                       weight: torch.Tensor, bias: Optional[torch.Tensor], conv_state: Optional[torch.Tensor],
                       cu_seqlens: Optional[torch.Tensor], silu: bool,
@@ -215,14 +209,14 @@ def causal_conv1d_bwd(dy: Optional[torch.Tensor], dnew_state: Optional[torch.Ten
     dx, dweight, dbias, dstate = conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu, state_grad)
     if dnew_state is not None and w > 1:
         _add_new_state_grad(dnew_state, dx, dstate, t, w)
-    return dx, dweight, dbias if dbias is not None else _nothing(x), dstate if dstate is not None else _nothing(x)
+    return dx, dweight, dbias if dbias is not None else absent(x), dstate if dstate is not None else absent(x)
 
 
 @causal_conv1d_bwd.register_fake
 def _(dy, dnew_state, x, weight, bias, conv_state, cu_seqlens, silu, state_grad):
     return (x.new_empty(x.shape), weight.new_empty(weight.shape),
-            bias.new_empty(bias.shape) if bias is not None else _nothing(x),
-            conv_state.new_empty(conv_state.shape) if state_grad else _nothing(x))
+            bias.new_empty(bias.shape) if bias is not None else absent(x),
+            conv_state.new_empty(conv_state.shape) if state_grad else absent(x))
 
 
 def _conv_setup_context(ctx, inputs, output):

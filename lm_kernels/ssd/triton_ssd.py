@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..backend import CUSTOM_OP_TAGS, absent
 from . import launch as ln
 from .backward import gate_bwd_kernel
 from .backward_dx import dt_bwd_kernel
@@ -175,14 +176,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
 # Inputs are read through their strides (x, B, C, z: last dim contiguous, B and C with equal strides; _prep): the
 # exact-stride tag makes inductor pass them with the strides they had when traced, and _prep inside the ops is then
 # a no-op (it only copies a layout the kernels cannot read, as ssd_scan_triton would have before the call).
-_TAGS = (getattr(torch.Tag, "needs_exact_strides", torch.Tag.needs_fixed_stride_order),)
-
-
-def _nothing(like, dtype=None):
-    return like.new_empty(0, dtype=dtype)
-
-
-@torch.library.custom_op("lm::ssd_scan_fwd", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("lm::ssd_scan_fwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
 def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                  D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
                  initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], chunk_size: int,
@@ -198,8 +192,8 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     pl = ln.plan(x, B, cu_seqlens, chunk_size)
     y, final, dtcs, states, CB, ypre = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus,
                                                 (dt_lo, dt_hi), return_final_state, save)
-    return (y, final if final is not None else _nothing(x, torch.float32), dtcs, states, CB,
-            ypre if ypre is not None else _nothing(x), pl.table if pl.table is not None else _nothing(x, torch.int32))
+    return (y, final if final is not None else absent(x, torch.float32), dtcs, states, CB,
+            ypre if ypre is not None else absent(x), pl.table if pl.table is not None else absent(x, torch.int32))
 
 
 @ssd_scan_fwd.register_fake
@@ -212,15 +206,15 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_s
     ncb = ln.num_chunk_blocks(b, t, nseq, chunk_size, varlen)
     f32 = torch.float32
     return (x.new_empty(b, t, h, p),
-            x.new_empty(nseq, h, p, n, dtype=f32) if return_final_state else _nothing(x, f32),
+            x.new_empty(nseq, h, p, n, dtype=f32) if return_final_state else absent(x, f32),
             x.new_empty(2, h, b * t, dtype=f32),
             x.new_empty(ncb, h, p, n, dtype=state_dtype(x.dtype)),
             x.new_empty(ncb, g, chunk_size, chunk_size, dtype=cb_dtype(x.dtype)),
-            x.new_empty(b, t, h, p) if save and z is not None else _nothing(x),
-            x.new_empty(ln.table_layout(nseq, ncb)[1], dtype=torch.int32) if varlen else _nothing(x, torch.int32))
+            x.new_empty(b, t, h, p) if save and z is not None else absent(x),
+            x.new_empty(ln.table_layout(nseq, ncb)[1], dtype=torch.int32) if varlen else absent(x, torch.int32))
 
 
-@torch.library.custom_op("lm::ssd_scan_bwd", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("lm::ssd_scan_bwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
 def ssd_scan_bwd(dy: Optional[torch.Tensor], dfinal: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor,
                  A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor],
                  z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
@@ -241,14 +235,14 @@ def ssd_scan_bwd(dy: Optional[torch.Tensor], dfinal: Optional[torch.Tensor], x: 
         dy = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, (dt_lo, dt_hi),
                       dtcs, states, CB, ypre)
-    return tuple(v if v is not None else _nothing(x) for v in grads)
+    return tuple(v if v is not None else absent(x) for v in grads)
 
 
 @ssd_scan_bwd.register_fake
 def _(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB, ypre, table, chunk_size,
       dt_softplus, dt_lo, dt_hi):
     def like(v):
-        return v.new_empty(v.shape) if v is not None else _nothing(x)
+        return v.new_empty(v.shape) if v is not None else absent(x)
 
     return (x.new_empty(x.shape), like(dt), like(A), like(B), like(C), like(D), like(z), like(dt_bias),
             like(initial_state))
