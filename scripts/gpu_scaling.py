@@ -126,6 +126,8 @@ def main(argv=None) -> int:
                     help="global batch = micro x seq_len x this, the same at every world size (8: 8-GPU runs "
                          "are comparable with runs made where fewer GPUs were lent)")
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro", type=int, default=None,
+                    help="micro-batch per GPU for every case (default: each case's own, the CASES table)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4, help="first steps left out of tokens/s (compile, allocator)")
     ap.add_argument("--precision", default="bf16")
@@ -189,6 +191,7 @@ def main(argv=None) -> int:
     def launch(job, gpu_ids):
         case, key, n, engine = job
         preset, overrides, implicit, micro = cases[case]
+        micro = args.micro or micro
         global_tokens = micro * args.seq_len * args.max_world
         name = f"{case}-{'plain' if engine == 'torch' else 'gpu'}{n}"
         run_dir, cfg_path = out / "runs" / name, out / "runs" / f"{name}.json"

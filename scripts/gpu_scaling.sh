@@ -13,6 +13,7 @@
 #
 # Environment: OUT [/tmp/gpu_scaling_out]  GPUS [1,2,4,8 up to the visible count]  CASES [all four]
 #   STEPS [16]  WARMUP [4] (steps left out of tokens/s)  COMPILE [on]  RUN_TIMEOUT [900] (seconds per run)
+#   MICRO [each case's own] (micro-batch per GPU)
 # Carry .gpu (scripts ../shared/tools/gpu-carry.sh .gpu): its wheels (deepspeed, ...) are installed into
 # .gpu/site as scripts/gpu_session.sh does.
 set -u
@@ -42,5 +43,5 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / ${gpus##*,} > 0 ? $(nproc) / ${gpus##*,} : 1 ))}
 fi
 echo "world sizes: $gpus"
-exec python3 scripts/gpu_scaling.py --out "$OUT" --gpus "$gpus" ${CASES:+--cases "$CASES"} --steps "${STEPS:-16}" \
+exec python3 scripts/gpu_scaling.py --out "$OUT" --gpus "$gpus" ${CASES:+--cases "$CASES"} --steps "${STEPS:-16}" ${MICRO:+--micro "$MICRO"} \
   --warmup "${WARMUP:-4}" --compile "${COMPILE:-on}" --timeout "${RUN_TIMEOUT:-900}" "$@"

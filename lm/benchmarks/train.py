@@ -131,7 +131,8 @@ def _profile_rows(prof, n_steps: int, top: int = 40) -> dict:
             rows.append({"name": e.key[:120], "ms_per_step": dev / 1e3 / n_steps, "calls_per_step": e.count / n_steps})
             total += dev / 1e3 / n_steps
     rows.sort(key=lambda r: -r["ms_per_step"])
-    return {"device_ms_per_step": total, "kernels": rows[:top], **_host_rows(prof, n_steps)}
+    return {"device_ms_per_step": total, "kernels": rows[:top], **_host_rows(prof, n_steps),
+            **_idle_rows(prof.events(), n_steps)}
 
 
 _SYNC = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
@@ -154,6 +155,62 @@ def _host_rows(prof, n_steps: int, top: int = 25) -> dict:
         rows.append({"name": e.key[:120], "self_ms_per_step": ms, "calls_per_step": e.count / n_steps})
     rows.sort(key=lambda r: -r["self_ms_per_step"])
     return {"host_sync_ms_per_step": sync_ms, "host_sync_calls_per_step": sync_calls, "host": rows[:top]}
+
+
+def _is_device(e) -> bool:
+    return e.device_type is not None and "cuda" in str(e.device_type).lower()
+
+
+def idle_gaps(device_intervals, min_gap_us: float = 20.0) -> list[tuple[float, float]]:
+    """The device's idle intervals (start, end) between its kernels (intervals in us, any order, overlapping
+    streams merged): gaps shorter than `min_gap_us` (launch spacing) are not idle time."""
+    gaps, end = [], None
+    for s, e in sorted(device_intervals):
+        if end is not None and s - end >= min_gap_us:
+            gaps.append((end, s))
+        end = e if end is None else max(end, e)
+    return gaps
+
+
+def attribute_gaps(gaps, host_events) -> dict[str, float]:
+    """Host time spent inside the device's idle gaps, by event name, as self time: each host event (name, start,
+    end, children [(start, end)]) is charged the part of the gaps it covers minus what its children cover. What
+    the host was doing while the device waited: the code to shorten (or to overlap) for a device-bound step."""
+    import bisect
+
+    gaps = sorted(gaps)
+    starts = [g[0] for g in gaps]
+
+    def covered(s, e):
+        tot = 0.0
+        for gs, ge in gaps[max(0, bisect.bisect_right(starts, s) - 1):bisect.bisect_left(starts, e)]:
+            tot += max(0.0, min(e, ge) - max(s, gs))
+        return tot
+
+    out: dict[str, float] = {}
+    for name, s, e, children in host_events:
+        own = covered(s, e) - sum(covered(cs, ce) for cs, ce in children)
+        if own > 0:
+            out[name] = out.get(name, 0.0) + own
+    return out
+
+
+def _idle_rows(events, n_steps: int, top: int = 20) -> dict:
+    """Device idle time per step inside the profiled window and the host events running during it (self time
+    within the gaps, `attribute_gaps`): a step whose device is idle N ms waits on the host code listed here."""
+    dev = [(e.time_range.start, e.time_range.end) for e in events
+           if _is_device(e) and not e.name.startswith("ProfilerStep")]
+    if not dev:
+        return {}
+    gaps = idle_gaps(dev)
+    host = [(e.name, e.time_range.start, e.time_range.end,
+             [(c.time_range.start, c.time_range.end) for c in e.cpu_children])
+            for e in events if not _is_device(e) and not e.name.startswith("ProfilerStep")]
+    by = attribute_gaps(gaps, host)
+    rows = sorted(({"name": k[:120], "idle_ms_per_step": v / 1e3 / n_steps} for k, v in by.items()),
+                  key=lambda r: -r["idle_ms_per_step"])
+    return {"device_idle_ms_per_step": sum(ge - gs for gs, ge in gaps) / 1e3 / n_steps,
+            "device_idle_gaps_per_step": len(gaps) / n_steps, "idle_host": rows[:top]}
 
 
 def forward_ratio(args) -> dict:
@@ -313,6 +370,11 @@ def main() -> int:
                           f"{pr['host_sync_calls_per_step']:.0f} calls per step; top host events (self ms/step, calls/step):")
                     for k in pr["host"][:15]:
                         print(f"    {k['self_ms_per_step']:8.2f} {k['calls_per_step']:6.0f}  {k['name']}")
+                    if "device_idle_ms_per_step" in pr:
+                        print(f"  device idle {pr['device_idle_ms_per_step']:.1f} ms per step in "
+                              f"{pr['device_idle_gaps_per_step']:.0f} gaps; host events during them (self ms/step):")
+                        for k in pr["idle_host"][:15]:
+                            print(f"    {k['idle_ms_per_step']:8.2f}  {k['name']}")
                 break
             if "out of memory" in text.lower() and micro > 1:
                 micro, accum = micro // 2, accum * 2
