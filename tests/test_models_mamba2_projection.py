@@ -15,10 +15,10 @@ IMPLICIT = dict(max_iter=3, tol=None, phantom_steps=1, damping=1.0)
 
 
 def _fused_project(self, x, injection, part):
-    """The reference: one in_proj output (+ the injection), split into views."""
+    """The reference: one in_proj output (+ the injection as one tensor), split into views."""
     zxbcdt = self.in_proj(x)
     if injection is not None:
-        zxbcdt = zxbcdt + injection
+        zxbcdt = zxbcdt + torch.cat(injection, dim=-1)
     z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
     return {"z": z, "xbc": xbc, "dt": dt}[part]
 

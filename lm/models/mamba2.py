@@ -68,6 +68,7 @@ class Mamba2Mixer(Mixer):
         # in_proj's output columns (and the injection's): z | xBC | dt
         self._cols = {"z": (0, self.d_inner), "xbc": (self.d_inner, self.d_inner + self.conv_dim),
                       "dt": (self.d_inner + self.conv_dim, self.d_inner + self.conv_dim + self.nheads)}
+        self._part_index = {"z": 0, "xbc": 1, "dt": 2}  # the injection's parts (injection_parts)
         lo, hi = config.dt_limit
         self.dt_limit = (float(lo), float("inf") if hi is None else float(hi))
         self.in_proj = nn.Linear(config.hidden_size, self.injection_dim(config), bias=False)
@@ -85,6 +86,11 @@ class Mamba2Mixer(Mixer):
     @staticmethod
     def injection_dim(config) -> int:
         return 2 * config.d_inner + 2 * config.ngroups * config.d_state + config.nheads
+
+    @staticmethod
+    def injection_parts(config) -> tuple[int, ...]:
+        # z | xBC | dt, each added where its own product is used (project)
+        return config.d_inner, config.d_inner + 2 * config.ngroups * config.d_state, config.nheads
 
     def init_weights(self, config) -> None:
         lo, hi = config.A_init_range
@@ -106,7 +112,7 @@ class Mamba2Mixer(Mixer):
         (lm/train/BENCH.md, session 5)."""
         lo, hi = self._cols[part]
         y = F.linear(x, self.in_proj.weight[lo:hi])
-        return y if injection is None else y + injection[..., lo:hi]
+        return y if injection is None else y + injection[self._part_index[part]]
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
@@ -114,7 +120,7 @@ class Mamba2Mixer(Mixer):
         step = cache is not None and t == 1 and "ssm" in state
         z = None
         if step:  # one decode token: in_proj as one product (the step is launch bound; views of a few KB)
-            zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + injection
+            zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + torch.cat(injection, dim=-1)
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
         else:
             xbc, dt = self.project(x, injection, "xbc"), self.project(x, injection, "dt")
