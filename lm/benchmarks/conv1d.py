@@ -88,7 +88,7 @@ def autotuned_configs():
     from lm_kernels.conv1d import triton_conv1d as T
 
     out = {}
-    for name in ("_fwd", "_bwd_g", "_bwd_dx"):
+    for name in ("_fwd", "_bwd"):
         tuner = getattr(T, name)
         out[name.strip("_")] = {str(k): str(v) for k, v in getattr(tuner, "cache", {}).items()}
     return out

@@ -3,15 +3,21 @@
 Every output is summed in float64 (or in the inputs' dtype if wider) straight from the definition:
     y[b, s, c] = act(bias[c] + sum_{j < w, pos_in_doc(s) >= j} weight[c, w-1-j] * in[b, s-j, c])
 with weight and bias rounded to x's dtype first (as the reference does), and
-where in[b, s] = x[b, s] for s >= 0 and conv_state[b, :, w-1+s] for s < 0 (zeros without a state).
+where in[b, s] = x[b, s] (+ x_add[b, s], added in x's dtype) for s >= 0 and conv_state[b, :, w-1+s] for s < 0
+(zeros without a state).
 """
 from __future__ import annotations
 
 import torch
 
+from .reference import check_x_add
 
-def causal_conv1d_naive(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu"):
+
+def causal_conv1d_naive(x, weight, bias=None, *, x_add=None, cu_seqlens=None, conv_state=None, activation="silu"):
     """Same signature and returns as causal_conv1d_reference; differentiable (autograd through the loop)."""
+    if x_add is not None:
+        check_x_add(x, x_add)
+        x = x + x_add
     b, t, c = x.shape
     w = weight.shape[-1]
     dt = torch.promote_types(x.dtype, torch.float64)

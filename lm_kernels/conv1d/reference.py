@@ -3,7 +3,7 @@
 This is the function `lm.models.layers.causal_conv1d` ran before the Triton kernel existed, moved here
 unchanged (lm_kernels/ imports nothing from lm): transpose to (b, c, t), cat the conv state in front,
 F.conv1d with groups = c (or, with cu_seqlens, one shifted product per tap with the taps that cross a
-document start masked), bias, SiLU, all in x's dtype.
+document start masked), bias, SiLU, all in x's dtype. An x_add is added to x first (in x's dtype).
 """
 from __future__ import annotations
 
@@ -13,16 +13,29 @@ import torch.nn.functional as F
 from ..varlen import position_in_document
 
 
+def check_x_add(x: torch.Tensor, x_add: torch.Tensor | None) -> None:
+    """x_add (the optional second input) has x's shape and dtype: ValueError otherwise (no broadcasting, no
+    promotion: the sum is the conv input, in x's dtype)."""
+    if x_add is not None and (x_add.shape != x.shape or x_add.dtype != x.dtype):
+        raise ValueError(f"causal_conv1d: x_add must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+                         f"got {tuple(x_add.shape)} {x_add.dtype}")
+
+
 def causal_conv1d_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    x_add: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     conv_state: torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (b, t, c); weight (c, w); conv_state (b, c, w-1). Returns (y (b, t, c), new state (b, c, w-1))."""
+    """x (b, t, c); weight (c, w); conv_state (b, c, w-1); the conv runs on x + x_add. Returns (y (b, t, c),
+    new state (b, c, w-1))."""
+    if x_add is not None:
+        check_x_add(x, x_add)
+        x = x + x_add
     b, t, c = x.shape
     w = weight.shape[-1]
     xt = x.transpose(1, 2)  # (b, c, t)

@@ -1,6 +1,13 @@
-"""Triton depthwise causal conv1d: launches (forward 1 kernel; backward 2 kernels, g = dy * act'(z) with
-the dweight/dbias partials, then dx, plus the sums of the partials) and the custom operators
+"""Triton depthwise causal conv1d: launches (forward 1 kernel; backward 1 kernel, dx with the dweight/dbias
+partials and the conv state's gradient, plus the sums of the partials) and the custom operators
 lm::causal_conv1d_fwd / lm::causal_conv1d_bwd with their autograd formula (one node each in a torch.compile graph).
+
+The backward is one pass (triton_kernels.py): g = dy * act'(z) stays on chip (a small per-program scratch ring
+for the row shifts of dx) instead of going to DRAM in float32 between two kernels, whose round trip made the
+two-pass backward ~3.4x the bytes that must move on an H100 (0.51 vs ~0.15 ms at B16 T2048 C2304 W4 bf16).
+An optional second input x_add makes the conv run on x + x_add (added on load, in x's dtype as PyTorch adds)
+without the sum being materialised: the implicit models add an injection to the conv input at every
+fixed-point iteration. Its gradient is x's.
 
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs
 outside autograd and saves nothing (the fixed-point iterations call it many times). With grad, only the
@@ -25,12 +32,13 @@ import triton.language as tl
 from ..autotune import autotune
 from ..backend import CUSTOM_OP_TAGS, absent
 from . import triton_kernels as K
+from .reference import check_x_add
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = not (_INTERPRET or os.environ.get("LM_CONV1D_AUTOTUNE", "1") == "0")
 MAX_WIDTH = 8
 
-_KEY = ["C", "W", "HAS_STATE", "HAS_BIAS", "VARLEN", "SILU"]
+_KEY = ["C", "W", "HAS_STATE", "HAS_BIAS", "HAS_ADD", "VARLEN", "SILU"]
 
 
 def _configs(triples, interpret):
@@ -44,16 +52,15 @@ def _configs(triples, interpret):
 _fwd = autotune(
     configs=_configs([(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)], (8, 16, 1)),
     key=_KEY)(K.conv_fwd_kernel)
-_bwd_g = autotune(  # per-row partials: 147-182 registers on sm_90, no spills ((16, 128, 4) spills)
+# the one-pass backward (per-row dweight partials, dx): 165-177 registers on sm_90 for W 4 with bias and SiLU, no
+# spills (ptxas of the triton 3.9 wheel; (16, 128, 4) takes 254); BT <= 16 divides every chunk (>= 16 rows), and
+# BT >= 8 holds the carry of W <= 8 in one slot
+_bwd = autotune(
     configs=_configs([(8, 128, 4), (16, 128, 8), (8, 256, 8), (16, 64, 4)], (8, 16, 1)),
-    key=_KEY + ["CHUNK"])(K.conv_bwd_g_kernel)
-_bwd_dx = autotune(  # 47-170 registers on sm_90
-    configs=_configs([(16, 128, 4), (32, 128, 4), (8, 128, 4), (16, 256, 4), (32, 128, 8)], (8, 16, 1)),
-    key=["C", "W", "VARLEN", "STATE_GRAD"])(K.conv_bwd_dx_kernel)
+    key=_KEY + ["CHUNK", "STATE_GRAD"])(K.conv_bwd_kernel)
+_BWD_BT_MAX = max(cfg.kwargs["BT"] for cfg in _bwd.configs)
 
 _ACC = {torch.float64: tl.float64}
-_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-             torch.float64: tl.float64}
 
 
 def _pow2(n: int) -> int:
@@ -74,7 +81,7 @@ def _num_sms(index) -> int:
 
 
 def _bwd_rows_override():
-    """LM_CONV1D_BWD_ROWS: rows per program of backward pass 1 (a power of two >= 16), else the heuristic."""
+    """LM_CONV1D_BWD_ROWS: rows per backward program (a power of two >= 16), else the heuristic."""
     v = os.environ.get("LM_CONV1D_BWD_ROWS", "").strip()
     if not v:
         return None
@@ -102,8 +109,13 @@ def _state_strides(conv_state):
     return (0, 0, 0) if conv_state is None else conv_state.stride()
 
 
-def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool):
-    """y (b, t, c) contiguous in x's dtype and the new conv state (b, c, w-1) in x's dtype."""
+def _add_strides(x_add):
+    return (0, 0) if x_add is None else (x_add.stride(0), x_add.stride(1))
+
+
+def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool, x_add=None):
+    """y (b, t, c) contiguous in x's dtype and the new conv state (b, c, w-1) in x's dtype, of the input
+    x (+ x_add)."""
     b, t, c = x.shape
     w = weight.shape[-1]
     y = torch.empty(b, t, c, device=x.device, dtype=x.dtype)
@@ -112,18 +124,27 @@ def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool):
     dummy = x
     grid = lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(c, meta["BC"]), b)  # noqa: E731
     _fwd[grid](
-        x, conv_state if conv_state is not None else dummy, weight, bias if bias is not None else dummy,
-        cu_seqlens if cu_seqlens is not None else dummy, y, new_state,
+        x, x_add if x_add is not None else dummy, conv_state if conv_state is not None else dummy, weight,
+        bias if bias is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, y, new_state,
         t, c, n_seq, log_n,
-        x.stride(0), x.stride(1), *_state_strides(conv_state), *weight.stride(),
+        x.stride(0), x.stride(1), *_add_strides(x_add), *_state_strides(conv_state), *weight.stride(),
         y.stride(0), y.stride(1), *new_state.stride(),
         W=w, BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
-        VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1, ACC=_ACC.get(x.dtype, tl.float32))
+        HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1,
+        ACC=_ACC.get(x.dtype, tl.float32))
     return y, new_state
 
 
-def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_grad: bool):
-    """(dx (b, t, c) in x's dtype, dweight (c, w), dbias (c,) or None, dconv_state (b, c, w-1) or None)."""
+def _bwd_scratch(programs: int, c: int, device, dtype):
+    """The backward's g scratch: per (batch row, chunk) program a ring of 3 BT-row slots x c channels, rows for the
+    largest BT of the tuning list (the config is picked at launch). g stays float32 (rounded to bf16 it doubled dx's
+    error against float64, a CPU test). Every row a program reads it has written first (tests fill it with NaN)."""
+    return torch.empty(programs, 3 * _BWD_BT_MAX, c, device=device, dtype=dtype)
+
+
+def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_grad: bool, x_add=None):
+    """(dx (b, t, c) in x's dtype, dweight (c, w), dbias (c,) or None, dconv_state (b, c, w-1) or None); dx is
+    also the gradient of x_add (the input is x + x_add)."""
     b, t, c = x.shape
     w = weight.shape[-1]
     if dy.stride(-1) != 1:
@@ -131,31 +152,26 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     dx = torch.empty(b, t, c, device=x.device, dtype=x.dtype)
     dstate = torch.empty(b, c, w - 1, device=x.device, dtype=conv_state.dtype) if state_grad else None
     chunk = _bwd_chunk(t, b, c, x.device)
+    assert chunk % _BWD_BT_MAX == 0, (chunk, _BWD_BT_MAX)  # a program's tiles never cross its chunk's end
     n_chunks = triton.cdiv(t, chunk)
     acc = _ACC.get(x.dtype, tl.float32)
-    part = torch.empty(b * n_chunks, c, w + (bias is not None), device=x.device,
-                       dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-    # g in float32: rounded to bf16 it doubled dx's error against float64 (CPU test), past the bf16 reference's
-    g = torch.empty(b, t, c, device=x.device, dtype=part.dtype) if silu else dy
+    fdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    part = torch.empty(b * n_chunks, c, w + (bias is not None), device=x.device, dtype=fdt)
+    scratch = _bwd_scratch(b * n_chunks, c, x.device, fdt)
     n_seq, log_n = _log_n(cu_seqlens)
     dummy = x
-    cu = cu_seqlens if cu_seqlens is not None else dummy
-    grid_g = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
-    _bwd_g[grid_g](
-        x, conv_state if conv_state is not None else dummy, weight, bias if bias is not None else dummy, cu, dy, g,
-        part, t, c, n_seq, log_n, chunk,
-        x.stride(0), x.stride(1), *_state_strides(conv_state), *weight.stride(),
-        dy.stride(0), dy.stride(1), g.stride(0), g.stride(1), part.stride(0), part.stride(1), part.stride(2),
-        W=w, WP=_pow2(w), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
-        VARLEN=cu_seqlens is not None, SILU=silu, ACC=acc)
-    grid_dx = lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(c, meta["BC"]), b)  # noqa: E731
-    _bwd_dx[grid_dx](
-        g, weight, cu, dx, dstate if dstate is not None else dummy,
-        t, c, n_seq, log_n,
-        g.stride(0), g.stride(1), *weight.stride(), dx.stride(0), dx.stride(1),
+    grid = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
+    _bwd[grid](
+        x, x_add if x_add is not None else dummy, conv_state if conv_state is not None else dummy, weight,
+        bias if bias is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, dy, dx,
+        dstate if dstate is not None else dummy, part, scratch,
+        t, c, n_seq, log_n, chunk,
+        x.stride(0), x.stride(1), *_add_strides(x_add), *_state_strides(conv_state), *weight.stride(),
+        dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1),
         *(dstate.stride() if dstate is not None else (0, 0, 0)),
-        W=w, BS=_pow2(max(w - 1, 1)), VARLEN=cu_seqlens is not None, STATE_GRAD=state_grad, ACC=acc,
-        XDT=_TL_DTYPE[x.dtype])
+        part.stride(0), part.stride(1), part.stride(2), scratch.stride(0), scratch.stride(1),
+        W=w, WP=_pow2(w), BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
+        HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu, STATE_GRAD=state_grad, ACC=acc)
     # part (rows, c, w [+ 1]): weight columns 0..w-1, then the bias; reduced apart so that each gradient is a
     # tensor of its own (not a strided view of one sum: an op's outputs may not alias)
     dweight = part[..., :w].sum(0).to(weight.dtype)
@@ -174,21 +190,26 @@ def _add_new_state_grad(dns, dx, dstate, t, w):
 
 # --- the custom operators -------------------------------------------------------------------------------------------
 # lm::causal_conv1d_fwd / lm::causal_conv1d_bwd are the one way the Triton conv is called, eager and under
-# torch.compile (one node each in the graph, so a compiled block is not split at the conv). x is read through its
-# strides (channels contiguous): the exact-stride tag makes inductor pass it with the strides it had when traced (a
-# split view of a projection stays a view); a layout the kernels cannot read is copied inside (never, as called).
+# torch.compile (one node each in the graph, so a compiled block is not split at the conv). x (and x_add) is read
+# through its strides (channels contiguous): the exact-stride tag makes inductor pass it with the strides it had when
+# traced (a split view of a projection stays a view); a layout the kernels cannot read is copied inside (never, as
+# called). x_add comes last, with a default, so that calls without it keep their argument positions.
+def _channels_contiguous(v):
+    return v if v is None or v.stride(-1) == 1 else v.contiguous()
+
+
 @torch.library.custom_op("lm::causal_conv1d_fwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
 def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       conv_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                      silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y (b, t, c) contiguous, new conv state (b, c, w-1)), both in x's dtype (conv1d_fwd)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
+                      silu: bool, x_add: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y (b, t, c) contiguous, new conv state (b, c, w-1)), both in x's dtype, of the input x (+ x_add)
+    (conv1d_fwd)."""
+    return conv1d_fwd(_channels_contiguous(x), weight, bias, conv_state, cu_seqlens, silu,
+                      _channels_contiguous(x_add))
 
 
 @causal_conv1d_fwd.register_fake
-def _(x, weight, bias, conv_state, cu_seqlens, silu):
+def _(x, weight, bias, conv_state, cu_seqlens, silu, x_add=None):
     b, t, c = x.shape
     return x.new_empty(b, t, c), x.new_empty(b, c, weight.shape[-1] - 1)
 
@@ -196,54 +217,59 @@ def _(x, weight, bias, conv_state, cu_seqlens, silu):
 @torch.library.custom_op("lm::causal_conv1d_bwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
 def causal_conv1d_bwd(dy: Optional[torch.Tensor], dnew_state: Optional[torch.Tensor], x: torch.Tensor,
                       weight: torch.Tensor, bias: Optional[torch.Tensor], conv_state: Optional[torch.Tensor],
-                      cu_seqlens: Optional[torch.Tensor], silu: bool,
-                      state_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      cu_seqlens: Optional[torch.Tensor], silu: bool, state_grad: bool,
+                      x_add: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias (empty without bias), dconv_state (empty unless state_grad)); dy / dnew_state None: no
-    gradient reaches y / the new state."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    gradient reaches y / the new state. With x_add the input was x + x_add (recomputed from both) and dx is the
+    gradient of either."""
+    x = _channels_contiguous(x)
     b, t, c = x.shape
     w = weight.shape[-1]
     if dy is None:
         dy = torch.zeros(b, t, c, device=x.device, dtype=x.dtype)
-    dx, dweight, dbias, dstate = conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu, state_grad)
+    dx, dweight, dbias, dstate = conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu, state_grad,
+                                            _channels_contiguous(x_add))
     if dnew_state is not None and w > 1:
         _add_new_state_grad(dnew_state, dx, dstate, t, w)
     return dx, dweight, dbias if dbias is not None else absent(x), dstate if dstate is not None else absent(x)
 
 
 @causal_conv1d_bwd.register_fake
-def _(dy, dnew_state, x, weight, bias, conv_state, cu_seqlens, silu, state_grad):
+def _(dy, dnew_state, x, weight, bias, conv_state, cu_seqlens, silu, state_grad, x_add=None):
     return (x.new_empty(x.shape), weight.new_empty(weight.shape),
             bias.new_empty(bias.shape) if bias is not None else absent(x),
             conv_state.new_empty(conv_state.shape) if state_grad else absent(x))
 
 
 def _conv_setup_context(ctx, inputs, output):
-    x, weight, bias, conv_state, cu_seqlens, silu = inputs
-    ctx.save_for_backward(x, weight, bias, conv_state, cu_seqlens)
+    x, weight, bias, conv_state, cu_seqlens, silu, x_add = inputs
+    ctx.save_for_backward(x, weight, bias, conv_state, cu_seqlens, x_add)  # x and x_add, not their sum
     ctx.silu = silu
     ctx.set_materialize_grads(False)  # an unused new state gets no zero-filled gradient (and no add)
 
 
 def _conv_backward(ctx, dy, dns):
-    x, weight, bias, conv_state, cu_seqlens = ctx.saved_tensors
+    x, weight, bias, conv_state, cu_seqlens, x_add = ctx.saved_tensors
     state_grad = conv_state is not None and ctx.needs_input_grad[3]
     dx, dweight, dbias, dstate = torch.ops.lm.causal_conv1d_bwd(dy, dns, x, weight, bias, conv_state, cu_seqlens,
-                                                                ctx.silu, state_grad)
+                                                                ctx.silu, state_grad, x_add)
     need = ctx.needs_input_grad
+    # d(x + x_add) reaches x and x_add alike: one tensor returned for both (autograd never adds into it in place
+    # while it is shared; tests/test_conv1d_triton.py checks the two gradients)
     return (dx if need[0] else None, dweight if need[1] else None, dbias if bias is not None and need[2] else None,
-            dstate if state_grad else None, None, None)
+            dstate if state_grad else None, None, None, dx if x_add is not None and need[6] else None)
 
 
 causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
 
 
-def check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, max_width=None):
-    """Shapes, widths and the activation; ValueError naming what is wrong."""
+def check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, max_width=None, x_add=None):
+    """Shapes, widths, x_add's shape and dtype and the activation; ValueError naming what is wrong."""
     if x.dim() != 3:
         raise ValueError(f"causal_conv1d: x must be (batch, seqlen, channels), got shape {tuple(x.shape)}")
     b, t, c = x.shape
+    check_x_add(x, x_add)
     if weight.dim() != 2 or weight.shape[0] != c:
         raise ValueError(f"causal_conv1d: weight must be (channels={c}, width), got {tuple(weight.shape)}")
     w = weight.shape[1]
@@ -263,12 +289,12 @@ def check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, max_wid
         raise ValueError(f"causal_conv1d: activation must be 'silu' or None, got {activation!r}")
 
 
-def causal_conv1d_triton(x, weight, bias=None, *, cu_seqlens=None, conv_state=None, activation="silu"):
+def causal_conv1d_triton(x, weight, bias=None, *, x_add=None, cu_seqlens=None, conv_state=None, activation="silu"):
     """Same contract as causal_conv1d_reference (y (b, t, c) contiguous, new state (b, c, w-1))."""
-    check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, MAX_WIDTH)
-    if x.stride(-1) != 1:  # the kernels vectorise along channels
-        x = x.contiguous()
+    check_conv_args(x, weight, bias, conv_state, cu_seqlens, activation, MAX_WIDTH, x_add=x_add)
+    x = _channels_contiguous(x)  # the kernels vectorise along channels
+    x_add = _channels_contiguous(x_add)
     silu = activation == "silu"
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(x.device)
-    return torch.ops.lm.causal_conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu)
+    return torch.ops.lm.causal_conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu, x_add)
