@@ -1,9 +1,9 @@
 """Shared building blocks: RMSNorm (plain and gated), SwiGLU MLP, causal depthwise conv, rotary embedding.
 
 Everything here works on packed sequences (`cu_seqlens`) and with a generation cache (conv state). The math
-lives in functions; the modules only hold parameters. PyTorch, except the conv (a Triton kernel on CUDA) and the
-RMSNorm forward and SwiGLU's silu(g) * u without autograd on CUDA (one Triton kernel each, for the launch-bound
-decode step).
+lives in functions; the modules only hold parameters. PyTorch, except the conv (a Triton kernel on CUDA), the gated
+RMSNorm (Triton custom operators on CUDA, forward and one-pass backward), and the plain RMSNorm forward and SwiGLU's
+silu(g) * u without autograd on CUDA (one Triton kernel each, for the launch-bound decode step).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 # CPU (LM_CONV1D_BACKEND=reference|triton overrides); the models import it from here
 from lm_kernels.backend import resolve_backend
 from lm_kernels.conv1d import causal_conv1d  # noqa: F401
-from lm_kernels.rmsnorm import rms_norm_triton
+from lm_kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton
 from lm_kernels.swiglu import silu_mul_triton
 from lm_kernels.varlen import position_in_document  # noqa: F401  (the models import it from here)
 
@@ -101,19 +101,31 @@ def _kernel_forward(op: str, *tensors) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, z: torch.Tensor | None = None,
-             group_size: int | None = None) -> torch.Tensor:
-    """y = u / rms(u) * weight with u = x * silu(z) (or x), per group of `group_size` channels (default:
-    all); computed in at least float32 and returned in x's dtype. Without autograd on CUDA one Triton kernel
-    (see `_kernel_forward`); under torch.compile the formula, traced; else the formula with its own backward
+             group_size: int | None = None, z_add: torch.Tensor | None = None) -> torch.Tensor:
+    """y = u / rms(u) * weight with u = x * silu(z + z_add) (z_add optional, of z's shape and dtype; or u = x without
+    z), per group of `group_size` channels (default: all); computed in at least float32 and returned in x's dtype.
+
+    Gated (z given) with the "rmsnorm" backend triton (automatic on CUDA; not float64): the custom operators
+    lm::gated_rms_norm_fwd / _bwd, eager and under torch.compile, with or without autograd (one forward kernel,
+    one-pass backward; z + z_add is formed inside the kernels). Otherwise z_add is added to z here, then: without
+    autograd on CUDA one Triton kernel (plain norms, see `_kernel_forward`); under torch.compile the formula, traced
+    (inductor fuses a plain norm with the residual add before it); else the formula with its own backward
     (_RMSNormFn: saves only x, z and rstd)."""
     group = group_size or x.shape[-1]
+    if z_add is not None and (z is None or z_add.shape != z.shape or z_add.dtype != z.dtype):
+        raise ValueError(f"rms_norm: z_add must come with z and have its shape and dtype, got {tuple(z_add.shape)} "
+                         f"{z_add.dtype}")
+    if z is not None and x.dtype != torch.float64 and resolve_backend("rmsnorm", None, x.device) == "triton":
+        return gated_rms_norm_triton(x, z, weight, eps, group_size=group, z_add=z_add)
+    if z_add is not None:
+        z = z + z_add
     if torch.compiler.is_compiling():
         # the formula itself: inductor fuses it and AOTAutograd derives its backward. The autograd Function traced
         # by dynamo lost its gradient on the GPU image (torch 2.11, CUDA: zero gradients for x, z and the weight
         # of a compiled norm, tests/test_models_compile_gpu.py)
         return _rms_norm_math(x, z, weight, group, eps)[0]
-    if _kernel_forward("rmsnorm", x, z, weight):
-        return rms_norm_triton(x, weight, eps, z=z, group_size=group_size)
+    if z is None and _kernel_forward("rmsnorm", x, weight):
+        return rms_norm_triton(x, weight, eps, group_size=group_size)
     return _RMSNormFn.apply(x, z, weight, group, eps)
 
 
@@ -147,8 +159,10 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"GatedRMSNorm: dim {dim} is not a multiple of group_size {self.group_size}")
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        return rms_norm(y, self.weight, self.eps, z=z, group_size=self.group_size)
+    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None, z_add: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """The norm of y * silu(z + z_add); z_add (the implicit models' injection part of z) optional."""
+        return rms_norm(y, self.weight, self.eps, z=z, group_size=self.group_size, z_add=z_add)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
