@@ -123,9 +123,12 @@ class Mamba2Mixer(Mixer):
             zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + torch.cat(injection, dim=-1)
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
         else:
-            xbc, dt = self.project(x, injection, "xbc"), self.project(x, injection, "dt")
+            xbc, dt = self.project(x, None, "xbc"), self.project(x, injection, "dt")
+        # the injection's xBC part enters as the conv's second input: the conv reads both and adds them in its kernel
+        # (no pass of its own per fixed-point iteration writing and re-reading the sum)
         xbc, conv_state = causal_conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
+            x_add=injection[self._part_index["xbc"]] if injection is not None and not step else None,
             conv_state=state.get("conv"), activation="silu",
         )
         gn = self.ngroups * self.d_state
@@ -153,8 +156,13 @@ class Mamba2Mixer(Mixer):
             cache.update(self.layer_idx, **new)
         # z is projected here, next to its only use: without grad (fixed-point iterations, eval) its buffer is not
         # alive across the conv and the scan (inductor keeps that order). Compiled, the block is one graph (the Triton
-        # conv and scan are custom ops in it): the injection add fuses into the gated norm's kernel
-        y = self.norm(y.reshape(b, t, self.d_inner), z if z is not None else self.project(x, injection, "z"))
+        # conv, scan and gated norm are custom ops in it). The injection's z part is read by the gated norm's kernel
+        # (z_add), as its xBC part by the conv's: no pass of their own per fixed-point iteration
+        z_add = None
+        if z is None:
+            z = self.project(x, None, "z")
+            z_add = injection[self._part_index["z"]] if injection is not None else None
+        y = self.norm(y.reshape(b, t, self.d_inner), z, z_add=z_add)
         return self.out_proj(y)
 
 
