@@ -6,7 +6,7 @@
 #   bug, lm/train/BENCH.md session 15); implicit (4+1) Mamba2-130M and DeltaProduct-213M n_h=2: now compiled,
 #   before eager. "now eager vs now compiled" is the size of compile / reduction-order noise.
 # Run from the repository root: OUT=/tmp/l CORPUS=.corpus/shakespeare BEFORE=.before bash scripts/gpu_losses.sh
-# Env: STEPS (200), SEQ (1024), MICRO (8), CASES (all: m2, m2i, dp).
+# Env: STEPS (200), SEQ (1024), MICRO (8), SEED (0), CASES (all: m2, m2i, dp; dpe: DeltaProduct now eager and before eager).
 set -u
 OUT=${OUT:-/tmp/gpu_losses_out}; mkdir -p "$OUT"
 CORPUS=$(cd "${CORPUS:-.corpus/shakespeare}" && pwd)
@@ -23,7 +23,7 @@ run() {  # name tree preset implicit(json|null) compile(true|false)
  "optim": {"lr": 1.0e-3},
  "schedule": {"kind": "cosine", "warmup": 20, "min_lr": 1.0e-4},
  "train": {"steps": $STEPS, "micro_batch_size": $MICRO, "global_batch_tokens": $((MICRO * SEQ)),
-           "precision": "bf16", "engine": "torch", "seed": 0},
+           "precision": "bf16", "engine": "torch", "seed": ${SEED:-0}},
  "checkpoint": {"every_steps": 0, "at_end": false, "export": false},
  "log": {"progress": false, "every_steps": 1},
  "eval": {"at_end": false, "sample_tokens": 0}}
@@ -42,6 +42,8 @@ for c in $(echo "${CASES:-m2,m2i,dp}" | tr ',' ' '); do
          [ -n "$BEFORE" ] && run m2i-before-eager "$BEFORE" lm_mamba2-130m "$IMP" false ;;
     dp) run dp-now-compiled "$NOW" lm_deltaproduct-213m-nh2 null true
         [ -n "$BEFORE" ] && run dp-before-eager "$BEFORE" lm_deltaproduct-213m-nh2 null false ;;
+    dpe) run dp-now-eager "$NOW" lm_deltaproduct-213m-nh2 null false
+         [ -n "$BEFORE" ] && run dp-before-eager "$BEFORE" lm_deltaproduct-213m-nh2 null false ;;
   esac
 done
 python3 - "$OUT" <<'PY'
@@ -57,7 +59,8 @@ for d in sorted((out / "runs").glob("*")):
 res = {"losses": runs, "pairs": {}}
 for a, b in [("m2-now-compiled", "m2-now-eager"), ("m2-now-eager", "m2-before-eager"),
              ("m2-now-compiled", "m2-before-eager"), ("m2i-now-compiled", "m2i-before-eager"),
-             ("dp-now-compiled", "dp-before-eager")]:
+             ("dp-now-compiled", "dp-before-eager"), ("dp-now-eager", "dp-before-eager"),
+             ("dp-now-compiled", "dp-now-eager")]:
     if a in runs and b in runs and runs[a] and len(runs[a]) == len(runs[b]):
         x, y = runs[a], runs[b]
         rel = [abs(p - q) / abs(q) for p, q in zip(x, y)]
