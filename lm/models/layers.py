@@ -139,13 +139,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + h, self(x + h)): a residual add and this norm, one Triton kernel where `rms_norm` runs one (the
-        sum rounded to x's dtype before it is normed, as the separate add rounds it)."""
-        if h.shape == x.shape and h.dtype == x.dtype and _kernel_forward("rmsnorm", x, h, self.weight):
-            y, s = rms_norm_triton(x, self.weight, self.eps, residual=h)
-            return s, y
-        x = x + h
-        return x, self(x)
+        """(x + h, self(x + h)): see `add_rms_norm`."""
+        return add_rms_norm(x, h, self.weight, self.eps)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + h: a residual add and the norm that reads its sum, as one Triton kernel where
+    `rms_norm` runs one (the sum rounded to x's dtype before it is normed, as the separate add rounds it) and in one
+    graph under torch.compile, where inductor fuses them (one pass writing s and its norm)."""
+    if h.shape == x.shape and h.dtype == x.dtype and _kernel_forward("rmsnorm", x, h, weight):
+        y, s = rms_norm_triton(x, weight, eps, residual=h)
+        return s, y
+    x = x + h
+    return x, rms_norm(x, weight, eps)
 
 
 class GatedRMSNorm(nn.Module):

@@ -30,7 +30,7 @@ from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache
 from .config import ImplicitSettings, LMConfig
 from .decode import decoder_for, resolve_decode
-from .layers import RMSNorm, SwiGLU
+from .layers import RMSNorm, SwiGLU, add_rms_norm
 from .loss import linear_cross_entropy, logits_cross_entropy
 
 try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
@@ -93,12 +93,19 @@ class Block(nn.Module):
         else:
             self.mlp_norm = self.mlp = None
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, **shared):
-        h = self.mixer(self.norm(x), injection=injection, cache=cache, cu_seqlens=cu_seqlens, **shared)
-        if self.mlp is None:
+    def forward(self, x, *, u=None, next_norm=None, injection=None, cache=None, cu_seqlens=None, **shared):
+        """x + mixer(norm(x)) (+ the MLP's residual step). `u`: norm(x) when the previous block has formed it;
+        `next_norm` (weight, eps) of the norm that reads this block's output (the next block's or the final one):
+        then (output, its norm), the residual add and that norm in one pass (one compiled graph per block would
+        otherwise write the residual stream and read it back at the next block's start)."""
+        h = self.mixer(self.norm(x) if u is None else u, injection=injection, cache=cache, cu_seqlens=cu_seqlens,
+                       **shared)
+        if self.mlp is not None:
+            x, v = self.mlp_norm.add_forward(x, h)  # x + h and its norm (one kernel without autograd on CUDA)
+            h = self.mlp(v)
+        if next_norm is None:
             return x + h
-        x, u = self.mlp_norm.add_forward(x, h)  # x + h and its norm (one kernel without autograd on CUDA)
-        return x + self.mlp(u)
+        return add_rms_norm(x, h, *next_norm)
 
 
 class Injection(nn.Module):
@@ -245,16 +252,21 @@ class LMModel(LMPreTrainedModel):
         self.embed_tokens = value
 
     # --- the stack ----------------------------------------------------------------------------------
-    def _blocks(self, h, inj=None, cache=None, cu_seqlens=None, shared=None):
+    def _stack(self, h, inj=None, cache=None, cu_seqlens=None, shared=None):
+        """norm_f(blocks(h)): each block also forms the norm its successor reads (the next block's pre-norm, the
+        last block norm_f), fused with its residual add."""
         shared = shared or {}
-        for layer in self.layers:
+        if not len(self.layers):
+            return self.norm_f(h)
+        u = None
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].norm if i + 1 < len(self.layers) else self.norm_f
+            kw = dict(u=u, next_norm=(nxt.weight, nxt.eps), injection=inj, cu_seqlens=cu_seqlens, **shared)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
-                h = torch.utils.checkpoint.checkpoint(
-                    layer, h, injection=inj, cu_seqlens=cu_seqlens, use_reentrant=False, **shared
-                )
+                h, u = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
             else:
-                h = layer(h, injection=inj, cache=cache, cu_seqlens=cu_seqlens, **shared)
-        return h
+                h, u = layer(h, cache=cache, **kw)
+        return u
 
     def _shared(self, h, cache, cu_seqlens) -> dict:
         """The mixers' shared inputs for this forward (see Mixer.shared_inputs), at the cache's positions."""
@@ -265,7 +277,7 @@ class LMModel(LMPreTrainedModel):
 
     def fixed_point_map(self, inj, cache=None, cu_seqlens=None, shared=None):
         """F(z) = norm_f(blocks(z, inj)): the implicit model's map."""
-        return lambda z: self.norm_f(self._blocks(z, inj, cache, cu_seqlens, shared))
+        return lambda z: self._stack(z, inj, cache, cu_seqlens, shared)
 
     def _mixer_stats(self) -> list[FixedPointStats]:
         out = []
@@ -292,7 +304,7 @@ class LMModel(LMPreTrainedModel):
             cache.prefill = resolve_prefill(prefill, self.config)
         stats: dict = {}
         if settings is None:
-            h = self.norm_f(self._blocks(emb, None, cache, cu_seqlens, self._shared(emb, cache, cu_seqlens)))
+            h = self._stack(emb, None, cache, cu_seqlens, self._shared(emb, cache, cu_seqlens))
         elif cache is None:
             h, st = self._simultaneous(emb, settings, cu_seqlens)
             stats.update(st.as_dict())
@@ -329,7 +341,7 @@ class LMModel(LMPreTrainedModel):
         cache.begin_step(input_ids.shape[1])
         shared = self._shared(emb, cache, None)
         if settings is None:
-            return self.norm_f(self._blocks(emb, None, cache, None, shared))
+            return self._stack(emb, None, cache, None, shared)
         f = self.fixed_point_map(self.injection(emb), cache, None, shared)
         with cache.freeze():
             z, _ = solve(f, torch.zeros_like(emb), max_iter=settings.eval_max_iter, tol=None,
