@@ -46,3 +46,31 @@ def test_fused_successor_norm_is_the_same_model(family, implicit, ckpt, monkeypa
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, V, (2, 12))
     assert_same_step_after(model, ids, None, lambda: monkeypatch.setattr(LMModel, "_stack", _one_by_one))
+
+
+@pytest.mark.parametrize("family", ["llama", "mamba2"])
+def test_fused_successor_norm_under_autocast(family, monkeypatch):
+    """Under bf16 autocast: with autograd the same loss and gradients as the one-by-one stack (the successor's norm
+    stays float32, its gradient from several projections summed in float32); without autograd (fixed-point iterations,
+    eval) the block hands its successor the norm already cast to bf16, as the successor's projections would cast it:
+    the same logits, bit for bit."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, None)).train()
+    ids = torch.randint(0, V, (2, 12))
+
+    def step():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+            with torch.no_grad():
+                logits = model(ids).logits
+        loss.backward()
+        return loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, logits, grads = step()
+    monkeypatch.setattr(LMModel, "_stack", _one_by_one)
+    ref_loss, ref_logits, ref_grads = step()
+    assert torch.equal(logits, ref_logits)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)

@@ -95,9 +95,9 @@ class Block(nn.Module):
 
     def forward(self, x, *, u=None, next_norm=None, injection=None, cache=None, cu_seqlens=None, **shared):
         """x + mixer(norm(x)) (+ the MLP's residual step). `u`: norm(x) when the previous block has formed it;
-        `next_norm` (weight, eps) of the norm that reads this block's output (the next block's or the final one):
-        then (output, its norm), the residual add and that norm in one pass (one compiled graph per block would
-        otherwise write the residual stream and read it back at the next block's start)."""
+        `next_norm` (weight, eps, for_block) of the norm that reads this block's output (the next block's, for_block
+        True, or the final one): then (output, its norm), the residual add and that norm in one pass (one compiled
+        graph per block would otherwise write the residual stream and read it back at the next block's start)."""
         h = self.mixer(self.norm(x) if u is None else u, injection=injection, cache=cache, cu_seqlens=cu_seqlens,
                        **shared)
         if self.mlp is not None:
@@ -105,7 +105,15 @@ class Block(nn.Module):
             h = self.mlp(v)
         if next_norm is None:
             return x + h
-        return add_rms_norm(x, h, *next_norm)
+        weight, eps, for_block = next_norm
+        x, u = add_rms_norm(x, h, weight, eps)
+        if for_block and not torch.is_grad_enabled() and torch.is_autocast_enabled(u.device.type):
+            # the next block reads u only through its input projections, which autocast would cast: without autograd
+            # (fixed-point iterations, eval) cast it here, where the norm writes it (half the bytes, no cast pass in
+            # the next graph). With autograd u stays in float32: its gradient from several projections (Mamba2's
+            # three) is then summed in float32, not in the cast dtype
+            u = u.to(torch.get_autocast_dtype(u.device.type))
+        return x, u
 
 
 class Injection(nn.Module):
@@ -260,8 +268,9 @@ class LMModel(LMPreTrainedModel):
             return self.norm_f(h)
         u = None
         for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].norm if i + 1 < len(self.layers) else self.norm_f
-            kw = dict(u=u, next_norm=(nxt.weight, nxt.eps), injection=inj, cu_seqlens=cu_seqlens, **shared)
+            last = i + 1 == len(self.layers)
+            nxt = self.norm_f if last else self.layers[i + 1].norm
+            kw = dict(u=u, next_norm=(nxt.weight, nxt.eps, not last), injection=inj, cu_seqlens=cu_seqlens, **shared)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
                 h, u = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
             else:
