@@ -1,8 +1,8 @@
 """Compiled training on a GPU gives eager's gradients: every family's tiny model with its blocks torch.compile'd (as
 `model.compile` in the trainer) against the same model eager, bf16 autocast, every parameter's gradient; and a norm
 followed by a linear layer compiled alone (float32). The GPU image's torch (2.11) lost the gradient through the
-RMSNorm's autograd Function when dynamo traced it (zero for x and the weight); under torch.compile the norm is now
-the traced formula (lm.models.layers.rms_norm)."""
+RMSNorm's autograd Function when dynamo traced it (zero for x and the weight); under torch.compile the plain norm is
+now the traced formula and the gated norm a custom operator (lm.models.layers.rms_norm)."""
 from __future__ import annotations
 
 import copy
