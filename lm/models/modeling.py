@@ -109,9 +109,9 @@ class Block(nn.Module):
         x, u = add_rms_norm(x, h, weight, eps)
         if for_block and not torch.is_grad_enabled() and torch.is_autocast_enabled(u.device.type):
             # the next block reads u only through its input projections, which autocast would cast: without autograd
-            # (fixed-point iterations, eval) cast it here, where the norm writes it (half the bytes, no cast pass in
-            # the next graph). With autograd u stays in float32: its gradient from several projections (Mamba2's
-            # three) is then summed in float32, not in the cast dtype
+            # cast it here, where the norm writes it (half the bytes, no cast pass in the next graph). With autograd
+            # u would have to stay float32 so that its gradient from several projections (Mamba2's three) sums in
+            # float32, not in the cast dtype
             u = u.to(torch.get_autocast_dtype(u.device.type))
         return x, u
 
@@ -261,20 +261,27 @@ class LMModel(LMPreTrainedModel):
 
     # --- the stack ----------------------------------------------------------------------------------
     def _stack(self, h, inj=None, cache=None, cu_seqlens=None, shared=None):
-        """norm_f(blocks(h)): each block also forms the norm its successor reads (the next block's pre-norm, the
-        last block norm_f), fused with its residual add."""
+        """norm_f(blocks(h)). Without autograd (fixed-point iterations, eval, generation) each block also forms the
+        norm its successor reads (the next block's pre-norm, after the last block norm_f), fused with its residual
+        add, and hands it on in the autocast dtype (`Block.forward`). With autograd each block norms its own input:
+        there the successor's norm would be handed on in float32 (see Block.forward), its cast to the projections'
+        dtype and the cast of its gradient back to float32 then a pass each at every block boundary, more than the
+        fused add saves (lm/train/BENCH.md, session 16)."""
         shared = shared or {}
-        if not len(self.layers):
+        if torch.is_grad_enabled() or not len(self.layers):
+            for layer in self.layers:
+                kw = dict(injection=inj, cu_seqlens=cu_seqlens, **shared)
+                if self.gradient_checkpointing and self.training and cache is None:
+                    h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
+                else:
+                    h = layer(h, cache=cache, **kw)
             return self.norm_f(h)
         u = None
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             nxt = self.norm_f if last else self.layers[i + 1].norm
-            kw = dict(u=u, next_norm=(nxt.weight, nxt.eps, not last), injection=inj, cu_seqlens=cu_seqlens, **shared)
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
-                h, u = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
-            else:
-                h, u = layer(h, cache=cache, **kw)
+            h, u = layer(h, u=u, next_norm=(nxt.weight, nxt.eps, not last), injection=inj, cache=cache,
+                         cu_seqlens=cu_seqlens, **shared)
         return u
 
     def _shared(self, h, cache, cu_seqlens) -> dict:
