@@ -24,6 +24,18 @@ def triton_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (an H100's 132 elsewhere: the interpreter, grid heuristics)."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def resolve_backend(op: str, backend: str | None, device: torch.device, *, fits: bool = True,
                     backends: tuple[str, ...] = DEFAULT_BACKENDS) -> str:
     """The backend `op` runs for this `backend` argument on `device`; a ValueError that says what to use instead

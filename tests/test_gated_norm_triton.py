@@ -2,8 +2,8 @@
 on CPU) against the PyTorch formula (lm.models.layers._RMSNormFn on z + z_add): y and the gradients of x, z, z_add
 and the weight, at shapes whose rows cross the interpreter's 3-row backward chunks inside a loop step, two groups per
 row, widths that are not powers of two; strided inputs; what the forward saves; torch.library.opcheck; rms_norm's
-choice of path; a compiled GatedRMSNorm + Linear (one graph, the eager gradients) and a Mamba2 block that compiles
-as one graph with the norm's ops in it."""
+choice of path; a compiled GatedRMSNorm + Linear (one graph, the eager gradients). The Mamba2 block's one graph with
+the norm's operator in it: tests/test_kernel_ops_compile.py."""
 import pytest
 import torch
 
@@ -233,27 +233,3 @@ def test_compiled_gated_norm_gives_eager_gradients(backend, monkeypatch, tmp_pat
     torch.testing.assert_close(y_r, y_e, rtol=1e-5, atol=1e-5)
     for a, b in zip(g_r, g_e):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("use", ["explicit", "implicit"])
-def test_mamba2_block_with_the_norm_op_is_one_graph(use, monkeypatch):
-    """A Mamba2 block (pre-norm, mixer, residual) with the Triton conv, scan and gated norm traces as one graph."""
-    import lm  # noqa: F401  (registration)
-    from lm.models import LMMamba2Config
-    from lm.models.mamba2 import Mamba2Mixer
-    from lm.models.modeling import Block
-
-    for op in ("SSD", "CONV1D", "RMSNORM"):
-        monkeypatch.setenv(f"LM_{op}_BACKEND", "triton")
-    cfg = LMMamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, d_state=16, headdim=8, chunk_size=16)
-    block = Block(cfg, 0, Mamba2Mixer)
-    x = torch.randn(1, 20, 32, requires_grad=True)
-    kw = {}
-    if use == "implicit":
-        kw["injection"] = tuple(torch.randn(1, 20, w, requires_grad=True) for w in Mamba2Mixer.injection_parts(cfg))
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(block)(x, **kw)
-    torch._dynamo.reset()
-    assert explained.graph_break_count == 0 and explained.graph_count == 1
-    ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
-    assert "lm.gated_rms_norm_fwd" in ops, sorted(ops)

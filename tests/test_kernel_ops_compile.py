@@ -179,8 +179,9 @@ def test_opcheck():
 
 @pytest.mark.parametrize("use", ["explicit", "implicit", "packed"])
 def test_mamba2_block_compiles_as_one_graph(use, monkeypatch, tmp_path):
-    """torch._dynamo.explain on a tiny Mamba2 block (pre-norm, mixer, residual) with the Triton conv and SSD: one
-    graph, no break; and the block compiled by inductor gives the eager output and gradients."""
+    """torch._dynamo.explain on a tiny Mamba2 block (pre-norm, mixer, residual) with the Triton conv, SSD and gated
+    norm: one graph, no break, the norm's operator in it; and the block compiled by inductor gives the eager output and
+    gradients."""
     import lm  # noqa: F401  (registration)
     from lm.models import LMMamba2Config
     from lm.models.mamba2 import Mamba2Mixer
@@ -190,6 +191,7 @@ def test_mamba2_block_compiles_as_one_graph(use, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("LM_SSD_BACKEND", "triton")
     monkeypatch.setenv("LM_CONV1D_BACKEND", "triton")
+    monkeypatch.setenv("LM_RMSNORM_BACKEND", "triton")
     cfg = LMMamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, d_state=16, headdim=8, chunk_size=16)
     block = Block(cfg, 0, Mamba2Mixer)
     x = torch.randn(1, 40, 32, requires_grad=True)
@@ -203,6 +205,8 @@ def test_mamba2_block_compiles_as_one_graph(use, monkeypatch, tmp_path):
     torch._dynamo.reset()
     assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
     assert explained.graph_count == 1
+    ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert "lm.gated_rms_norm_fwd" in ops, sorted(ops)
     if use != "packed":
         return  # inductor (compile time): once, on the packed block (split views of the conv output into the scan)
     leaves = [x, *block.parameters()]

@@ -20,7 +20,6 @@ tiny shapes cross tile and chunk borders.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import Optional
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import autotune
-from ..backend import CUSTOM_OP_TAGS, absent
+from ..backend import CUSTOM_OP_TAGS, absent, num_sms
 from . import triton_kernels as K
 from .reference import check_x_add
 
@@ -75,11 +74,6 @@ def _log_n(cu_seqlens):
     return n, max(0, math.ceil(math.log2(n))) if n > 0 else 0
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _bwd_rows_override():
     """LM_CONV1D_BWD_ROWS: rows per backward program (a power of two >= 16), else the heuristic."""
     v = os.environ.get("LM_CONV1D_BWD_ROWS", "").strip()
@@ -98,8 +92,7 @@ def _bwd_chunk(t: int, b: int, c: int, device) -> int:
     rows = _bwd_rows_override()
     if rows is not None:
         return rows
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
+    sms = num_sms(device)
     per_chunk = b * triton.cdiv(c, 128)
     want = max(1, triton.cdiv(8 * sms, per_chunk))
     return min(1024, max(64, _pow2(triton.cdiv(t, want))))

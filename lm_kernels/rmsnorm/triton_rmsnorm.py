@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import autotune
-from ..backend import CUSTOM_OP_TAGS, absent
+from ..backend import CUSTOM_OP_TAGS, absent, num_sms
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = not (_INTERPRET or os.environ.get("LM_RMSNORM_AUTOTUNE", "1") == "0")
@@ -126,27 +126,15 @@ def _bwd_kernel(BG: int):
     return autotune(configs=configs, key=["G", "HAS_ADD", "HAS_W"])(_gated_rmsnorm_bwd_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _bwd_rows(n_rows: int, n_groups: int, device) -> int:
-    """Rows per backward program: LM_RMSNORM_BWD_ROWS if set; else enough programs to fill the GPU ~8 times over
+    """Rows per backward program: enough programs to fill the GPU ~8 times over
     (the loads of several programs per SM in flight), rounded up to a multiple of 8 (whole loop steps). The weight
     partials are (programs, channels) float32: 8.6 MB at 1056 programs x 2048 channels, written and read once, ~2.5%
     of the pass's ~670 MB at 16 x 2048 tokens in bf16. Interpreter: 3 rows, so that CPU tests cross program borders
     inside a loop step."""
     if _INTERPRET:
         return 3
-    v = os.environ.get("LM_RMSNORM_BWD_ROWS", "").strip()
-    if v:
-        if not v.isdigit() or int(v) < 1:
-            raise ValueError(f"LM_RMSNORM_BWD_ROWS={v!r} must be a positive integer (or unset)")
-        return int(v)
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
-    want = max(1, triton.cdiv(8 * sms, n_groups))
+    want = max(1, triton.cdiv(8 * num_sms(device), n_groups))
     return triton.cdiv(max(1, triton.cdiv(n_rows, want)), 8) * 8
 
 
