@@ -61,6 +61,18 @@ def test_gpu_real_shape_vs_float64_reference(dtype, tol):
     check(make(2, 1100, 16, 64, 2, 128), dtype, tol, chunk_size=256, dt_limit=(0.0, 4.0))
 
 
+@pytest.mark.parametrize("chunk", [64, 128])
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_smaller_chunks_bf16(chunk, packed):
+    # the model's chunk_size at 64 / 128 (one / two row blocks per chunk): the same function of the inputs
+    if packed:
+        lens = [300, 0, 513, 1, 211]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        check(make(1, sum(lens), 8, 64, 1, 128, ns=len(lens)), torch.bfloat16, 3e-2, chunk_size=chunk, cu_seqlens=cu)
+    else:
+        check(make(2, 1100, 16, 64, 2, 128), torch.bfloat16, 3e-2, chunk_size=chunk, dt_limit=(0.0, 4.0))
+
+
 def test_gpu_float32_highest_precision():
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")

@@ -37,6 +37,20 @@ CASES = {  # name -> (preset, "{size}" filled from --size; implicit settings or 
 DEFAULT_CASES = "mamba2-explicit,mamba2-implicit-4+1,llama-explicit,llama-implicit-4+1"
 
 
+def _overrides(args) -> dict:
+    """--override KEY=VALUE (VALUE read as JSON, else a string) as model config fields."""
+    out = {}
+    for item in args.override or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--override expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def run_case(args) -> dict:
     import torch
 
@@ -52,7 +66,7 @@ def run_case(args) -> dict:
     cfg = config_from_dict({
         "run_dir": str(run_dir),
         "model": {"preset": preset, "implicit": implicit, "activation_checkpointing": args.act_ckpt,
-                  "compile": args.compile == "on"},
+                  "compile": args.compile == "on", "overrides": _overrides(args)},
         "data": {"source": "synthetic", "seq_len": args.seq_len, "synthetic_vocab": vocab},
         "optim": {"lr": 1e-3},
         "schedule": {"kind": "constant", "warmup": 0},
@@ -94,10 +108,10 @@ def run_case(args) -> dict:
     st = statistics.median(r["step_time"] for r in steps)
     from lm.models.presets import flops_per_token, load_config
 
-    fpt = flops_per_token(load_config(preset, implicit=implicit), args.seq_len)["train"]
+    fpt = flops_per_token(load_config(preset, implicit=implicit, **_overrides(args)), args.seq_len)["train"]
     out = {
         "case": args.case + ("+compile" if args.compile == "on" else ""), "compile": args.compile == "on",
-        "preset": preset, "implicit": implicit, "params": start["params"],
+        "preset": preset, "implicit": implicit, "overrides": _overrides(args), "params": start["params"],
         "engine": start["engine"], "device": start["device"], "precision": args.precision,
         "seq_len": args.seq_len, "micro_batch_size": args.micro, "accumulation": args.accum,
         "tokens_per_step": tokens_per_step, "measured_steps": len(steps), "step_time_s": st,
@@ -227,7 +241,7 @@ def forward_ratio(args) -> dict:
     template, _ = CASES[args.case or "mamba2-explicit"]
     preset = template.format(size=args.size)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = load_config(preset, implicit={"max_iter": 4, "phantom_steps": 1})
+    cfg = load_config(preset, implicit={"max_iter": 4, "phantom_steps": 1}, **_overrides(args))
     model = AutoModelForCausalLM.from_config(cfg).to(dev).train()
     if args.compile == "on":
         for layer in model.model.layers:
@@ -316,6 +330,8 @@ def main() -> int:
     ap.add_argument("--forward-ratio", action="store_true",
                     help="time the implicit map's no-grad forward vs grad forward vs forward+backward (--case, "
                          "default mamba2-explicit's preset at --size) instead of training")
+    ap.add_argument("--override", action="append", metavar="KEY=VALUE",
+                    help="a model config field for every case (model.overrides), e.g. chunk_size=128; repeatable")
     args = ap.parse_args()
     if args.forward_ratio:
         r = forward_ratio(args)
@@ -344,7 +360,8 @@ def main() -> int:
                    "--warmup", str(args.warmup), "--precision", args.precision, "--engine", args.engine,
                    "--zero-stage", str(args.zero_stage)] + (["--deepspeed-config", args.deepspeed_config]
                                                             if args.deepspeed_config else []) + [
-                   "--device", args.device, "--peak-flops", str(args.peak_flops), "--compile", mode, "--profile", str(args.profile)] + (["--act-ckpt"] if args.act_ckpt else [])
+                   "--device", args.device, "--peak-flops", str(args.peak_flops), "--compile", mode, "--profile", str(args.profile)] + (["--act-ckpt"] if args.act_ckpt else []) + [
+                   f"--override={o}" for o in args.override or []]
             t0 = time.time()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
