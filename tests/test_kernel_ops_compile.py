@@ -163,12 +163,12 @@ def test_opcheck():
         d = ssd_inputs(1, 20, 2, 8, 1, 8, init=len(lens) if lens else 1)
         leaves = {k: v.requires_grad_() for k, v in d.items()}
         args = (*(leaves[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_state")), cu, 16, True,
-                0.0, INF, True, True)
+                0.0, INF, True, True, [])
         opcheck(ops.ssd_scan_fwd.default, args, **(dict(test_utils=no_aot) if lens else {}))
         plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         y, fin, dtcs, states, CB, ypre, table = ops.ssd_scan_fwd(*plain)
         opcheck(ops.ssd_scan_bwd.default, (torch.randn_like(y), torch.randn_like(fin), *plain[:10], dtcs, states, CB,
-                                           ypre, table if lens else None, 16, True, 0.0, INF))
+                                           ypre, table if lens else None, 16, True, 0.0, INF, []))
         c = conv_inputs(1, 20, 24, 4)
         opcheck(ops.causal_conv1d_fwd.default, (c["x"].requires_grad_(), c["weight"][:, :4].detach().requires_grad_(),
                                                 c["bias"].requires_grad_(), c["conv_state"].requires_grad_(), cu, True))

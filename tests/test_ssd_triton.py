@@ -225,6 +225,86 @@ def test_triton_strided_inputs():
     assert rel(y, yr) < 1e-5
 
 
+def _xbc_pair(d, h, p, g, n):
+    """x | B | C of `d` as one tensor, and the separate views of a copy of it (the gradient of the views reaches
+    their base through autograd's concatenation)."""
+    b, t = d["x"].shape[:2]
+    return torch.cat([d["x"].reshape(b, t, h * p), d["B"].reshape(b, t, g * n), d["C"].reshape(b, t, g * n)], -1)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_ssd_scan_xbc_matches_separate_inputs(packed, dtype, tol, monkeypatch):
+    """ssd_scan_xbc (x | B | C in one tensor, its gradient written by the backward kernels into one tensor) against
+    ssd_scan on views of the same tensor, forward and backward: two row blocks per chunk, packed documents too, z /
+    D / dt_bias / initial state on; and the reference backend's xbc path against the float64 reference."""
+    import lm_kernels.ssd.launch as ln
+    from lm_kernels.ssd import ssd_scan_xbc
+    monkeypatch.setattr(ln, "TILE_ROWS", 16)
+    monkeypatch.setattr(ln, "_PLANS", {})
+    h, p, g, n = 4, 16, 2, 16
+    lens = [20, 0, 41, 3] if packed else None
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32) if packed else None
+    d = make(1 if packed else 2, sum(lens) if packed else 50, h, p, g, n, ns=len(lens) if packed else None)
+    kw = dict(chunk_size=32, cu_seqlens=cu, return_final_state=True)
+    rest = {k: v for k, v in d.items() if k not in ("x", "B", "C")}
+
+    def grads(fn, base, backend):
+        leaves = {k: v.to(dtype if k in ("dt", "z") else v.dtype).detach().requires_grad_() for k, v in rest.items()}
+        xbc = base.to(dtype).detach().requires_grad_()
+        y, f = fn(xbc, leaves, backend)
+        gen = torch.Generator().manual_seed(3)
+        gy = torch.randn(y.shape, generator=gen, dtype=F64).to(y.dtype)
+        gf = torch.randn(f.shape, generator=gen, dtype=F64)
+        ((y * gy).float().sum() + (f * gf).sum()).backward()
+        return y, f, {"xbc": xbc.grad, **{k: v.grad for k, v in leaves.items()}}
+
+    def fused(xbc, leaves, backend):
+        return ssd_scan_xbc(xbc, leaves["dt"], leaves["A"], headdim=p, ngroups=g, dstate=n, backend=backend,
+                            **{k: v for k, v in leaves.items() if k not in ("dt", "A")}, **kw)
+
+    def views(xbc, leaves, backend):
+        b, t = xbc.shape[:2]
+        x, B, C = xbc.split([h * p, g * n, g * n], -1)
+        return ssd_scan(x.reshape(b, t, h, p), leaves["dt"], leaves["A"], B.reshape(b, t, g, n),
+                        C.reshape(b, t, g, n), backend=backend, **{k: v for k, v in leaves.items()
+                                                                    if k not in ("dt", "A")}, **kw)
+
+    base = _xbc_pair(d, h, p, g, n)
+    y1, f1, g1 = grads(fused, base, "triton")
+    y2, f2, g2 = grads(views, base, "triton")
+    assert g1["xbc"].shape == base.shape and g1["xbc"].dtype == dtype
+    assert torch.equal(y1, y2) and torch.equal(f1, f2)  # the same kernels on the same memory
+    for k in g2:
+        assert torch.equal(g1[k], g2[k]), k
+    yr, fr, gr = grads(fused, base.double(), "reference")  # the reference backend's xbc path (float64 leaves)
+    y3, f3, g3 = grads(views, base.double(), "reference")
+    assert torch.equal(yr, y3)
+    assert rel(y1, yr.detach()) < tol and rel(g1["xbc"], gr["xbc"]) < tol
+    with pytest.raises(ValueError, match="x \\| B \\| C"):
+        ssd_scan_xbc(base[..., 1:], d["dt"], d["A"], headdim=p, ngroups=g, dstate=n, backend="triton")
+    with pytest.raises(ValueError, match="x \\| B \\| C"):
+        ssd_scan_xbc(base[..., 1:], d["dt"], d["A"], headdim=p, ngroups=g, dstate=n, backend="reference")
+
+
+def test_ssd_xbc_opcheck():
+    """torch.library.opcheck (schema, fakes, autograd registration, AOT dispatch) on both ops with x | B | C."""
+    from torch.library import opcheck
+
+    import lm_kernels.ssd.triton_ssd  # noqa: F401 (registers the ops)
+    h, p, g, n = 2, 16, 1, 16
+    d = make(1, 20, h, p, g, n, z=False, init=False)
+    xbc = _xbc_pair(d, h, p, g, n).requires_grad_()
+    dt = d["dt"].requires_grad_()
+    args = (xbc, dt, d["A"], None, None, d["D"], None, d["dt_bias"], None, None, 16, True, 0.0, float("inf"), False,
+            True, [p, g, n])
+    opcheck(torch.ops.lm.ssd_scan_fwd.default, args)
+    out = torch.ops.lm.ssd_scan_fwd(*args)
+    opcheck(torch.ops.lm.ssd_scan_bwd.default, (torch.randn(1, 20, h, p), None, xbc.detach(), dt.detach(), d["A"],
+                                                None, None, d["D"], None, d["dt_bias"], None, None, *out[2:5], None,
+                                                None, 16, True, 0.0, float("inf"), [p, g, n]))
+
+
 def test_triton_rejects_bad_chunk_and_float64():
     d = make(1, 8, 2, 16, 1, 16, z=False, init=False)
     with pytest.raises(ValueError, match="power of two"):

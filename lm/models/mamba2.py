@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm_kernels.ssd import ssd_scan, ssd_step
+from lm_kernels.ssd import ssd_scan_xbc, ssd_step
 
 from .config import LMConfig
 from .layers import GatedRMSNorm, causal_conv1d, dt_init
@@ -133,13 +133,13 @@ class Mamba2Mixer(Mixer):
             x_add=injection[self._part_index["xbc"]] if injection is not None and not step else None,
             conv_state=state.get("conv"), activation="silu",
         )
-        gn = self.ngroups * self.d_state
-        xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
-        xs = xs.reshape(b, t, self.nheads, self.headdim)
-        B = B.reshape(b, t, self.ngroups, self.d_state)
-        C = C.reshape(b, t, self.ngroups, self.d_state)
         new = {"conv": conv_state}
         if step:
+            gn = self.ngroups * self.d_state
+            xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
+            xs = xs.reshape(b, t, self.nheads, self.headdim)
+            B = B.reshape(b, t, self.ngroups, self.d_state)
+            C = C.reshape(b, t, self.ngroups, self.d_state)
             # a static cache's SSM buffer is updated in place by the step (no copy after it)
             out = cache.buffer(self.layer_idx, "ssm")
             # A = -exp(A_log) inside the step (a_log): no kernels of its own per decode token
@@ -151,9 +151,11 @@ class Mamba2Mixer(Mixer):
                 new["ssm"] = ssm
         else:
             A = -torch.exp(self.A_log.float())
-            y, new["ssm"] = ssd_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
-                                     dt_softplus=True, dt_limit=self.dt_limit, initial_state=state.get("ssm"),
-                                     cu_seqlens=cu_seqlens, return_final_state=cache is not None)
+            # x, B, C stay one tensor: the scan's backward writes their gradient as one (no concatenation of three)
+            y, new["ssm"] = ssd_scan_xbc(xbc, dt, A, headdim=self.headdim, ngroups=self.ngroups, dstate=self.d_state,
+                                         chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                                         dt_limit=self.dt_limit, initial_state=state.get("ssm"),
+                                         cu_seqlens=cu_seqlens, return_final_state=cache is not None)
         if cache is not None:
             cache.update(self.layer_idx, **new)
         # z is projected here, next to its only use: without grad (fixed-point iterations, eval) its buffer is not

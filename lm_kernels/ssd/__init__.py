@@ -3,6 +3,8 @@
     y, final_state = ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None,
                               dt_softplus=True, dt_limit=(0.0, inf), initial_state=None,
                               cu_seqlens=None, return_final_state=False, backend=None)
+    y, final_state = ssd_scan_xbc(xbc, dt, A, *, headdim, ngroups, dstate, ...same keywords...)
+                                                     # x, B, C as one (b, t, h*headdim + 2*ngroups*dstate) tensor
     y, final_state = ssd_scan_naive(...same...)      # per-timestep recurrence (tests)
     y, new_state   = ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
                               dt_softplus=True, dt_limit=(0.0, inf), out_state=None,
@@ -32,7 +34,7 @@ from .common import check_step_args
 from .naive import ssd_scan_naive, ssd_step_reference
 from .reference import ssd_scan_reference
 
-__all__ = ["ssd_scan", "ssd_scan_naive", "ssd_step", "ssd_step_reference", "ssd_scan_reference"]
+__all__ = ["ssd_scan", "ssd_scan_xbc", "ssd_scan_naive", "ssd_step", "ssd_step_reference", "ssd_scan_reference"]
 
 
 # The PyTorch reference stays one opaque call under torch.compile (the CPU path, tests): traced, inductor compiles its
@@ -54,6 +56,26 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt
         from .triton_ssd import ssd_scan_triton  # noqa: PLC0415 (lazy: triton is optional)
         return ssd_scan_triton(x, dt, A, B, C, **kwargs)
     return _reference_opaque(x, dt, A, B, C, **kwargs)
+
+
+def ssd_scan_xbc(xbc, dt, A, *, headdim, ngroups, dstate, chunk_size=256, D=None, z=None, dt_bias=None,
+                 dt_softplus=True, dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None,
+                 return_final_state=False, backend=None):
+    """ssd_scan with x, B and C as the columns of one (b, t, h*headdim + 2*ngroups*dstate) tensor, x | B | C (Mamba2's
+    conv output); h is dt's last dim. On the Triton backend the backward writes the three gradients into one tensor
+    of xbc's shape: separate ones would be concatenated by autograd (a pass over the conv's gradient per layer)."""
+    kwargs = dict(chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                  initial_state=initial_state, cu_seqlens=cu_seqlens, return_final_state=return_final_state)
+    if resolve_backend("ssd", backend, xbc.device) == "triton":
+        from .triton_ssd import ssd_scan_triton  # noqa: PLC0415 (lazy: triton is optional)
+        return ssd_scan_triton(xbc, dt, A, None, None, xbc_dims=(headdim, ngroups, dstate), **kwargs)
+    h, gn = dt.shape[-1], ngroups * dstate
+    if xbc.dim() != 3 or xbc.shape[-1] != h * headdim + 2 * gn:
+        raise ValueError(f"ssd_scan_xbc: xbc must be (b, t, {h * headdim + 2 * gn}) = x | B | C for {h} heads of "
+                         f"{headdim}, {ngroups} groups of dstate {dstate}; got {tuple(xbc.shape)}")
+    x, B, C = xbc.split([h * headdim, gn, gn], dim=-1)
+    return _reference_opaque(x.unflatten(-1, (h, headdim)), dt, A, B.unflatten(-1, (ngroups, dstate)),
+                             C.unflatten(-1, (ngroups, dstate)), **kwargs)
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (one Triton launch)

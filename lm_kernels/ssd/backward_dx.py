@@ -59,13 +59,14 @@ def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, cle
 def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr,
                   dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, tot_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
-                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
+                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_DT: tl.constexpr):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row state terms q, dD partial sums and the
     intra-chunk d(dt*A) shares (_dx_tile). Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a
-    chunk's heads run together (dy tiles, dstates and the group's C.B / B rows come from L2)."""
+    chunk's heads run together (dy tiles, dstates and the group's C.B / B rows come from L2). dx rows are s_dx_t
+    apart (its batch stride T * s_dx_t): a (b, t, h, p) tensor or the x columns of a (b, t, x | B | C) gradient."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -122,7 +123,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
                      tl.sum(dyl * xl, 0), mask=pmask)
         else:  # one D per head: one partial sum per program (a small reduction on the host side)
             tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h, tl.sum(tl.sum(dyl * xl, 0), 0))
-    tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * (H * P) + h * P + offs_p[None, :],
+    tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * s_dx_t + h * P + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
 
 

@@ -84,7 +84,9 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states, CB,
-              ypre):
+              ypre, dxbc=None):
+    """The gradients; dxbc: a (b, t, H*P + 2*G*N) tensor that dx, dB and dC are written into (their views are
+    returned), else they are separate tensors."""
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
     dtp, cs = dtcs.unbind(0)
@@ -127,7 +129,12 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     nm = cdiv(L, pl.BM)
     dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
     tot = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
-    dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
+    if dxbc is not None:
+        dx, dB, dC = _split_xbc(dxbc, H, P, G, N)
+    else:
+        dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
+        dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
+        dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
     qrow = torch.empty_like(ddt_dir)
     dD_part = (torch.zeros((pl.NCB * nm, H, P) if D.dim() == 2 else (pl.NCB * nm, H), dtype=torch.float32, device=dev)
@@ -137,19 +144,17 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dx, ddt_dir, qrow, dD_part if dD_part is not None else cs, dda, tot, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2)),
+        B.stride(0), B.stride(1), B.stride(2), dx.stride(1)),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
              D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     # dB, dC and each row's dcs = dy . y_off (a partial sum per n block)
     n_dcs = cdiv(N, pl.BN_DBDC)
     dcs = torch.empty(n_dcs, H, pl.BT, dtype=torch.float32, device=dev)
-    dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
-    dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
     ln.launch(ln._dbdc_bwd, ("dbdc", tk), (pl.NCB, G, nm * n_dcs), (
         dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, dcs, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2)),
+        B.stride(0), B.stride(1), B.stride(2), dB.stride(1)),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_DBDC, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     # dt, dA, dt_bias
     has_limit, lo, hi = limits(dt_limit)
@@ -176,17 +181,21 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
 # Inputs are read through their strides (x, B, C, z: last dim contiguous, B and C with equal strides; _prep): the
 # exact-stride tag makes inductor pass them with the strides they had when traced, and _prep inside the ops is then
 # a no-op (it only copies a layout the kernels cannot read, as ssd_scan_triton would have before the call).
+# xbc_dims = [P, G, N]: `x` is Mamba2's conv output x | B | C, (b, t, H*P + 2*G*N), and B, C are None; its gradient
+# is one tensor of that shape that the backward kernels write into (three separate gradients would be
+# concatenated by autograd, a pass over the conv's whole gradient per layer). [] : x, B, C given separately.
 @torch.library.custom_op("lm::ssd_scan_fwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
-def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
-                 initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], chunk_size: int,
-                 dt_softplus: bool, dt_lo: float, dt_hi: float, return_final_state: bool,
-                 save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor, torch.Tensor]:
+def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: Optional[torch.Tensor],
+                 C: Optional[torch.Tensor], D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+                 dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                 cu_seqlens: Optional[torch.Tensor], chunk_size: int, dt_softplus: bool, dt_lo: float, dt_hi: float,
+                 return_final_state: bool, save: bool, xbc_dims: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
     """(y, final state (empty unless return_final_state), and what the backward reads: dt and cumsum (2, H, b*t)
     float32, the chunk start states, C.B, the pre-gate output (empty unless `save` and z), the chunk table of
     packed documents (int32, empty without cu_seqlens)). Arguments as ssd_scan_triton's, checked there."""
-    x, dt, B, C, z = _prep(x, dt, B, C, z)
+    x, dt, B, C, z = _prep(x, dt, B, C, z, xbc_dims)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     pl = ln.plan(x, B, cu_seqlens, chunk_size)
@@ -196,11 +205,18 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
             ypre if ypre is not None else absent(x), pl.table if pl.table is not None else absent(x, torch.int32))
 
 
+def _fake_dims(x, dt, B, xbc_dims):
+    """(b, t, h, p, g, n) of a call from its shapes."""
+    if xbc_dims:
+        p, g, n = xbc_dims
+        return x.shape[0], x.shape[1], dt.shape[2], p, g, n
+    return (*x.shape, B.shape[2], B.shape[3])
+
+
 @ssd_scan_fwd.register_fake
 def _(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus, dt_lo, dt_hi,
-      return_final_state, save):
-    b, t, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
+      return_final_state, save, xbc_dims):
+    b, t, h, p, g, n = _fake_dims(x, dt, B, xbc_dims)
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.shape[0] - 1 if varlen else b
     ncb = ln.num_chunk_blocks(b, t, nseq, chunk_size, varlen)
@@ -216,16 +232,18 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_s
 
 @torch.library.custom_op("lm::ssd_scan_bwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
 def ssd_scan_bwd(dy: Optional[torch.Tensor], dfinal: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor,
-                 A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor],
+                 A: torch.Tensor, B: Optional[torch.Tensor], C: Optional[torch.Tensor], D: Optional[torch.Tensor],
                  z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                  cu_seqlens: Optional[torch.Tensor], dtcs: torch.Tensor, states: torch.Tensor, CB: torch.Tensor,
                  ypre: Optional[torch.Tensor], table: Optional[torch.Tensor], chunk_size: int, dt_softplus: bool,
-                 dt_lo: float, dt_hi: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor]:
-    """(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_state), the last four empty where that input is None.
-    dy / dfinal None: no gradient reaches y / the final state. dtcs .. table: ssd_scan_fwd's outputs."""
-    x, dt, B, C, z = _prep(x, dt, B, C, z)
+                 dt_lo: float, dt_hi: float, xbc_dims: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_state), absent (empty) where that input is None; with
+    xbc_dims dx is the gradient of the whole x | B | C input. dy / dfinal None: no gradient reaches y / the final
+    state. dtcs .. table: ssd_scan_fwd's outputs."""
+    xbc = x if xbc_dims else None
+    x, dt, B, C, z = _prep(x, dt, B, C, z, xbc_dims)
     if z is not None and (ypre is None or ypre.shape != x.shape):
         raise ValueError("ssd_scan_bwd: with z the forward must have run with save=True (it stores the pre-gate y)")
     if initial_state is not None:
@@ -233,14 +251,17 @@ def ssd_scan_bwd(dy: Optional[torch.Tensor], dfinal: Optional[torch.Tensor], x: 
     pl = ln.plan(x, B, cu_seqlens, chunk_size, table)
     if dy is None:
         dy = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device) if xbc is not None else None
     grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, (dt_lo, dt_hi),
-                      dtcs, states, CB, ypre)
+                      dtcs, states, CB, ypre, dxbc)
+    if dxbc is not None:  # the gradient of x | B | C in the first slot, dB and dC absent
+        grads = (dxbc, *grads[1:3], None, None, *grads[5:])
     return tuple(v if v is not None else absent(x) for v in grads)
 
 
 @ssd_scan_bwd.register_fake
 def _(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB, ypre, table, chunk_size,
-      dt_softplus, dt_lo, dt_hi):
+      dt_softplus, dt_lo, dt_hi, xbc_dims):
     def like(v):
         return v.new_empty(v.shape) if v is not None else absent(x)
 
@@ -250,13 +271,13 @@ def _(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs
 
 def _ssd_setup_context(ctx, inputs, output):
     (x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus, dt_lo, dt_hi,
-     return_final_state, _save) = inputs
+     return_final_state, _save, xbc_dims) = inputs
     _y, _final, dtcs, states, CB, ypre, table = output
     ctx.mark_non_differentiable(dtcs, states, CB, ypre, table)
     ctx.set_materialize_grads(False)  # an unused output gets None, not a zero-filled gradient
     ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB,
                           ypre if z is not None else None, table if cu_seqlens is not None else None)
-    ctx.args = (chunk_size, dt_softplus, dt_lo, dt_hi)
+    ctx.args = (chunk_size, dt_softplus, dt_lo, dt_hi, list(xbc_dims))
     ctx.return_final_state = return_final_state
 
 
@@ -265,17 +286,28 @@ def _ssd_backward(ctx, dy, dfinal, *_aux):
     grads = torch.ops.lm.ssd_scan_bwd(dy, dfinal if ctx.return_final_state else None, x, dt, A, B, C, D, z, dt_bias,
                                       initial_state, cu_seqlens, dtcs, states, CB, ypre, table, *ctx.args)
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
-    return (dx, ddt, dA, dB, dC, dD if D is not None else None, dz if z is not None else None,
-            ddt_bias if dt_bias is not None else None, dinit if initial_state is not None else None,
-            None, None, None, None, None, None, None)
+    return (dx, ddt, dA, dB if B is not None else None, dC if C is not None else None, dD if D is not None else None,
+            dz if z is not None else None, ddt_bias if dt_bias is not None else None,
+            dinit if initial_state is not None else None, None, None, None, None, None, None, None, None)
 
 
 ssd_scan_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup_context)
 
 
-def _prep(x, dt, B, C, z):
+def _split_xbc(xbc, H, P, G, N):
+    """Views x (b, t, H, P), B and C (b, t, G, N) of a (b, t, H*P + 2*G*N) tensor."""
+    hp, gn = H * P, G * N
+    return (xbc[..., :hp].unflatten(-1, (H, P)), xbc[..., hp:hp + gn].unflatten(-1, (G, N)),
+            xbc[..., hp + gn:].unflatten(-1, (G, N)))
+
+
+def _prep(x, dt, B, C, z, xbc_dims=()):
     """The layout the kernels read: x, B, C, z with a contiguous last dim, B and C with the same strides, dt
-    contiguous (copies only what is not laid out so)."""
+    contiguous (copies only what is not laid out so). xbc_dims = (P, G, N): x is x | B | C (split here)."""
+    if xbc_dims:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        x, B, C = _split_xbc(x, dt.shape[-1], *xbc_dims)
     if x.stride(-1) != 1:
         x = x.contiguous()
     dt = dt.contiguous()
@@ -287,10 +319,22 @@ def _prep(x, dt, B, C, z):
 
 
 def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
-                    dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None, return_final_state=False):
+                    dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None, return_final_state=False,
+                    xbc_dims=None):
     """Triton SSD scan; same contract as lm_kernels.ssd.ssd_scan. Returns (y, final_state or None).
+    xbc_dims = (P, G, N): `x` is x | B | C in one (b, t, H*P + 2*G*N) tensor and B, C are None (ssd_scan_xbc).
     Under torch.compile the values of cu_seqlens are not read on the host (that would break the graph): check
     them before (lm_kernels.varlen.check_cu_seqlens)."""
+    xbc = None
+    if xbc_dims is not None:
+        p, g, n = (int(v) for v in xbc_dims)
+        h = dt.shape[-1]
+        if x.dim() != 3 or x.shape[-1] != h * p + 2 * g * n or B is not None or C is not None:
+            raise ValueError(f"ssd (triton backend): with xbc_dims (headdim {p}, ngroups {g}, dstate {n}) x must be "
+                             f"(b, t, {h * p + 2 * g * n}) = x | B | C for {h} heads and B, C None; got x "
+                             f"{tuple(x.shape)}")
+        xbc = x if x.stride(-1) == 1 else x.contiguous()
+        x, B, C = _split_xbc(xbc, h, p, g, n)
     check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
                     values=not torch.compiler.is_compiling())
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
@@ -304,7 +348,12 @@ def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=N
         return ssd_scan_reference(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                                   dt_softplus=dt_softplus, dt_limit=dt_limit, initial_state=initial_state,
                                   cu_seqlens=cu_seqlens, return_final_state=return_final_state)
-    x, dt, B, C, z = _prep(x, dt, B, C, z)
+    if xbc is not None:  # the op splits it again (views)
+        x, dt, _, _, z = _prep(x, dt, B, C, z)
+        x, B, C, dims = xbc, None, None, [p, g, n]
+    else:
+        x, dt, B, C, z = _prep(x, dt, B, C, z)
+        dims = []
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     if cu_seqlens is not None:
@@ -312,5 +361,5 @@ def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=N
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     out = torch.ops.lm.ssd_scan_fwd(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus,
-                                    float(dt_limit[0]), float(dt_limit[1]), return_final_state, needs_grad)
+                                    float(dt_limit[0]), float(dt_limit[1]), return_final_state, needs_grad, dims)
     return out[0], (out[1] if return_final_state else None)
