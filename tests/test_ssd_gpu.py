@@ -73,6 +73,35 @@ def test_gpu_smaller_chunks_bf16(chunk, packed):
         check(make(2, 1100, 16, 64, 2, 128), torch.bfloat16, 3e-2, chunk_size=chunk, dt_limit=(0.0, 4.0))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_xbc_input_equals_separate_views(packed):
+    """ssd_scan_xbc (x | B | C as one tensor, one gradient written by the kernels) is bit-equal to ssd_scan on views of
+    it, forward and backward, at Mamba2-350M's layer widths (bf16, chunk 128)."""
+    from lm_kernels.ssd import ssd_scan_xbc
+    h, p, g, n = 32, 64, 1, 128
+    lens = [700, 0, 1100, 248] if packed else None
+    b, t = (1, sum(lens)) if packed else (2, 1024)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda") if packed else None
+    gen = torch.Generator().manual_seed(5)
+    base = (torch.randn(b, t, h * p + 2 * g * n, generator=gen) * 0.5).cuda().bfloat16()
+    dt = torch.randn(b, t, h, generator=gen).cuda().bfloat16()
+    A, D, bias = -torch.rand(h, generator=gen).cuda() - 0.5, torch.randn(h, generator=gen).cuda(), torch.zeros(h).cuda()
+    gy = torch.randn(b, t, h, p, generator=gen).cuda().bfloat16()
+    outs = []
+    for fused in (True, False):
+        xbc, dtl = base.clone().requires_grad_(), dt.clone().requires_grad_()
+        kw = dict(chunk_size=128, D=D, dt_bias=bias, cu_seqlens=cu)
+        if fused:
+            y, _ = ssd_scan_xbc(xbc, dtl, A, headdim=p, ngroups=g, dstate=n, **kw)
+        else:
+            x, B, C = xbc.split([h * p, g * n, g * n], -1)
+            y, _ = ssd_scan(x.unflatten(-1, (h, p)), dtl, A, B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)), **kw)
+        (y.float() * gy.float()).sum().backward()
+        outs.append((y, xbc.grad, dtl.grad))
+    for a, r in zip(*outs):
+        assert torch.equal(a, r)
+
+
 def test_gpu_float32_highest_precision():
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
