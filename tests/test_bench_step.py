@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lm.benchmarks.floor import layer_stages, step_floor
@@ -53,6 +54,12 @@ def test_floor_counts_the_gemm_flops():
     imp = step_floor(load_config("lm_mamba2-tiny", implicit={"max_iter": 4, "phantom_steps": 1}), n, 64,
                      {"matmul_tflops": 1e-3, "bandwidth_gbs": 1.0})
     assert abs(imp["step_ms"] - fl["step_ms"] - 4 * fl["nograd_forward_ms"]) < 1e-9
+    assert fl["over_explicit"] == pytest.approx(1.0) and imp["explicit_step_ms"] == pytest.approx(fl["step_ms"])
+    assert imp["over_explicit"] == pytest.approx(imp["step_ms"] / fl["step_ms"]) and imp["over_explicit"] > 1
+    # Mamba2-350M at an H200's rates: four no-grad forwards cost ~1.2 explicit steps at the floor
+    big = step_floor(load_config("lm_mamba2-350m", implicit={"max_iter": 4, "phantom_steps": 1}), 16 * 2048, 2048,
+                     {"matmul_tflops": 650, "bandwidth_gbs": 4200})
+    assert 2.1 < big["over_explicit"] < 2.3
 
 
 def test_forward_ratio_mode(tmp_path):

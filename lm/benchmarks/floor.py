@@ -143,15 +143,21 @@ def step_floor(config, tokens: int, seq_len: int, rates: dict, shape_rates: dict
     of, ob = sum(r["fwd_ms"] for r in out_rows), sum(r["bwd_ms"] for r in out_rows)
     s = config.implicit
     solves = s.max_iter if s is not None else 0
+    explicit = layers * (lf + lb) + of + ob
+    step = solves * layers * lf + explicit
+    # an implicit (s+k) step at the floor against the explicit step at the floor: the ratio no kernel work can
+    # bring below (the s no-grad forwards against a forward + backward that is ~3x a forward)
     return {"layer_rows": rows, "outside_rows": out_rows, "layer_fwd_ms": lf, "layer_bwd_ms": lb,
             "nograd_forward_ms": layers * lf, "forward_ms": layers * lf + of, "backward_ms": layers * lb + ob,
-            "step_ms": (solves + 1) * layers * lf + layers * lb + of + ob, "layers": layers}
+            "step_ms": step, "explicit_step_ms": explicit, "over_explicit": step / explicit, "layers": layers}
 
 
 def table(fl: dict, title: str) -> str:
     lines = [f"{title}: floor per step {fl['step_ms']:.1f} ms (forward {fl['forward_ms']:.1f}, backward "
              f"{fl['backward_ms']:.1f}, no-grad forward {fl['nograd_forward_ms']:.1f}); per layer "
-             f"fwd {fl['layer_fwd_ms']:.3f} ms, bwd {fl['layer_bwd_ms']:.3f} ms x {fl['layers']} layers",
+             f"fwd {fl['layer_fwd_ms']:.3f} ms, bwd {fl['layer_bwd_ms']:.3f} ms x {fl['layers']} layers"
+             + (f"; this step / the explicit step at the floor {fl['over_explicit']:.2f}x"
+                if fl["over_explicit"] > 1 else ""),
              f"  {'stage':28s} {'fwd GFLOP':>10s} {'fwd MB':>8s} {'fwd ms':>8s} {'bwd GFLOP':>10s} {'bwd MB':>8s}"
              f" {'bwd ms':>8s}  bound"]
     for r in fl["layer_rows"] + [dict(x, stage="[step] " + x["stage"]) for x in fl["outside_rows"]]:
@@ -165,7 +171,7 @@ def table(fl: dict, title: str) -> str:
 def case_config(case: dict):
     from lm.models.presets import load_config
 
-    return load_config(case["preset"], implicit=case.get("implicit"))
+    return load_config(case["preset"], implicit=case.get("implicit"), **(case.get("overrides") or {}))
 
 
 def main() -> int:
