@@ -30,6 +30,25 @@ def test_saved_counts_each_storage_once_and_by_layer():
     assert type(model.model.layers[0]).__name__ == "Block" and not hasattr(model.model.layers[0], "_orig_call")
 
 
+def test_saved_counts_only_what_the_backward_holds(monkeypatch):
+    """A save whose graph node is dropped in the forward is not counted (its tensor is freed; the allocator may give
+    its address to a later storage, which the count then keeps apart)."""
+    torch.manual_seed(0)
+    model = build("lm_llama-tiny", ["num_hidden_layers=2"], None, vocab=64)
+    ids = torch.randint(0, 64, (2, 16))
+    base = summarize(saved_tensors(model, ids))
+    mixer = model.model.layers[1].mixer
+    orig = mixer.forward
+
+    def with_dropped_branch(x, *a, **k):
+        (x * 2).sin()  # sin saves x * 2; the result is dropped, and with it the node and its saved tensor
+        return orig(x, *a, **k)
+
+    monkeypatch.setattr(mixer, "forward", with_dropped_branch)
+    again = summarize(saved_tensors(model, ids))
+    assert again["by_label"] == base["by_label"] and again["total"] == base["total"]
+
+
 def test_saved_cli_json(tmp_path):
     out = tmp_path / "s.json"
     p = subprocess.run([sys.executable, "-m", "lm.benchmarks.saved", "--preset", "lm_llama-tiny", "--overrides",

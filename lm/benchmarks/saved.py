@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from collections import defaultdict
 
 OUTSIDE = "outside"
@@ -96,14 +97,17 @@ def saved_tensors(model, input_ids, *, compile: bool = False, dtype: str = "fp32
             param_bytes[key] = s.nbytes()
             return t
         r = records.get(key)
-        if r is None:
+        # a storage is known by its address while a tensor saved on it lives: a save whose graph node was dropped
+        # in the forward frees its tensor, and the allocator may hand the address to a later, different storage
+        if r is None or all(ref() is None for ref in r["refs"]):
             fn = t.grad_fn
             records[key] = {"label": state["label"], "bytes": s.nbytes(), "shape": list(t.shape),
                             "dtype": str(t.dtype).replace("torch.", ""),
                             "op": type(fn).__name__ if fn is not None else ("leaf" if t.requires_grad else "-"),
-                            "count": 1}
+                            "count": 1, "refs": [weakref.ref(t)]}
         else:
             r["count"] += 1
+            r["refs"].append(weakref.ref(t))
         return t
 
     targets = torch.roll(input_ids, -1, dims=1)
@@ -113,12 +117,15 @@ def saved_tensors(model, input_ids, *, compile: bool = False, dtype: str = "fp32
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with ctx:
                 out = model(input_ids, targets=targets, fused_loss=fused_loss, cu_seqlens=cu_seqlens)
+        # what the backward holds: storages with a saved tensor still alive (not those of dropped graph nodes)
+        kept = [{k: v for k, v in r.items() if k != "refs"} for r in records.values()
+                if any(ref() is not None for ref in r["refs"])]
         out.loss.backward()
     finally:
         for block, cls in patched:
             block.__class__ = cls
             del block._orig_call
-    return {"records": list(records.values()), "params": sum(param_bytes.values()),
+    return {"records": kept, "params": sum(param_bytes.values()),
             "tokens": input_ids.numel(), "layers": len(layers)}
 
 
