@@ -60,13 +60,14 @@ def run_case(args) -> dict:
 
     template, implicit = CASES[args.case]
     preset = template.format(size=args.size)
+    overrides = _overrides(args)
     vocab = json.loads(configs_dir("models").joinpath(f"{preset}.json").read_text())["vocab_size"]
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{args.case}-"))
     tokens_per_step = args.micro * args.accum * args.seq_len
     cfg = config_from_dict({
         "run_dir": str(run_dir),
         "model": {"preset": preset, "implicit": implicit, "activation_checkpointing": args.act_ckpt,
-                  "compile": args.compile == "on", "overrides": _overrides(args)},
+                  "compile": args.compile == "on", "overrides": overrides},
         "data": {"source": "synthetic", "seq_len": args.seq_len, "synthetic_vocab": vocab},
         "optim": {"lr": 1e-3},
         "schedule": {"kind": "constant", "warmup": 0},
@@ -108,10 +109,10 @@ def run_case(args) -> dict:
     st = statistics.median(r["step_time"] for r in steps)
     from lm.models.presets import flops_per_token, load_config
 
-    fpt = flops_per_token(load_config(preset, implicit=implicit, **_overrides(args)), args.seq_len)["train"]
+    fpt = flops_per_token(load_config(preset, implicit=implicit, **overrides), args.seq_len)["train"]
     out = {
         "case": args.case + ("+compile" if args.compile == "on" else ""), "compile": args.compile == "on",
-        "preset": preset, "implicit": implicit, "overrides": _overrides(args), "params": start["params"],
+        "preset": preset, "implicit": implicit, "overrides": overrides, "params": start["params"],
         "engine": start["engine"], "device": start["device"], "precision": args.precision,
         "seq_len": args.seq_len, "micro_batch_size": args.micro, "accumulation": args.accum,
         "tokens_per_step": tokens_per_step, "measured_steps": len(steps), "step_time_s": st,

@@ -269,8 +269,8 @@ class LMModel(LMPreTrainedModel):
         fused add saves (lm/train/BENCH.md, session 16)."""
         shared = shared or {}
         if torch.is_grad_enabled() or not len(self.layers):
+            kw = dict(injection=inj, cu_seqlens=cu_seqlens, **shared)
             for layer in self.layers:
-                kw = dict(injection=inj, cu_seqlens=cu_seqlens, **shared)
                 if self.gradient_checkpointing and self.training and cache is None:
                     h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
                 else:

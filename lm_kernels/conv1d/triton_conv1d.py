@@ -74,24 +74,11 @@ def _log_n(cu_seqlens):
     return n, max(0, math.ceil(math.log2(n))) if n > 0 else 0
 
 
-def _bwd_rows_override():
-    """LM_CONV1D_BWD_ROWS: rows per backward program (a power of two >= 16), else the heuristic."""
-    v = os.environ.get("LM_CONV1D_BWD_ROWS", "").strip()
-    if not v:
-        return None
-    if not v.isdigit() or int(v) < 16 or int(v) & (int(v) - 1):
-        raise ValueError(f"LM_CONV1D_BWD_ROWS={v!r} must be a power of two >= 16 (or unset)")
-    return int(v)
-
-
 def _bwd_chunk(t: int, b: int, c: int, device) -> int:
     """Rows per backward program: enough programs to fill the GPU ~8x over with 128-channel tiles,
     few enough that the dweight partials (one (C, W+1) row per program) stay small."""
     if _INTERPRET:
         return 16
-    rows = _bwd_rows_override()
-    if rows is not None:
-        return rows
     sms = num_sms(device)
     per_chunk = b * triton.cdiv(c, 128)
     want = max(1, triton.cdiv(8 * sms, per_chunk))

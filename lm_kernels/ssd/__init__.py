@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import resolve_backend
-from .common import check_step_args
+from .common import check_step_args, split_xbc
 from .naive import ssd_scan_naive, ssd_step_reference
 from .reference import ssd_scan_reference
 
@@ -69,13 +69,8 @@ def ssd_scan_xbc(xbc, dt, A, *, headdim, ngroups, dstate, chunk_size=256, D=None
     if resolve_backend("ssd", backend, xbc.device) == "triton":
         from .triton_ssd import ssd_scan_triton  # noqa: PLC0415 (lazy: triton is optional)
         return ssd_scan_triton(xbc, dt, A, None, None, xbc_dims=(headdim, ngroups, dstate), **kwargs)
-    h, gn = dt.shape[-1], ngroups * dstate
-    if xbc.dim() != 3 or xbc.shape[-1] != h * headdim + 2 * gn:
-        raise ValueError(f"ssd_scan_xbc: xbc must be (b, t, {h * headdim + 2 * gn}) = x | B | C for {h} heads of "
-                         f"{headdim}, {ngroups} groups of dstate {dstate}; got {tuple(xbc.shape)}")
-    x, B, C = xbc.split([h * headdim, gn, gn], dim=-1)
-    return _reference_opaque(x.unflatten(-1, (h, headdim)), dt, A, B.unflatten(-1, (ngroups, dstate)),
-                             C.unflatten(-1, (ngroups, dstate)), **kwargs)
+    x, B, C = split_xbc(xbc, dt.shape[-1], headdim, ngroups, dstate)
+    return _reference_opaque(x, dt, A, B, C, **kwargs)
 
 
 @torch.compiler.disable  # torch.compile: one opaque call (one Triton launch)

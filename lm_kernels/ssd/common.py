@@ -104,3 +104,14 @@ def apply_skip_and_gate(y, x, D, z, dtype):
     if z is not None:
         y = y * F.silu(z.to(dtype))
     return y
+
+
+def split_xbc(xbc: torch.Tensor, h: int, p: int, g: int, n: int):
+    """Views x (b, t, h, p), B and C (b, t, g, n) of Mamba2's conv output x | B | C, (b, t, h*p + 2*g*n); a
+    ValueError for another shape."""
+    hp, gn = h * p, g * n
+    if xbc.dim() != 3 or xbc.shape[-1] != hp + 2 * gn:
+        raise ValueError(f"ssd_scan_xbc: xbc must be (b, t, {hp + 2 * gn}) = x | B | C for {h} heads of {p}, {g} "
+                         f"groups of dstate {n}; got {tuple(xbc.shape)}")
+    return (xbc[..., :hp].unflatten(-1, (h, p)), xbc[..., hp:hp + gn].unflatten(-1, (g, n)),
+            xbc[..., hp + gn:].unflatten(-1, (g, n)))

@@ -26,7 +26,7 @@ from ..backend import CUSTOM_OP_TAGS, absent
 from . import launch as ln
 from .backward import gate_bwd_kernel
 from .backward_dx import dt_bwd_kernel
-from .common import check_scan_args
+from .common import check_scan_args, split_xbc
 from .launch import cdiv, dot_dt, dot_prec, limits, p2, tune_key
 
 
@@ -130,7 +130,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
     tot = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
     if dxbc is not None:
-        dx, dB, dC = _split_xbc(dxbc, H, P, G, N)
+        dx, dB, dC = split_xbc(dxbc, H, P, G, N)
     else:
         dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
         dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
@@ -294,20 +294,13 @@ def _ssd_backward(ctx, dy, dfinal, *_aux):
 ssd_scan_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup_context)
 
 
-def _split_xbc(xbc, H, P, G, N):
-    """Views x (b, t, H, P), B and C (b, t, G, N) of a (b, t, H*P + 2*G*N) tensor."""
-    hp, gn = H * P, G * N
-    return (xbc[..., :hp].unflatten(-1, (H, P)), xbc[..., hp:hp + gn].unflatten(-1, (G, N)),
-            xbc[..., hp + gn:].unflatten(-1, (G, N)))
-
-
 def _prep(x, dt, B, C, z, xbc_dims=()):
     """The layout the kernels read: x, B, C, z with a contiguous last dim, B and C with the same strides, dt
     contiguous (copies only what is not laid out so). xbc_dims = (P, G, N): x is x | B | C (split here)."""
     if xbc_dims:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        x, B, C = _split_xbc(x, dt.shape[-1], *xbc_dims)
+        x, B, C = split_xbc(x, dt.shape[-1], *xbc_dims)
     if x.stride(-1) != 1:
         x = x.contiguous()
     dt = dt.contiguous()
@@ -327,14 +320,11 @@ def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=N
     them before (lm_kernels.varlen.check_cu_seqlens)."""
     xbc = None
     if xbc_dims is not None:
+        if B is not None or C is not None:
+            raise ValueError("ssd (triton backend): with xbc_dims, x is x | B | C and B, C must be None")
         p, g, n = (int(v) for v in xbc_dims)
-        h = dt.shape[-1]
-        if x.dim() != 3 or x.shape[-1] != h * p + 2 * g * n or B is not None or C is not None:
-            raise ValueError(f"ssd (triton backend): with xbc_dims (headdim {p}, ngroups {g}, dstate {n}) x must be "
-                             f"(b, t, {h * p + 2 * g * n}) = x | B | C for {h} heads and B, C None; got x "
-                             f"{tuple(x.shape)}")
         xbc = x if x.stride(-1) == 1 else x.contiguous()
-        x, B, C = _split_xbc(xbc, h, p, g, n)
+        x, B, C = split_xbc(xbc, dt.shape[-1], p, g, n)
     check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
                     values=not torch.compiler.is_compiling())
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
