@@ -122,14 +122,15 @@ def _bwd_scratch(programs: int, c: int, device, dtype):
     return torch.empty(programs, 3 * _BWD_BT_MAX, c, device=device, dtype=dtype)
 
 
-def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_grad: bool, x_add=None):
+def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_grad: bool, x_add=None, dx_out=None):
     """(dx (b, t, c) in x's dtype, dweight (c, w), dbias (c,) or None, dconv_state (b, c, w-1) or None); dx is
-    also the gradient of x_add (the input is x + x_add)."""
+    also the gradient of x_add (the input is x + x_add). dx_out: dx is written there (x's shape and dtype, channels
+    contiguous, any batch / time strides: a column block of a larger gradient), else into a new tensor."""
     b, t, c = x.shape
     w = weight.shape[-1]
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
-    dx = torch.empty(b, t, c, device=x.device, dtype=x.dtype)
+    dx = torch.empty(b, t, c, device=x.device, dtype=x.dtype) if dx_out is None else dx_out
     dstate = torch.empty(b, c, w - 1, device=x.device, dtype=conv_state.dtype) if state_grad else None
     chunk = _bwd_chunk(t, b, c, x.device)
     assert chunk % _BWD_BT_MAX == 0, (chunk, _BWD_BT_MAX)  # a program's tiles never cross its chunk's end

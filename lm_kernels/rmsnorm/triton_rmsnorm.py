@@ -193,15 +193,16 @@ def rms_norm_fwd(x, weight, eps, z=None, group_size=None, residual=None):
     return y.view(x.shape)
 
 
-def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group):
+def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None):
     """(dx in x's dtype, dz in z's dtype (also z_add's gradient), dweight in weight's dtype or None): one kernel pass
-    over the rows and the sum of its per-program weight partials."""
+    over the rows and the sum of its per-program weight partials. dz_out: dz is written there (z's shape and dtype,
+    rows of unit channel stride at any row stride: a column block of a larger gradient), else into a new tensor."""
     d = x.shape[-1]
     x2, z2, dy2 = _rows(x, d), _rows(z, d), _rows(dy, d)
     za2 = _rows(z_add, d) if z_add is not None else z2
     n, ng = x2.shape[0], d // group
     dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    dz = torch.empty(x2.shape, dtype=z.dtype, device=x.device)
+    dz = torch.empty(x2.shape, dtype=z.dtype, device=x.device) if dz_out is None else dz_out.view(-1, d)
     chunk = _bwd_rows(n, ng, x.device)
     n_chunks = triton.cdiv(n, chunk)
     part = torch.empty(n_chunks, d, dtype=torch.float32, device=x.device) if weight is not None else None

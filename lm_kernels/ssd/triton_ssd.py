@@ -84,9 +84,10 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states, CB,
-              ypre, dxbc=None):
+              ypre, dxbc=None, ddt_out=None):
     """The gradients; dxbc: a (b, t, H*P + 2*G*N) tensor that dx, dB and dC are written into (their views are
-    returned), else they are separate tensors."""
+    returned), else they are separate tensors; ddt_out: dt's gradient is written there (dt's shape and dtype, heads
+    contiguous, any batch / time strides), else into a new tensor."""
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
     dtp, cs = dtcs.unbind(0)
@@ -158,13 +159,13 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_DBDC, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     # dt, dA, dt_bias
     has_limit, lo, hi = limits(dt_limit)
-    ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev)
+    ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev) if ddt_out is None else ddt_out
     dA_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev) if dt_bias is not None else None
     dt_bwd_kernel[(pl.NCB, cdiv(H, pl.BH))](
         dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, tot, qrow, passing,
         ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), lo, hi,
+        pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), lo, hi,
         L=L, BH=pl.BH, NPN_B=p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
     dA = dA_part.sum(0).to(A.dtype)
@@ -295,15 +296,17 @@ ssd_scan_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup_context)
 
 
 def _prep(x, dt, B, C, z, xbc_dims=()):
-    """The layout the kernels read: x, B, C, z with a contiguous last dim, B and C with the same strides, dt
-    contiguous (copies only what is not laid out so). xbc_dims = (P, G, N): x is x | B | C (split here)."""
+    """The layout the kernels read: x, B, C, z, dt with a contiguous last dim (dt through its batch / time strides:
+    a column block of a projection), B and C with the same strides (copies only what is not laid out so).
+    xbc_dims = (P, G, N): x is x | B | C (split here)."""
     if xbc_dims:
         if x.stride(-1) != 1:
             x = x.contiguous()
         x, B, C = split_xbc(x, dt.shape[-1], *xbc_dims)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    dt = dt.contiguous()
+    if dt.stride(-1) != 1:
+        dt = dt.contiguous()
     if B.stride(-1) != 1 or C.stride(-1) != 1 or B.stride() != C.stride():
         B, C = B.contiguous(), C.contiguous()
     if z is not None and z.stride(-1) != 1:
