@@ -1,0 +1,42 @@
+"""Mamba2's inner path, in_proj's output -> conv1d -> SSD -> gated RMSNorm, as one Triton operator.
+
+    y, new_conv_state, final_state = mamba2_inner(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups,
+        dstate, chunk_size, D=None, dt_bias=None, dt_limit=(0, inf), norm_weight=None, norm_group=None, eps=1e-5,
+        x_add=None, z_add=None, dt_add=None, conv_state=None, initial_state=None, cu_seqlens=None,
+        return_final_state=False)
+
+zxbcdt (b, t, 2*d_inner + 2*ngroups*dstate + H), H = d_inner / headdim: in_proj's output, columns z | x B C | dt.
+The conv (width <= 8, SiLU) runs on x B C (+ x_add), the SSD (dt softplus with dt_bias, clamped to dt_limit) on its
+output and dt (+ dt_add), and y = RMSNorm(ssd_out * silu(z (+ z_add))) * norm_weight per group of norm_group
+channels. It is the composition of lm_kernels.conv1d.causal_conv1d, lm_kernels.ssd.ssd_scan_xbc and
+lm_kernels.rmsnorm.gated_rms_norm, equal to it up to rounding of the gradient sums (tests/test_mamba2_inner.py);
+what it adds is the backward writing the gradients of z, x B C and dt into one tensor of zxbcdt's shape, so that
+in_proj is one GEMM forward and backward (triton_inner.py). Triton only (CUDA, or TRITON_INTERPRET=1 on CPU):
+`fits` says whether it takes a call; the caller composes the three ops otherwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backend import resolve_backend
+
+__all__ = ["mamba2_inner", "fits"]
+
+MAX_CONV_WIDTH = 8
+
+
+def fits(zxbcdt: torch.Tensor, conv_width: int) -> bool:
+    """Whether mamba2_inner takes this call: the conv, SSD and gated-norm backends all resolve to Triton for it
+    (LM_CONV1D_BACKEND / LM_SSD_BACKEND / LM_RMSNORM_BACKEND=reference turn it off), a 16-bit or float32 input,
+    a conv width of at most 8 and at least one token."""
+    dev = zxbcdt.device
+    return (zxbcdt.dtype in (torch.float32, torch.bfloat16, torch.float16) and zxbcdt.shape[1] > 0
+            and resolve_backend("conv1d", None, dev, fits=conv_width <= MAX_CONV_WIDTH) == "triton"
+            and conv_width <= MAX_CONV_WIDTH
+            and resolve_backend("ssd", None, dev) == "triton" and resolve_backend("rmsnorm", None, dev) == "triton")
+
+
+def mamba2_inner(zxbcdt, conv_weight, conv_bias, A, **kwargs):
+    """See the module docstring; call only where `fits` holds."""
+    from .triton_inner import mamba2_inner_triton  # noqa: PLC0415 (lazy: triton is optional)
+    return mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, **kwargs)

@@ -1,0 +1,217 @@
+"""Mamba2's inner path as one pair of custom operators, lm::mamba2_inner_fwd / lm::mamba2_inner_bwd: from in_proj's
+output z | xBC | dt (one (b, t, 2*d_inner + 2*G*N + H) tensor) to the gated norm's output, through the Triton conv
+(lm_kernels.conv1d), SSD (lm_kernels.ssd) and gated RMSNorm (lm_kernels.rmsnorm) launches.
+
+Why one operator: in_proj runs as one GEMM and its gradient is one GEMM only if the gradients of z, xBC and dt land
+in one tensor. Three operators return three tensors, and autograd (or inductor) then writes them into one with a
+pass over the whole projection's gradient per layer; here the gated norm's backward writes dz, the SSD's ddt and the
+conv's dx straight into their column blocks of that tensor. The forward reads z, xBC and dt as column views of the
+projection (the kernels take row strides).
+
+The implicit models' injection parts enter as x_add (the conv adds it on load), z_add (the gated norm adds it on
+load) and dt_add (added to dt here, a (b, t, H) tensor); each gets the gradient of its part. conv_state /
+initial_state: the caches' states in, with gradients; the new conv state and the final SSD state out (the final
+state only with return_final_state), with gradients.
+When no gradient is needed the forward runs outside autograd and nothing is saved (the fixed-point iterations).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..backend import absent
+from ..conv1d.triton_conv1d import _add_new_state_grad, conv1d_bwd, conv1d_fwd
+from ..rmsnorm.triton_rmsnorm import _fwd_launch as norm_fwd_launch
+from ..rmsnorm.triton_rmsnorm import gated_rms_norm_bwd_launch
+from ..ssd import launch as ln
+from ..ssd.triton_ssd import _backward as ssd_backward
+from ..ssd.triton_ssd import _forward as ssd_forward
+from ..ssd.triton_ssd import _prep as ssd_prep
+from ..ssd.triton_ssd import cb_dtype, state_dtype
+
+
+# The operators read zxbcdt (and the injection parts) through their row strides, so inductor may hand them any row
+# stride: only the stride order is fixed. (Under the exact-stride tag of the other ops, a projection whose output
+# inductor pads to aligned rows (4384 -> 4416 columns at Mamba2-350M's widths on the GPU) was copied back to the
+# traced unpadded layout before the forward and again before the backward: 2 x 9 ms per step on an H100.)
+_TAGS = (torch.Tag.needs_fixed_stride_order,)
+
+
+def _rows_contiguous(v):
+    return v if v is None or v.stride(-1) == 1 else v.contiguous()
+
+
+def _split(zxbcdt, dims):
+    """(z, xBC, dt) column views of the projection; dims = [d_inner, headdim, ngroups, dstate, norm_group]."""
+    d_inner, _p, g, n, _ng = dims
+    conv_dim = d_inner + 2 * g * n
+    return (zxbcdt[..., :d_inner], zxbcdt[..., d_inner:d_inner + conv_dim], zxbcdt[..., d_inner + conv_dim:])
+
+
+def _dt(dt, dt_add):
+    return dt if dt_add is None else dt + dt_add
+
+
+@torch.library.custom_op("lm::mamba2_inner_fwd", mutates_args=(), tags=_TAGS)
+def mamba2_inner_fwd(zxbcdt: torch.Tensor, x_add: Optional[torch.Tensor], z_add: Optional[torch.Tensor],
+                     dt_add: Optional[torch.Tensor], conv_weight: torch.Tensor, conv_bias: Optional[torch.Tensor],
+                     conv_state: Optional[torch.Tensor], A: torch.Tensor, D: Optional[torch.Tensor],
+                     dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                     norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dims: list[int],
+                     chunk_size: int, dt_lo: float, dt_hi: float, eps: float, return_final_state: bool, save: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (b, t, d_inner) in the projection's dtype, new conv state (b, conv_dim, w-1), final SSD state (empty unless
+    return_final_state), and what the backward reads: the conv output x | B | C, the SSD output, its dt / cumsum,
+    chunk start states, C.B and chunk table (ssd_scan_fwd's), the norm's rstd)."""
+    d_inner, p, g, n, group = dims
+    zxbcdt, x_add, z_add = _rows_contiguous(zxbcdt), _rows_contiguous(x_add), _rows_contiguous(z_add)
+    z, xbc_in, dt = _split(zxbcdt, dims)
+    xbc, new_conv_state = conv1d_fwd(xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True, x_add)
+    x, dt, B, C, _ = ssd_prep(xbc, _dt(dt, dt_add), None, None, None, [p, g, n])
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    pl = ln.plan(x, B, cu_seqlens, chunk_size)
+    ys, final, dtcs, states, CB, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
+                                                 (dt_lo, dt_hi), return_final_state, save)
+    b, t = zxbcdt.shape[:2]
+    ys = ys.view(b, t, d_inner)
+    y, _, rstd = norm_fwd_launch(ys, norm_weight, eps, group, z=z, z_add=z_add, write_rstd=True)
+    return (y.view(b, t, d_inner), new_conv_state, final if final is not None else absent(x, torch.float32), xbc, ys,
+            dtcs, states, CB, pl.table if pl.table is not None else absent(x, torch.int32),
+            rstd.view(b, t, d_inner // group))
+
+
+@mamba2_inner_fwd.register_fake
+def _(zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
+      cu_seqlens, dims, chunk_size, dt_lo, dt_hi, eps, return_final_state, save):
+    d_inner, p, g, n, group = dims
+    b, t = zxbcdt.shape[:2]
+    h, conv_dim, w = d_inner // p, d_inner + 2 * g * n, conv_weight.shape[-1]
+    varlen = cu_seqlens is not None
+    nseq = cu_seqlens.shape[0] - 1 if varlen else b
+    ncb = ln.num_chunk_blocks(b, t, nseq, chunk_size, varlen)
+    f32 = torch.float32
+    return (zxbcdt.new_empty(b, t, d_inner), zxbcdt.new_empty(b, conv_dim, w - 1),
+            zxbcdt.new_empty(nseq, h, p, n, dtype=f32) if return_final_state else absent(zxbcdt, f32),
+            zxbcdt.new_empty(b, t, conv_dim), zxbcdt.new_empty(b, t, d_inner), zxbcdt.new_empty(2, h, b * t, dtype=f32),
+            zxbcdt.new_empty(ncb, h, p, n, dtype=state_dtype(zxbcdt.dtype)),
+            zxbcdt.new_empty(ncb, g, chunk_size, chunk_size, dtype=cb_dtype(zxbcdt.dtype)),
+            zxbcdt.new_empty(ln.table_layout(nseq, ncb)[1], dtype=torch.int32) if varlen
+            else absent(zxbcdt, torch.int32),
+            zxbcdt.new_empty(b, t, d_inner // group, dtype=f32))
+
+
+@torch.library.custom_op("lm::mamba2_inner_bwd", mutates_args=(), tags=_TAGS)
+def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch.Tensor],
+                     dfinal: Optional[torch.Tensor], zxbcdt: torch.Tensor, x_add: Optional[torch.Tensor],
+                     z_add: Optional[torch.Tensor], dt_add: Optional[torch.Tensor], conv_weight: torch.Tensor,
+                     conv_bias: Optional[torch.Tensor], conv_state: Optional[torch.Tensor], A: torch.Tensor,
+                     D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                     norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], xbc: torch.Tensor,
+                     ys: torch.Tensor, dtcs: torch.Tensor, states: torch.Tensor, CB: torch.Tensor,
+                     table: Optional[torch.Tensor], rstd: torch.Tensor, dims: list[int], chunk_size: int,
+                     dt_lo: float, dt_hi: float, state_grad: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dzxbcdt (the projection's gradient, also that of x_add / z_add / dt_add in their column blocks), dconv_weight,
+    dconv_bias, dconv_state (empty unless state_grad), dA, dD, ddt_bias, dinitial_state, dnorm_weight; empty where
+    the input is None). dy / dnew_conv_state / dfinal None: no gradient reaches that output."""
+    d_inner, p, g, n, group = dims
+    b, t = zxbcdt.shape[:2]
+    zxbcdt, x_add, z_add = _rows_contiguous(zxbcdt), _rows_contiguous(x_add), _rows_contiguous(z_add)
+    z, xbc_in, dt = _split(zxbcdt, dims)
+    dzxbcdt = torch.empty(zxbcdt.shape, dtype=zxbcdt.dtype, device=zxbcdt.device)
+    dz, dxbc_in, ddt = _split(dzxbcdt, dims)
+    if dy is None:
+        dy = zxbcdt.new_zeros(b, t, d_inner)
+    # gated norm: dz into its block, the SSD output's gradient into a tensor of its own
+    dys, _, dnorm_weight = gated_rms_norm_bwd_launch(dy, ys, z, z_add, norm_weight, rstd.view(b * t, -1), group,
+                                                     dz_out=dz)
+    # SSD: the conv output's gradient as one x | B | C tensor, ddt into its block
+    x, dt, B, C, _ = ssd_prep(xbc, _dt(dt, dt_add), None, None, None, [p, g, n])
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    pl = ln.plan(x, B, cu_seqlens, chunk_size, table)
+    dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
+    _, _, dA, _, _, dD, _, ddt_bias, dinit = ssd_backward(
+        dys.view(b, t, d_inner // p, p), dfinal, x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
+        (dt_lo, dt_hi), dtcs, states, CB, None, dxbc=dxbc, ddt_out=ddt)
+    # conv: dx into the xBC block
+    _, dweight, dbias, dstate = conv1d_bwd(dxbc, xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True,
+                                           state_grad, x_add, dx_out=dxbc_in)
+    if dnew_conv_state is not None and conv_weight.shape[-1] > 1:
+        _add_new_state_grad(dnew_conv_state, dxbc_in, dstate, t, conv_weight.shape[-1])
+    return tuple(v if v is not None else absent(zxbcdt)
+                 for v in (dzxbcdt, dweight, dbias, dstate, dA, dD, ddt_bias, dinit, dnorm_weight))
+
+
+@mamba2_inner_bwd.register_fake
+def _(dy, dnew_conv_state, dfinal, zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
+      initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, CB, table, rstd, dims, chunk_size, dt_lo, dt_hi,
+      state_grad):
+    def like(v):
+        return v.new_empty(v.shape) if v is not None else absent(zxbcdt)
+
+    return (zxbcdt.new_empty(zxbcdt.shape), like(conv_weight), like(conv_bias),
+            like(conv_state) if state_grad else absent(zxbcdt), like(A), like(D), like(dt_bias), like(initial_state),
+            like(norm_weight))
+
+
+_N_ARGS = 20  # mamba2_inner_fwd's inputs
+
+
+def _setup_context(ctx, inputs, output):
+    (zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
+     cu_seqlens, dims, chunk_size, dt_lo, dt_hi, _eps, return_final_state, _save) = inputs
+    _y, _ncs, _final, xbc, ys, dtcs, states, CB, table, rstd = output
+    ctx.mark_non_differentiable(xbc, ys, dtcs, states, CB, table, rstd)
+    ctx.set_materialize_grads(False)  # an unused output (the states) gets None, not a zero-filled gradient
+    ctx.save_for_backward(zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
+                          initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, CB,
+                          table if cu_seqlens is not None else None, rstd)
+    ctx.args = (list(dims), chunk_size, dt_lo, dt_hi)
+    ctx.return_final_state = return_final_state
+
+
+def _backward(ctx, dy, dncs, dfinal, *_aux):
+    saved = ctx.saved_tensors
+    zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state = saved[:7]
+    A, D, dt_bias, initial_state, norm_weight = saved[7:12]
+    need = ctx.needs_input_grad
+    state_grad = conv_state is not None and need[6]
+    g = torch.ops.lm.mamba2_inner_bwd(dy, dncs, dfinal if ctx.return_final_state else None, *saved[:13], *saved[13:],
+                                      *ctx.args, state_grad)
+    dzxbcdt, dweight, dbias, dstate, dA, dD, ddt_bias, dinit, dnorm = g
+    dz, dxbc, ddt = _split(dzxbcdt, ctx.args[0])
+    grads = [dzxbcdt, dxbc if x_add is not None else None, dz if z_add is not None else None,
+             ddt if dt_add is not None else None, dweight, dbias if conv_bias is not None else None,
+             dstate if state_grad else None, dA, dD if D is not None else None,
+             ddt_bias if dt_bias is not None else None, dinit if initial_state is not None else None,
+             dnorm if norm_weight is not None else None]
+    grads = [v if ok else None for v, ok in zip(grads, need)]
+    return (*grads, *([None] * (_N_ARGS - len(grads))))
+
+
+mamba2_inner_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups, dstate, chunk_size,
+                        D=None, dt_bias=None, dt_limit=(0.0, float("inf")), norm_weight=None, norm_group=None,
+                        eps=1e-5, x_add=None, z_add=None, dt_add=None, conv_state=None, initial_state=None,
+                        cu_seqlens=None, return_final_state=False):
+    """See lm_kernels.mamba2.mamba2_inner. Returns (y, new conv state, final SSD state or None)."""
+    dims = [int(d_inner), int(headdim), int(ngroups), int(dstate), int(norm_group or d_inner)]
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(zxbcdt.device)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    tensors = (zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state,
+               norm_weight)
+    needs_grad = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in tensors)
+    out = torch.ops.lm.mamba2_inner_fwd(zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D,
+                                        dt_bias, initial_state, norm_weight, cu_seqlens, dims, int(chunk_size),
+                                        float(dt_limit[0]), float(dt_limit[1]), float(eps), bool(return_final_state),
+                                        needs_grad)
+    return out[0], out[1], (out[2] if return_final_state else None)

@@ -1,0 +1,217 @@
+"""lm_kernels.mamba2 (Mamba2's conv -> SSD -> gated norm as one operator, its gradients written into one tensor of the
+projection's shape) against the composition of the float64 PyTorch references, forward and backward, every input
+with a gradient (the injection parts and both states included), packed documents included; without autograd; and a
+tiny Mamba2 (explicit, implicit, packed) through it against the same model through the three ops one by one."""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import lm  # noqa: F401,E402  (registration)
+import lm.models.mamba2 as mamba2_model  # noqa: E402
+from lm.models import LMMamba2Config  # noqa: E402
+from lm.models.layers import rms_norm  # noqa: E402
+from lm.models.mamba2 import LMMamba2ForCausalLM  # noqa: E402
+from lm_kernels.conv1d import causal_conv1d, causal_conv1d_reference  # noqa: E402
+from lm_kernels.mamba2 import fits, mamba2_inner  # noqa: E402
+from lm_kernels.ssd import ssd_scan_xbc  # noqa: E402
+from model_checks import assert_same_step_after  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_interpreter")
+F64 = torch.float64
+
+
+def _inputs(b, t, di, p, g, n, w, *, adds, states, seed):
+    gen = torch.Generator().manual_seed(seed)
+    h, cd = di // p, di + 2 * g * n
+
+    def r(*s, scale=1.0, shift=0.0):
+        return torch.randn(*s, generator=gen, dtype=F64) * scale + shift
+
+    d = dict(zxbcdt=r(b, t, di + cd + h), conv_weight=r(cd, w, scale=0.5), conv_bias=r(cd),
+             A=-(torch.rand(h, generator=gen, dtype=F64) * 2 + 0.3), D=r(h), dt_bias=r(h, scale=0.5),
+             norm_weight=r(di, scale=0.2, shift=1.0))
+    if adds:
+        d.update(x_add=r(b, t, cd), z_add=r(b, t, di), dt_add=r(b, t, h, scale=0.5))
+    if states:
+        d.update(conv_state=r(b, cd, w - 1), initial_state=r(b, h, p, n))
+    return d
+
+
+def _leaves(d, dtype):
+    """The inputs in `dtype` as leaves; A stays float32 like the model's -exp(A_log.float())."""
+    return {k: v.to(F64 if dtype == F64 else (torch.float32 if k == "A" else dtype)).requires_grad_()
+            for k, v in d.items()}
+
+
+def _fused(d, dims, cu, final):
+    di, p, g, n, ng, chunk = dims
+    return mamba2_inner(d["zxbcdt"], d["conv_weight"], d["conv_bias"], d["A"], d_inner=di, headdim=p, ngroups=g,
+                        dstate=n, chunk_size=chunk, D=d["D"], dt_bias=d["dt_bias"], dt_limit=(0.0, 2.0),
+                        norm_weight=d["norm_weight"], norm_group=ng, eps=1e-5, x_add=d.get("x_add"),
+                        z_add=d.get("z_add"), dt_add=d.get("dt_add"), conv_state=d.get("conv_state"),
+                        initial_state=d.get("initial_state"), cu_seqlens=cu, return_final_state=final)
+
+
+def _composed(d, dims, cu, final, backend="reference"):
+    """The reference: the three PyTorch ops (float64 inputs) on views of the projection; backend "triton": the three
+    Triton ops one by one."""
+    di, p, g, n, ng, chunk = dims
+    h = di // p
+    z, xbc, dt = d["zxbcdt"].split([di, di + 2 * g * n, h], dim=-1)
+    if "dt_add" in d:
+        dt = dt + d["dt_add"]
+    conv = causal_conv1d_reference if backend == "reference" else partial(causal_conv1d, backend="triton")
+    xo, ncs = conv(xbc, d["conv_weight"], d["conv_bias"], x_add=d.get("x_add"), conv_state=d.get("conv_state"),
+                   cu_seqlens=cu, activation="silu")
+    y, fin = ssd_scan_xbc(xo, dt, d["A"], headdim=p, ngroups=g, dstate=n, chunk_size=chunk, D=d["D"],
+                          dt_bias=d["dt_bias"], dt_limit=(0.0, 2.0), initial_state=d.get("initial_state"),
+                          cu_seqlens=cu, return_final_state=final, backend=backend)
+    b, t = y.shape[:2]
+    return rms_norm(y.reshape(b, t, di), d["norm_weight"], 1e-5, z=z, group_size=ng, z_add=d.get("z_add")), ncs, fin
+
+
+def _run(fn, d, dims, cu, final):
+    y, ncs, fin = fn(d, dims, cu, final)
+    gen = torch.Generator().manual_seed(7)
+    outs = [y, ncs] + ([fin] if final else [])
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=F64).to(o.device)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], {k: v.grad for k, v in d.items()}
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+CASES = {
+    # b, t, d_inner, headdim, ngroups, dstate, width, norm group, chunk; injection adds; states; packed lengths
+    "plain": ((2, 40, 32, 8, 2, 8, 4, 16, 16), False, False, None),
+    "adds_states": ((2, 37, 32, 8, 2, 8, 4, 16, 16), True, True, None),
+    "one_group_w3": ((1, 50, 48, 16, 1, 16, 3, 48, 32), True, False, None),
+    "packed": ((1, 45, 32, 8, 2, 8, 4, 16, 16), True, False, [3, 29, 13]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_inner_matches_composed_references(case):
+    """float32 against the float64 references, two fresh draws."""
+    (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+    dims = (di, p, g, n, ng, chunk)
+    final = states or lens is not None
+    for seed in (0, 1):
+        d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=seed)
+        d = {k: v.float().double() for k, v in d.items()}  # the reference sees the rounded inputs
+        outs, grads = _run(_fused, _leaves(d, torch.float32), dims, cu, final)
+        ref_outs, ref_grads = _run(_composed, _leaves(d, F64), dims, cu, final)
+        assert outs[0].dtype == torch.float32
+        for name, a, r in zip(("y", "new conv state", "final state"), outs, ref_outs):
+            assert _rel(a, r) < 2e-5, (name, _rel(a, r))
+        assert grads.keys() == ref_grads.keys()
+        for k in grads:
+            assert grads[k] is not None and grads[k].dtype == d[k].float().dtype, k
+            assert _rel(grads[k], ref_grads[k]) < 2e-5, (k, _rel(grads[k], ref_grads[k]))
+
+
+@pytest.mark.parametrize("case", ["adds_states", "packed"])
+def test_inner_bf16_equals_the_three_triton_ops(case, monkeypatch):
+    """bfloat16: the same numbers as the Triton conv, SSD and gated norm called one by one (the same kernels in the
+    same order; bf16 against float64 is the kernels' own tests' business)."""
+    (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+    dims = (di, p, g, n, ng, chunk)
+    final = states or lens is not None
+    d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=2)
+    monkeypatch.setenv("LM_RMSNORM_BACKEND", "triton")  # the gated norm's kernels in rms_norm
+    outs, grads = _run(_fused, _leaves(d, torch.bfloat16), dims, cu, final)
+    ref_outs, ref_grads = _run(partial(_composed, backend="triton"), _leaves(d, torch.bfloat16), dims, cu, final)
+    assert outs[0].dtype == torch.bfloat16
+    for a, r in zip(outs, ref_outs):
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
+    for k in grads:
+        assert grads[k].dtype == ref_grads[k].dtype, k
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=0, atol=0, msg=k)
+
+
+def test_no_grad_forward_equals_grad_forward_and_saves_nothing():
+    (b, t, di, p, g, n, w, ng, chunk), *_ = CASES["adds_states"]
+    d = _leaves(_inputs(b, t, di, p, g, n, w, adds=True, states=True, seed=3), torch.float32)
+    dims = (di, p, g, n, ng, chunk)
+    y, ncs, fin = _fused(d, dims, None, True)
+    with torch.no_grad():
+        y0, ncs0, fin0 = _fused(d, dims, None, True)
+    assert y.grad_fn is not None and y0.grad_fn is None and not y0.requires_grad
+    for a, b_ in ((y, y0), (ncs, ncs0), (fin, fin0)):
+        torch.testing.assert_close(a.detach(), b_, rtol=0, atol=0)
+
+
+def test_fits_follows_the_backends(monkeypatch):
+    z = torch.zeros(1, 4, 8)
+    for var in ("LM_SSD_BACKEND", "LM_CONV1D_BACKEND", "LM_RMSNORM_BACKEND"):
+        monkeypatch.setenv(var, "triton")
+    assert fits(z, 4) and not fits(z, 9) and not fits(z.double(), 4) and not fits(z[:, :0], 4)
+    monkeypatch.setenv("LM_SSD_BACKEND", "reference")
+    assert not fits(z, 4)
+    monkeypatch.delenv("LM_SSD_BACKEND")
+    monkeypatch.delenv("LM_CONV1D_BACKEND")
+    monkeypatch.delenv("LM_RMSNORM_BACKEND")
+    assert not fits(z, 4)  # automatic on CPU: the references
+
+
+@pytest.mark.parametrize("implicit,packed", [(False, False), (False, True), (True, True)],
+                         ids=["explicit-batch", "explicit-packed", "implicit-packed"])
+def test_model_through_the_operator_equals_three_ops(implicit, packed, monkeypatch):
+    """The model's loss and parameter gradients through lm_kernels.mamba2 equal those through the Triton conv, SSD and
+    gated norm called one by one (the same kernels; only the sums of the projection's gradients differ in order)."""
+    for var in ("LM_SSD_BACKEND", "LM_CONV1D_BACKEND", "LM_RMSNORM_BACKEND"):
+        monkeypatch.setenv(var, "triton")
+    torch.manual_seed(0)
+    cfg = LMMamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1 if implicit else 2, d_state=8, headdim=8,
+                         ngroups=2, chunk_size=16,
+                         implicit=dict(max_iter=2, tol=None, phantom_steps=1, damping=1.0) if implicit else None)
+    model = LMMamba2ForCausalLM(cfg).train()
+    if packed:
+        ids, cu = torch.randint(0, 64, (1, 41)), torch.tensor([0, 11, 30, 41], dtype=torch.int32)
+    else:
+        ids, cu = torch.randint(0, 64, (2, 23)), None
+    calls = []
+    inner = mamba2_model.mamba2_inner
+    monkeypatch.setattr(mamba2_model, "mamba2_inner", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    assert_same_step_after(model, ids, cu, lambda: monkeypatch.setattr(mamba2_model, "mamba2_inner_fits",
+                                                                       lambda *a: False))
+    assert len(calls) >= cfg.num_hidden_layers  # the first pass ran the operator in every layer
+
+
+def test_opcheck():
+    """torch.library.opcheck (schema, autograd registration, fakes, AOT dispatch) on both operators; packed: not the
+    AOT comparison (chunk slots the table leaves unused are uninitialised outputs, as for lm::ssd_scan_fwd)."""
+    from torch.library import opcheck
+
+    import lm_kernels.mamba2.triton_inner  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.lm
+    no_aot = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for case in ("adds_states", "packed"):
+        (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+        d = {k: v.float() for k, v in _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=4).items()}
+        names = ("zxbcdt", "x_add", "z_add", "dt_add", "conv_weight", "conv_bias", "conv_state", "A", "D", "dt_bias",
+                 "initial_state", "norm_weight")
+        args = [d[k].requires_grad_() if k in d else None for k in names]
+        rest = [cu, [di, p, g, n, ng], chunk, 0.0, 2.0, 1e-5, True]
+        kw = dict(test_utils=no_aot) if lens else {}
+        opcheck(ops.mamba2_inner_fwd.default, (*args, *rest, True), **kw)
+        plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        out = ops.mamba2_inner_fwd(*plain, *rest, True)
+        y, ncs, fin = out[:3]
+        saved = list(out[3:])
+        if cu is None:
+            saved[5] = None  # the chunk table: only with packed documents
+        opcheck(ops.mamba2_inner_bwd.default,
+                (torch.randn_like(y), torch.randn_like(ncs), torch.randn_like(fin), *plain, cu, *saved,
+                 [di, p, g, n, ng], chunk, 0.0, 2.0, states), **kw)
