@@ -3,9 +3,9 @@
 Parameterisation and parameter names follow mamba_ssm's `Mamba2` (in_proj, conv1d, dt_bias, A_log, D,
 norm, out_proj; d_state, headdim, ngroups, expand, chunk_size, softplus dt with limits). In the
 implicit model the injection is added to in_proj's output, so x, B, C and dt all depend on the iterate
-(paper 003, App. D.3). in_proj runs as three products (z, xBC, dt in separate buffers; see `project`), a
-decode token as one.
-The SSD runs through `lm_kernels.ssd` (Triton on CUDA, PyTorch on CPU).
+(paper 003, App. D.3). in_proj runs as one product; conv, SSD and gated norm as one Triton operator
+(`lm_kernels.mamba2`) on CUDA, as the three ops `lm_kernels.conv1d`, `lm_kernels.ssd` and the gated RMSNorm
+elsewhere (PyTorch on CPU).
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm_kernels.mamba2 import fits as mamba2_inner_fits
+from lm_kernels.mamba2 import mamba2_inner
 from lm_kernels.ssd import ssd_scan_xbc, ssd_step
 
 from .config import LMConfig
@@ -106,67 +108,64 @@ class Mamba2Mixer(Mixer):
         h, p, n = self.nheads, self.headdim, self.d_state
         return 2 * h * (c / 2) * (n + p) + 2 * 2 * h * p * n
 
-    def project(self, x, injection, part: str):
-        """One part of in_proj(x) [+ injection]: "z", "xbc" or "dt", each in its own buffer, the product of x with
-        that part's row block of the one in_proj weight (parameter names and checkpoints as one Linear) plus the
-        injection's matching columns. One (tokens x 4384) output split into views stayed alive as long as any
-        view was saved (the conv saves xbc, the SSD dt, the gated norm z); separately each keeps only its own
-        (lm/train/BENCH.md, session 5)."""
-        lo, hi = self._cols[part]
-        y = F.linear(x, self.in_proj.weight[lo:hi])
-        return y if injection is None else y + injection[self._part_index[part]]
-
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
         b, t, _ = x.shape
         state = cache.get(self.layer_idx) if cache is not None else {}
-        step = cache is not None and t == 1 and "ssm" in state
-        z = None
-        if step:  # one decode token: in_proj as one product (the step is launch bound; views of a few KB)
-            zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + torch.cat(injection, dim=-1)
+        if cache is not None and t == 1 and "ssm" in state:
+            return self._step(x, injection, cache, state)
+        # in_proj as one product: the inner path's backward writes the gradients of z, xBC and dt into one tensor
+        # (lm_kernels.mamba2), so its input gradient and weight gradient are one GEMM each
+        zxbcdt = self.in_proj(x)
+        z_add = x_add = dt_add = None
+        if injection is not None:  # added on load by the conv (xBC), the gated norm (z) and the scan's dt
+            z_add, x_add, dt_add = (injection[self._part_index[k]] for k in ("z", "xbc", "dt"))
+        A = -torch.exp(self.A_log.float())
+        conv_w = self.conv1d.weight[:, 0, :]
+        if mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
+            y, conv_state, ssm = mamba2_inner(
+                zxbcdt, conv_w, self.conv1d.bias, A, d_inner=self.d_inner, headdim=self.headdim,
+                ngroups=self.ngroups, dstate=self.d_state, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                dt_limit=self.dt_limit, norm_weight=self.norm.weight, norm_group=self.norm.group_size,
+                eps=self.norm.eps, x_add=x_add, z_add=z_add, dt_add=dt_add, conv_state=state.get("conv"),
+                initial_state=state.get("ssm"), cu_seqlens=cu_seqlens, return_final_state=cache is not None)
+        else:  # the same three ops one by one (the reference backends, CPU)
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
-        else:
-            xbc, dt = self.project(x, None, "xbc"), self.project(x, injection, "dt")
-        # the injection's xBC part enters as the conv's second input: the conv reads both and adds them in its kernel
-        # (no pass of its own per fixed-point iteration writing and re-reading the sum)
-        xbc, conv_state = causal_conv1d(
-            xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
-            x_add=injection[self._part_index["xbc"]] if injection is not None and not step else None,
-            conv_state=state.get("conv"), activation="silu",
-        )
-        new = {"conv": conv_state}
-        if step:
-            gn = self.ngroups * self.d_state
-            xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
-            xs = xs.reshape(b, t, self.nheads, self.headdim)
-            B = B.reshape(b, t, self.ngroups, self.d_state)
-            C = C.reshape(b, t, self.ngroups, self.d_state)
-            # a static cache's SSM buffer is updated in place by the step (no copy after it)
-            out = cache.buffer(self.layer_idx, "ssm")
-            # A = -exp(A_log) inside the step (a_log): no kernels of its own per decode token
-            y, ssm = ssd_step(state["ssm"], xs[:, 0], dt[:, 0], self.A_log, B[:, 0], C[:, 0], D=self.D,
-                              dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, out_state=out,
-                              a_log=True)
-            y = y.unsqueeze(1)
-            if out is None:
-                new["ssm"] = ssm
-        else:
-            A = -torch.exp(self.A_log.float())
-            # x, B, C stay one tensor: the scan's backward writes their gradient as one (no concatenation of three)
-            y, new["ssm"] = ssd_scan_xbc(xbc, dt, A, headdim=self.headdim, ngroups=self.ngroups, dstate=self.d_state,
-                                         chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                                         dt_limit=self.dt_limit, initial_state=state.get("ssm"),
-                                         cu_seqlens=cu_seqlens, return_final_state=cache is not None)
+            if dt_add is not None:
+                dt = dt + dt_add
+            xbc, conv_state = causal_conv1d(xbc, conv_w, self.conv1d.bias, cu_seqlens=cu_seqlens, x_add=x_add,
+                                            conv_state=state.get("conv"), activation="silu")
+            # x, B, C stay one tensor: the scan's backward writes their gradient as one
+            y, ssm = ssd_scan_xbc(xbc, dt, A, headdim=self.headdim, ngroups=self.ngroups, dstate=self.d_state,
+                                  chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                                  dt_limit=self.dt_limit, initial_state=state.get("ssm"), cu_seqlens=cu_seqlens,
+                                  return_final_state=cache is not None)
+            y = self.norm(y.reshape(b, t, self.d_inner), z, z_add=z_add)
         if cache is not None:
-            cache.update(self.layer_idx, **new)
-        # z is projected here, next to its only use: without grad (fixed-point iterations, eval) its buffer is not
-        # alive across the conv and the scan (inductor keeps that order). Compiled, the block is one graph (the Triton
-        # conv, scan and gated norm are custom ops in it). The injection's z part is read by the gated norm's kernel
-        # (z_add), as its xBC part by the conv's: no pass of their own per fixed-point iteration
-        z_add = None
-        if z is None:
-            z = self.project(x, None, "z")
-            z_add = injection[self._part_index["z"]] if injection is not None else None
-        y = self.norm(y.reshape(b, t, self.d_inner), z, z_add=z_add)
+            cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
+        return self.out_proj(y)
+
+    def _step(self, x, injection, cache, state):
+        """One decode token: in_proj as one product split into views (the step is launch bound)."""
+        b, t, _ = x.shape
+        zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + torch.cat(injection, dim=-1)
+        z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
+        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias,
+                                        conv_state=state.get("conv"), activation="silu")
+        gn = self.ngroups * self.d_state
+        xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
+        xs = xs.reshape(b, t, self.nheads, self.headdim)
+        B = B.reshape(b, t, self.ngroups, self.d_state)
+        C = C.reshape(b, t, self.ngroups, self.d_state)
+        # a static cache's SSM buffer is updated in place by the step (no copy after it)
+        out = cache.buffer(self.layer_idx, "ssm")
+        # A = -exp(A_log) inside the step (a_log): no kernels of its own per decode token
+        y, ssm = ssd_step(state["ssm"], xs[:, 0], dt[:, 0], self.A_log, B[:, 0], C[:, 0], D=self.D,
+                          dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, out_state=out, a_log=True)
+        new = {"conv": conv_state}
+        if out is None:
+            new["ssm"] = ssm
+        cache.update(self.layer_idx, **new)
+        y = self.norm(y.unsqueeze(1).reshape(b, t, self.d_inner), z)
         return self.out_proj(y)
 
 
