@@ -215,3 +215,26 @@ def test_opcheck():
         opcheck(ops.mamba2_inner_bwd.default,
                 (torch.randn_like(y), torch.randn_like(ncs), torch.randn_like(fin), *plain, cu, *saved,
                  [di, p, g, n, ng], chunk, 0.0, 2.0, states), **kw)
+
+
+def test_bad_arguments_name_what_is_wrong():
+    (b, t, di, p, g, n, w, ng, chunk), *_ = CASES["adds_states"]
+    d = {k: v.float() for k, v in _inputs(b, t, di, p, g, n, w, adds=True, states=False, seed=5).items()}
+    dims = (di, p, g, n, ng, chunk)
+    _fused(d, dims, None, False)  # as given: runs
+    bad = [
+        (dict(zxbcdt=d["zxbcdt"][..., 1:]), r"zxbcdt must be \(batch, seqlen, 100\)"),
+        (dict(x_add=d["x_add"][..., 1:]), "x_add"),
+        (dict(z_add=d["z_add"].double()), "z_add"),
+        (dict(dt_add=d["dt_add"][:, :-1]), "dt_add"),
+        (dict(conv_weight=d["conv_weight"][:-1]), "weight"),
+        (dict(D=d["D"][:-1]), "`D`"),
+        (dict(norm_weight=d["norm_weight"][:-1]), "weight"),
+    ]
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            _fused({**d, **change}, dims, None, False)
+    with pytest.raises(ValueError, match="chunk_size must be a power of two"):
+        _fused(d, (di, p, g, n, ng, 24), None, False)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        _fused(d, dims, torch.tensor([0, 5, t], dtype=torch.int32), False)  # packed documents need batch 1

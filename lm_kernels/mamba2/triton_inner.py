@@ -21,10 +21,12 @@ from typing import Optional
 import torch
 
 from ..backend import absent
-from ..conv1d.triton_conv1d import _add_new_state_grad, conv1d_bwd, conv1d_fwd
+from ..conv1d.triton_conv1d import MAX_WIDTH, _add_new_state_grad, check_conv_args, conv1d_bwd, conv1d_fwd
+from ..rmsnorm.triton_rmsnorm import _check as check_norm_args
 from ..rmsnorm.triton_rmsnorm import _fwd_launch as norm_fwd_launch
 from ..rmsnorm.triton_rmsnorm import gated_rms_norm_bwd_launch
 from ..ssd import launch as ln
+from ..ssd.common import check_scan_args, split_xbc
 from ..ssd.triton_ssd import _backward as ssd_backward
 from ..ssd.triton_ssd import _forward as ssd_forward
 from ..ssd.triton_ssd import _prep as ssd_prep
@@ -197,12 +199,40 @@ def _backward(ctx, dy, dncs, dfinal, *_aux):
 mamba2_inner_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, x_add, z_add, dt_add,
+           conv_state, initial_state, cu_seqlens, chunk_size):
+    """The shapes of a call, by the checks of the three ops on views of the projection; a ValueError naming what is
+    wrong. The offsets in cu_seqlens are read only outside torch.compile (the model checks them once per forward)."""
+    d_inner, p, g, n, group = dims
+    if d_inner % p or (d_inner // p) % g:
+        raise ValueError(f"mamba2_inner: headdim {p} must divide d_inner {d_inner} and ngroups {g} the heads")
+    h, conv_dim = d_inner // p, d_inner + 2 * g * n
+    if zxbcdt.dim() != 3 or zxbcdt.shape[-1] != d_inner + conv_dim + h:
+        raise ValueError(f"mamba2_inner: zxbcdt must be (batch, seqlen, {d_inner + conv_dim + h}) = z | x B C | dt for "
+                         f"d_inner {d_inner}, {g} groups of dstate {n}, {h} heads; got {tuple(zxbcdt.shape)}")
+    if zxbcdt.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"mamba2_inner: zxbcdt must be float32/bfloat16/float16, got {zxbcdt.dtype}")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"mamba2_inner: chunk_size must be a power of two >= 16, got {chunk_size}")
+    z, xbc, dt = _split(zxbcdt, dims)
+    check_conv_args(xbc, conv_weight, conv_bias, conv_state, cu_seqlens, "silu", MAX_WIDTH, x_add=x_add)
+    x, B, C = split_xbc(xbc, h, p, g, n)
+    if dt_add is not None and (dt_add.shape != dt.shape or dt_add.dtype != dt.dtype):
+        raise ValueError(f"mamba2_inner: dt_add must have dt's shape {tuple(dt.shape)} and dtype {dt.dtype}, got "
+                         f"{tuple(dt_add.shape)} {dt_add.dtype}")
+    check_scan_args(x, dt, A, B, C, D, None, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
+                    values=not torch.compiler.is_compiling())
+    check_norm_args(z, norm_weight, group, z=z, z_add=z_add)
+
+
 def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups, dstate, chunk_size,
                         D=None, dt_bias=None, dt_limit=(0.0, float("inf")), norm_weight=None, norm_group=None,
                         eps=1e-5, x_add=None, z_add=None, dt_add=None, conv_state=None, initial_state=None,
                         cu_seqlens=None, return_final_state=False):
     """See lm_kernels.mamba2.mamba2_inner. Returns (y, new conv state, final SSD state or None)."""
     dims = [int(d_inner), int(headdim), int(ngroups), int(dstate), int(norm_group or d_inner)]
+    _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, x_add, z_add, dt_add,
+           conv_state, initial_state, cu_seqlens, chunk_size)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(zxbcdt.device)
     if initial_state is not None:
