@@ -3,15 +3,11 @@ bf16 outputs and every gradient equal to the Triton conv, SSD and gated norm cal
 the implicit models' injection parts included; float32 against the float64 references."""
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_mamba2_inner import F64, _composed, _fused, _inputs, _leaves, _rel, _run  # noqa: E402
+from test_mamba2_inner import F64, _composed, _fused, _inputs, _leaves, _rel, _run
 
 pytestmark = pytest.mark.gpu
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 
 from ..backend import resolve_backend
+from ..conv1d import MAX_TRITON_WIDTH
 
 __all__ = ["mamba2_inner", "fits"]
-
-MAX_CONV_WIDTH = 8
 
 
 def fits(zxbcdt: torch.Tensor, conv_width: int) -> bool:
@@ -31,8 +30,8 @@ def fits(zxbcdt: torch.Tensor, conv_width: int) -> bool:
     a conv width of at most 8 and at least one token."""
     dev = zxbcdt.device
     return (zxbcdt.dtype in (torch.float32, torch.bfloat16, torch.float16) and zxbcdt.shape[1] > 0
-            and resolve_backend("conv1d", None, dev, fits=conv_width <= MAX_CONV_WIDTH) == "triton"
-            and conv_width <= MAX_CONV_WIDTH
+            and resolve_backend("conv1d", None, dev, fits=conv_width <= MAX_TRITON_WIDTH) == "triton"
+            and conv_width <= MAX_TRITON_WIDTH
             and resolve_backend("ssd", None, dev) == "triton" and resolve_backend("rmsnorm", None, dev) == "triton")
 
 

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from ..backend import absent
-from ..conv1d.triton_conv1d import MAX_WIDTH, _add_new_state_grad, check_conv_args, conv1d_bwd, conv1d_fwd
+from ..conv1d.triton_conv1d import (MAX_WIDTH, _add_new_state_grad, _channels_contiguous, check_conv_args, conv1d_bwd,
+                                   conv1d_fwd)
 from ..rmsnorm.triton_rmsnorm import _check as check_norm_args
 from ..rmsnorm.triton_rmsnorm import _fwd_launch as norm_fwd_launch
 from ..rmsnorm.triton_rmsnorm import gated_rms_norm_bwd_launch
@@ -40,10 +41,6 @@ from ..ssd.triton_ssd import cb_dtype, state_dtype
 _TAGS = (torch.Tag.needs_fixed_stride_order,)
 
 
-def _rows_contiguous(v):
-    return v if v is None or v.stride(-1) == 1 else v.contiguous()
-
-
 def _split(zxbcdt, dims):
     """(z, xBC, dt) column views of the projection; dims = [d_inner, headdim, ngroups, dstate, norm_group]."""
     d_inner, _p, g, n, _ng = dims
@@ -51,8 +48,13 @@ def _split(zxbcdt, dims):
     return (zxbcdt[..., :d_inner], zxbcdt[..., d_inner:d_inner + conv_dim], zxbcdt[..., d_inner + conv_dim:])
 
 
-def _dt(dt, dt_add):
-    return dt if dt_add is None else dt + dt_add
+def _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size, table=None):
+    """(x, dt (+ dt_add), B, C, initial state, plan) of the scan on the conv output x | B | C."""
+    _d, p, g, n, _ng = dims
+    x, dt, B, C, _ = ssd_prep(xbc, dt if dt_add is None else dt + dt_add, None, None, None, [p, g, n])
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    return x, dt, B, C, initial_state, ln.plan(x, B, cu_seqlens, chunk_size, table)
 
 
 @torch.library.custom_op("lm::mamba2_inner_fwd", mutates_args=(), tags=_TAGS)
@@ -67,14 +69,11 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, x_add: Optional[torch.Tensor], z_add:
     """(y (b, t, d_inner) in the projection's dtype, new conv state (b, conv_dim, w-1), final SSD state (empty unless
     return_final_state), and what the backward reads: the conv output x | B | C, the SSD output, its dt / cumsum,
     chunk start states, C.B and chunk table (ssd_scan_fwd's), the norm's rstd)."""
-    d_inner, p, g, n, group = dims
-    zxbcdt, x_add, z_add = _rows_contiguous(zxbcdt), _rows_contiguous(x_add), _rows_contiguous(z_add)
+    d_inner, group = dims[0], dims[4]
+    zxbcdt, x_add, z_add = (_channels_contiguous(v) for v in (zxbcdt, x_add, z_add))
     z, xbc_in, dt = _split(zxbcdt, dims)
     xbc, new_conv_state = conv1d_fwd(xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True, x_add)
-    x, dt, B, C, _ = ssd_prep(xbc, _dt(dt, dt_add), None, None, None, [p, g, n])
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    pl = ln.plan(x, B, cu_seqlens, chunk_size)
+    x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size)
     ys, final, dtcs, states, CB, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
                                                  (dt_lo, dt_hi), return_final_state, save)
     b, t = zxbcdt.shape[:2]
@@ -120,9 +119,9 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
     """(dzxbcdt (the projection's gradient, also that of x_add / z_add / dt_add in their column blocks), dconv_weight,
     dconv_bias, dconv_state (empty unless state_grad), dA, dD, ddt_bias, dinitial_state, dnorm_weight; empty where
     the input is None). dy / dnew_conv_state / dfinal None: no gradient reaches that output."""
-    d_inner, p, g, n, group = dims
+    d_inner, p, group = dims[0], dims[1], dims[4]
     b, t = zxbcdt.shape[:2]
-    zxbcdt, x_add, z_add = _rows_contiguous(zxbcdt), _rows_contiguous(x_add), _rows_contiguous(z_add)
+    zxbcdt, x_add, z_add = (_channels_contiguous(v) for v in (zxbcdt, x_add, z_add))
     z, xbc_in, dt = _split(zxbcdt, dims)
     dzxbcdt = torch.empty(zxbcdt.shape, dtype=zxbcdt.dtype, device=zxbcdt.device)
     dz, dxbc_in, ddt = _split(dzxbcdt, dims)
@@ -132,10 +131,8 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
     dys, _, dnorm_weight = gated_rms_norm_bwd_launch(dy, ys, z, z_add, norm_weight, rstd.view(b * t, -1), group,
                                                      dz_out=dz)
     # SSD: the conv output's gradient as one x | B | C tensor, ddt into its block
-    x, dt, B, C, _ = ssd_prep(xbc, _dt(dt, dt_add), None, None, None, [p, g, n])
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    pl = ln.plan(x, B, cu_seqlens, chunk_size, table)
+    x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size,
+                                                 table)
     dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
     _, _, dA, _, _, dD, _, ddt_bias, dinit = ssd_backward(
         dys.view(b, t, d_inner // p, p), dfinal, x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
@@ -183,7 +180,7 @@ def _backward(ctx, dy, dncs, dfinal, *_aux):
     A, D, dt_bias, initial_state, norm_weight = saved[7:12]
     need = ctx.needs_input_grad
     state_grad = conv_state is not None and need[6]
-    g = torch.ops.lm.mamba2_inner_bwd(dy, dncs, dfinal if ctx.return_final_state else None, *saved[:13], *saved[13:],
+    g = torch.ops.lm.mamba2_inner_bwd(dy, dncs, dfinal if ctx.return_final_state else None, *saved,
                                       *ctx.args, state_grad)
     dzxbcdt, dweight, dbias, dstate, dA, dD, ddt_bias, dinit, dnorm = g
     dz, dxbc, ddt = _split(dzxbcdt, ctx.args[0])
@@ -235,8 +232,6 @@ def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, 
            conv_state, initial_state, cu_seqlens, chunk_size)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(zxbcdt.device)
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
     tensors = (zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state,
                norm_weight)
     needs_grad = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in tensors)
