@@ -222,60 +222,22 @@ def _grad_preact(x_ptr, xa_ptr, s_ptr, dy_ptr, rows, row0, pos, offs_c, mask_c, 
 
 
 @triton.jit
-def _tap_grad(a0, a1, a2, a3, a4, a5, a6, a7, gm, x_ptr, xa_ptr, s_ptr, rows, row0, pos, offs_c, mask_c, T, stride_xt,
-              stride_at, stride_sc, stride_sk, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_ADD: tl.constexpr,
-              VARLEN: tl.constexpr, ACC: tl.constexpr):
-    """a_j += gm * input[rows - j] for the taps j < W (per-row dweight partials; the unused ones stay zero)."""
-    a0 += gm * _tap_in(x_ptr, xa_ptr, s_ptr, rows, row0, pos, 0, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                       stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-    if W > 1:
-        a1 += gm * _tap_in(x_ptr, xa_ptr, s_ptr, rows, row0, pos, 1, offs_c, mask_c, T, stride_xt, stride_at,
-                           stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-    if W > 2:
-        a2 += gm * _tap_in(x_ptr, xa_ptr, s_ptr, rows, row0, pos, 2, offs_c, mask_c, T, stride_xt, stride_at,
-                           stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-    if W > 3:
-        a3 += gm * _tap_in(x_ptr, xa_ptr, s_ptr, rows, row0, pos, 3, offs_c, mask_c, T, stride_xt, stride_at,
-                           stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-    if W > 4:
-        a4 += gm * _tap_in(x_ptr, xa_ptr, s_ptr, rows, row0, pos, 4, offs_c, mask_c, T, stride_xt, stride_at,
-                           stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-    if W > 5:
-        a5 += gm * _tap_in(x_ptr, xa_ptr, s_ptr, rows, row0, pos, 5, offs_c, mask_c, T, stride_xt, stride_at,
-                           stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-    if W > 6:
-        a6 += gm * _tap_in(x_ptr, xa_ptr, s_ptr, rows, row0, pos, 6, offs_c, mask_c, T, stride_xt, stride_at,
-                           stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-    if W > 7:
-        a7 += gm * _tap_in(x_ptr, xa_ptr, s_ptr, rows, row0, pos, 7, offs_c, mask_c, T, stride_xt, stride_at,
-                           stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
-def _shifted(g, i, s: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """g[i + s] for every row i of a (BT, BC) tile (rows past the tile clamped to its last; callers mask them)."""
-    idx = tl.minimum(i + s, BT - 1)
-    return tl.gather(g, tl.broadcast_to(idx[:, None], (BT, BC)), 0)
-
-
-@triton.jit
-def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, ds_ptr, part_ptr,
+def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, ds_ptr, part_ptr, scr_ptr,
                     T, C, N_SEQ, LOG_N, CHUNK,
                     stride_xb, stride_xt, stride_ab, stride_at, stride_sb, stride_sc, stride_sk, stride_wc,
                     stride_wk, stride_db, stride_dt, stride_dxb, stride_dxt, stride_ob, stride_oc, stride_ok,
-                    stride_pb, stride_pc, stride_pk,
+                    stride_pb, stride_pc, stride_pk, stride_rb, stride_rt,
                     W: tl.constexpr, WP: tl.constexpr, BS: tl.constexpr, HAS_STATE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr,
                     STATE_GRAD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """The whole backward of CHUNK rows x BC channels (module docstring): dx, the per-program dweight / dbias
-    partial sums, and (first chunk, STATE_GRAD) the conv state's gradient. Tiles of BT rows overlap by W-1: a tile
-    forms g on all its rows and owns the first BO = BT-(W-1), whose dx needs g up to W-1 rows further. The partials
-    are kept per row, one (BT, BC) accumulator per tap (W <= 8; the unused ones are dead code), and summed over the
-    rows once after the loop (H100: 0.19 vs 0.52 ms for per-step cross-row sums, lm_kernels/conv1d/BENCH.md)."""
-    tl.static_assert(BT >= W)
-    tl.static_assert(BS <= BT)
-    BO: tl.constexpr = BT - (W - 1)
+    partial sums, and (first chunk, STATE_GRAD) the conv state's gradient. The partials are kept per row,
+    one (BT, BC) accumulator per tap (W <= 8; the unused ones are dead code), and summed over the rows once
+    after the loop: no cross-row reduction per step and tap (H100: 0.19 vs 0.52 ms at B8 T2048 C2304 W4,
+    lm_kernels/conv1d/BENCH.md). One (W, BT, BC) accumulator fed by a 3-D load instead gave wrong dweight on
+    the H100 at W = 3 with a conv state (right in the interpreter), so the taps are unrolled by hand.
+    scr_ptr: this launch's float32 scratch, (programs along t and b) x (>= 3 BT rows) x C."""
+    tl.static_assert(BS <= BT)  # the carry (W-1 <= BS rows) fits in one slot
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
@@ -285,6 +247,8 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
     dx_ptr += pid_b * stride_dxb
     offs_c = pid_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
+    scr = scr_ptr + (pid_b * tl.num_programs(0) + pid_t) * stride_rb + offs_c[None, :]  # + slot row * stride_rt
+    RING: tl.constexpr = 3 * BT
     w0, w1, w2, w3, w4, w5, w6, w7, bias = _weights(w_ptr, b_ptr, offs_c, mask_c, stride_wc, stride_wk, W, HAS_BIAS,
                                                     XDT, ACC, BC)
     kidx = tl.arange(0, WP)  # weight column k = tap W-1-k
@@ -300,7 +264,21 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
     db2 = tl.zeros((BT, BC), dtype=ACC)
     t_start = pid_t * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
-    for t0 in tl.range(t_start, t_end, BO):
+    n_tiles = tl.cdiv(t_end - t_start, BT)
+    if W > 1:  # the carry of the last tile: g at rows t_end .. t_end+W-2 (next chunk), in the slot after it
+        kc = tl.arange(0, BS)
+        crows = t_end + kc
+        cpos = crows
+        if VARLEN:
+            cpos = crows - _doc_start(cu_ptr, crows, N_SEQ, LOG_N)
+        gc = _grad_preact(x_ptr, xa_ptr, s_ptr, dy_ptr, crows, t_end, cpos, offs_c, mask_c, T, stride_xt, stride_at,
+                          stride_sc, stride_sk, stride_dt, w0, w1, w2, w3, w4, w5, w6, w7, bias, W, HAS_STATE,
+                          HAS_BIAS, HAS_ADD, VARLEN, SILU, ACC, BS, BC)
+        tl.store(scr + ((n_tiles % 3) * BT + kc)[:, None] * stride_rt, gc, mask=mask_c[None, :])
+    # num_stages=1: no software pipelining, which could hoist the next step's scratch loads above the barrier
+    for it in tl.range(0, n_tiles, num_stages=1):
+        k = n_tiles - 1 - it  # tiles from the chunk's last to its first
+        t0 = t_start + k * BT
         rows = t0 + i
         pos = rows
         nxt = tl.zeros_like(rows) + T
@@ -311,38 +289,54 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
         g = _grad_preact(x_ptr, xa_ptr, s_ptr, dy_ptr, rows, t0, pos, offs_c, mask_c, T, stride_xt, stride_at,
                          stride_sc, stride_sk, stride_dt, w0, w1, w2, w3, w4, w5, w6, w7, bias, W, HAS_STATE, HAS_BIAS,
                          HAS_ADD, VARLEN, SILU, ACC, BT, BC)
-        own = (i < BO) & (rows < t_end)
-        gm = tl.where(own[:, None], g, 0.0)  # each row's partials once, in the tile that owns it
-        a0, a1, a2, a3, a4, a5, a6, a7 = _tap_grad(a0, a1, a2, a3, a4, a5, a6, a7, gm, x_ptr, xa_ptr, s_ptr, rows, t0,
-                                                   pos, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
-                                                   W, HAS_STATE, HAS_ADD, VARLEN, ACC)
+        for j in tl.static_range(W):  # a_j[p] += g[p] * input[p - j]: per-row partials, summed after the loop
+            v = _tap_in(x_ptr, xa_ptr, s_ptr, rows, t0, pos, j, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                        stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
+            if j == 0:
+                a0 += g * v
+            elif j == 1:
+                a1 += g * v
+            elif j == 2:
+                a2 += g * v
+            elif j == 3:
+                a3 += g * v
+            elif j == 4:
+                a4 += g * v
+            elif j == 5:
+                a5 += g * v
+            elif j == 6:
+                a6 += g * v
+            else:
+                a7 += g * v
         if HAS_BIAS:
-            db2 += gm
-        # dx[p] = sum_s w_s g[p + s], w_s = weight[:, W-1-s]; g[p + s] masked where p + s is past T or in the next
-        # document
+            db2 += g
+        # dx[p] = sum_s w_s g[p + s], w_s = weight[:, W-1-s]; tap 0 from the registers, taps s >= 1 from the ring
         dx = w0 * g
-        for s in tl.static_range(1, W):
-            ok = (rows + s < nxt) & (rows + s < T)
-            dx += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * tl.where(ok[:, None], _shifted(g, i, s, BT, BC), 0.0)
+        if W > 1:
+            base = (k % 3) * BT
+            tl.store(scr + (base + i)[:, None] * stride_rt, g, mask=mask_c[None, :])
+            # the one barrier per tile: makes this store visible to the loads below; the slot it overwrote was
+            # last read two steps ago, before the previous step's barrier (module docstring)
+            tl.debug_barrier()
+            for s in tl.static_range(1, W):
+                r = base + s + i
+                r = tl.where(r >= RING, r - RING, r)
+                ok = (rows + s < nxt) & (rows + s < T)
+                gs = tl.load(scr + r[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
+                dx += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
         tl.store(dx_ptr + rows[:, None].to(tl.int64) * stride_dxt + offs_c[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=own[:, None] & mask_c[None, :])
+                 mask=(rows < T)[:, None] & mask_c[None, :])
     if STATE_GRAD:
-        if pid_t == 0:  # inputs at rows -(W-1)+kc: sum_s w[:, W-1-s] g[q], q = row + s in 0..W-2
+        if pid_t == 0:  # inputs at rows -(W-1)+kc: sum_s w[:, W-1-s] g[q], q = row + s in 0..W-2 (slot 0 of tile 0)
             kc = tl.arange(0, BS)
-            pos0 = kc
-            if VARLEN:
-                pos0 = kc - _doc_start(cu_ptr, kc, N_SEQ, LOG_N)
-            g0 = _grad_preact(x_ptr, xa_ptr, s_ptr, dy_ptr, kc, 0, pos0, offs_c, mask_c, T, stride_xt, stride_at,
-                              stride_sc, stride_sk, stride_dt, w0, w1, w2, w3, w4, w5, w6, w7, bias, W, HAS_STATE,
-                              HAS_BIAS, HAS_ADD, VARLEN, SILU, ACC, BS, BC)  # g at rows 0..BS-1
             ds = tl.zeros((BS, BC), dtype=ACC)
             for s in tl.static_range(1, W):
                 q = kc - (W - 1) + s
                 ok = (q >= 0) & (q < T)
                 if VARLEN:
                     ok = ok & (q - _doc_start(cu_ptr, q, N_SEQ, LOG_N) >= s)
-                gs = tl.gather(g0, tl.broadcast_to(tl.maximum(q, 0)[:, None], (BS, BC)), 0)
-                ds += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * tl.where(ok[:, None], gs, 0.0)
+                gs = tl.load(scr + q[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
+                ds += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
             tl.store(ds_ptr + pid_b * stride_ob + kc[:, None] * stride_ok + offs_c[None, :] * stride_oc,
                      ds.to(ds_ptr.dtype.element_ty), mask=(kc < W - 1)[:, None] & mask_c[None, :])
     dw = tl.zeros((WP, BC), dtype=ACC)  # weight column k = tap W-1-k
