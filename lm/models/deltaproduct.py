@@ -106,6 +106,8 @@ class LMDeltaProductConfig(LMConfig):
 
 
 class DeltaProductMixer(Mixer):
+    reads_input_once = True  # x only through in_proj (Mixer.reads_input_once)
+
     def __init__(self, config: LMDeltaProductConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx

@@ -49,6 +49,8 @@ class LMLlamaConfig(LMConfig):
 
 
 class Attention(Mixer):
+    reads_input_once = True  # x only through qkv_proj (Mixer.reads_input_once)
+
     def __init__(self, config: LMLlamaConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx

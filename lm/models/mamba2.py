@@ -63,6 +63,8 @@ class LMMamba2Config(LMConfig):
 
 
 class Mamba2Mixer(Mixer):
+    reads_input_once = True  # x only through in_proj (Mixer.reads_input_once)
+
     def __init__(self, config: LMMamba2Config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx

@@ -48,6 +48,10 @@ class Mixer(nn.Module):
     """
 
     layer_idx: int
+    # True where forward reads x through one input projection and nothing else: the preceding block may then hand x
+    # over in the autocast dtype also with autograd (the projection would cast it, and x's gradient is that one
+    # product's input gradient, in that dtype either way: no sum of several gradients in a 16-bit dtype)
+    reads_input_once: bool = False
 
     @staticmethod
     def injection_dim(config) -> int:
@@ -97,7 +101,9 @@ class Block(nn.Module):
         """x + mixer(norm(x)) (+ the MLP's residual step). `u`: norm(x) when the previous block has formed it;
         `next_norm` (weight, eps, for_block) of the norm that reads this block's output (the next block's, for_block
         True, or the final one): then (output, its norm), the residual add and that norm in one pass (one compiled
-        graph per block would otherwise write the residual stream and read it back at the next block's start)."""
+        graph per block would otherwise write the residual stream and read it back at the next block's start). A norm
+        for a block is handed on in the autocast dtype (LMModel._stack passes next_norm with autograd only where every
+        mixer reads its input once: Mixer.reads_input_once)."""
         h = self.mixer(self.norm(x) if u is None else u, injection=injection, cache=cache, cu_seqlens=cu_seqlens,
                        **shared)
         if self.mlp is not None:
@@ -107,11 +113,10 @@ class Block(nn.Module):
             return x + h
         weight, eps, for_block = next_norm
         x, u = add_rms_norm(x, h, weight, eps)
-        if for_block and not torch.is_grad_enabled() and torch.is_autocast_enabled(u.device.type):
-            # the next block reads u only through its input projections, which autocast would cast: without autograd
-            # cast it here, where the norm writes it (half the bytes, no cast pass in the next graph). With autograd
-            # u would have to stay float32 so that its gradient from several projections (Mamba2's three) sums in
-            # float32, not in the cast dtype
+        if for_block and torch.is_autocast_enabled(u.device.type):
+            # the next block reads u only through its input projection, which autocast would cast: cast it here,
+            # where the norm writes it (half the bytes, no cast pass in the next graph; with autograd the gradient
+            # comes back in this dtype and the norm's backward reads it as it is, no cast pass either)
             u = u.to(torch.get_autocast_dtype(u.device.type))
         return x, u
 
@@ -261,17 +266,20 @@ class LMModel(LMPreTrainedModel):
 
     # --- the stack ----------------------------------------------------------------------------------
     def _stack(self, h, inj=None, cache=None, cu_seqlens=None, shared=None):
-        """norm_f(blocks(h)). Without autograd (fixed-point iterations, eval, generation) each block also forms the
-        norm its successor reads (the next block's pre-norm, after the last block norm_f), fused with its residual
-        add, and hands it on in the autocast dtype (`Block.forward`). With autograd each block norms its own input:
-        there the successor's norm would be handed on in float32 (see Block.forward), its cast to the projections'
-        dtype and the cast of its gradient back to float32 then a pass each at every block boundary, more than the
-        fused add saves (lm/train/BENCH.md, session 16)."""
+        """norm_f(blocks(h)). Each block also forms the norm its successor reads (the next block's pre-norm, after
+        the last block norm_f), fused with its residual add, and hands it on in the autocast dtype (`Block.forward`):
+        without autograd always, with autograd where every mixer reads its input through one projection
+        (Mixer.reads_input_once), so that the handed-on norm's gradient is one product's, already in that dtype.
+        Otherwise (with autograd) each block norms its own input: a float32 norm handed on would cost a cast in the
+        next graph and a cast of its gradient back at every block boundary, more than the fused add saves
+        (lm/train/BENCH.md, session 16)."""
         shared = shared or {}
-        if torch.is_grad_enabled() or not len(self.layers):
+        grad = torch.is_grad_enabled()
+        ckpt = grad and self.gradient_checkpointing and self.training and cache is None
+        if not len(self.layers) or (grad and not all(layer.mixer.reads_input_once for layer in self.layers)):
             kw = dict(injection=inj, cu_seqlens=cu_seqlens, **shared)
             for layer in self.layers:
-                if self.gradient_checkpointing and self.training and cache is None:
+                if ckpt:
                     h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
                 else:
                     h = layer(h, cache=cache, **kw)
@@ -280,8 +288,11 @@ class LMModel(LMPreTrainedModel):
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             nxt = self.norm_f if last else self.layers[i + 1].norm
-            h, u = layer(h, u=u, next_norm=(nxt.weight, nxt.eps, not last), injection=inj, cache=cache,
-                         cu_seqlens=cu_seqlens, **shared)
+            kw = dict(u=u, next_norm=(nxt.weight, nxt.eps, not last), injection=inj, cu_seqlens=cu_seqlens, **shared)
+            if ckpt:
+                h, u = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
+            else:
+                h, u = layer(h, cache=cache, **kw)
         return u
 
     def _shared(self, h, cache, cu_seqlens) -> dict:
