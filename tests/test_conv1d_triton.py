@@ -426,9 +426,9 @@ def test_x_add_opcheck():
 
 
 # --- the one-pass backward across tile and chunk borders ------------------------------------------------------------
-# The interpreter's config: 8-row tiles, 16-row chunks (two tiles per program); a program walks its tiles backwards
-# and takes the g of the next tile / chunk's first w-1 rows from its ring of three slots. 40-row chunks (five tiles)
-# also wrap around the ring (tile k in slot k % 3).
+# The interpreter's config: 8-row tiles, 16-row chunks (two tiles per program); a program walks its tiles forwards,
+# one step past its last (the next chunk's first w-1 rows), and takes the g of the next tile from its ring of three
+# slots. 40-row chunks (five tiles) also wrap around the ring (tile k in slot k % 3).
 BORDER_CASES = [  # (t, w, state, cu_seqlens, x_add, activation)
     (53, 4, True, None, True, "silu"),                          # 4 chunks, the last partial; the state's gradient
     (48, 3, True, None, False, None),                           # t a multiple of the chunk
@@ -436,7 +436,7 @@ BORDER_CASES = [  # (t, w, state, cu_seqlens, x_add, activation)
     (57, 4, False, [0, 8, 16, 19, 32, 45, 46, 57], False, "silu"),  # borders at tile / chunk starts, inside tiles
     (50, 3, False, [0, 7, 15, 17, 31, 33, 50], True, "silu"),   # borders one row before tile / chunk starts
     (40, 4, True, [0, 1, 2, 3, 24, 40], False, None),           # documents shorter than the width at the start
-    (45, 8, True, None, True, "silu"),                          # the widest tap: carry of 7 rows (a whole slot)
+    (45, 8, True, None, True, "silu"),                          # the widest tap: 7 rows of the next tile (a whole slot)
 ]
 
 

@@ -53,7 +53,7 @@ _fwd = autotune(
     key=_KEY)(K.conv_fwd_kernel)
 # the one-pass backward (per-row dweight partials, dx): 165-177 registers on sm_90 for W 4 with bias and SiLU, no
 # spills (ptxas of the triton 3.9 wheel; (16, 128, 4) takes 254); BT <= 16 divides every chunk (>= 16 rows), and
-# BT >= 8 holds the carry of W <= 8 in one slot
+# BT >= 8 holds the W-1 <= 7 rows of the next tile that dx needs in one slot
 _bwd = autotune(
     configs=_configs([(8, 128, 4), (16, 128, 8), (8, 256, 8), (16, 64, 4)], (8, 16, 1)),
     key=_KEY + ["CHUNK", "STATE_GRAD"])(K.conv_bwd_kernel)

@@ -16,22 +16,23 @@ stored in x's dtype; the program holding the last row also writes the new conv s
 inputs). Weight, bias and conv state are rounded to x's dtype first, as the PyTorch reference does.
 
 Backward (conv_bwd_kernel), one pass: a program owns CHUNK rows x BC channels of one batch row and walks
-its BT-row tiles from the last to the first. Per tile it recomputes z from the inputs, forms
+its BT-row tiles from the first to the last. Per tile it recomputes z from the inputs, forms
 g = dy * act'(z) in float32 (g = dy without an activation), adds g * input[p - j] to per-row dweight
-partials (and g to the dbias ones), and gathers dx[p] = sum_s w[:, W-1-s] g[p + s] over the taps s
-unmasked at row p + s (p + s < T, inside p's document). g never goes to DRAM: the earlier two-pass
+partials (and g to the dbias ones), and gathers the previous tile's dx[p] = sum_s w[:, W-1-s] g[p + s] over
+the taps s unmasked at row p + s (p + s < T, inside p's document). g never goes to DRAM: the earlier two-pass
 backward wrote it in float32 and read it back, and on an H100 (B16 T2048 C2304 W4 bf16) its two kernels
 took 0.354 + 0.160 ms against ~0.15 ms for the bytes that must move (x and dy read, dx written).
-Rows p + s may lie in the next (later) tile, already done; a register tile cannot be shifted by s rows, so
-g goes through a per-program float32 scratch in global memory (L1/L2 resident, a few MB in all): a ring
-of three BT-row slots, tile k in slot k % 3, and tap s reads slot rows base + s .. base + s + BT - 1
-wrapping into the next slot, which holds the later tile's first rows. The chunk's last tile finds in its
-next slot the g of the next chunk's first W-1 rows (recomputed before the loop; zero past T). One CTA
-barrier per tile, between the store of g and the shifted loads, orders everything: slot k % 3 was last
-read at step k + 2 (tile k + 3's carry rows) and at step k + 3, both before the barrier of step k + 1.
-The dweight / dbias partials are stored as one (C, W+1) float32 slice per program that the caller sums
-(deterministic, no atomics); programs of the first chunk also form the conv state's gradient (inputs at
-rows -(W-1)..-1) from tile 0's g, still in slot 0 after the loop.
+Rows p + s lie in this tile or the next one; a register tile cannot be shifted by s rows, so g goes through a
+per-program float32 scratch in global memory (L1/L2 resident, a few MB in all): a ring of three BT-row slots,
+tile k in slot k % 3, and the dx of tile k - 1 takes tap 0 from that tile's g (kept in registers) and taps
+s >= 1 from slot rows base + s .. base + s + BT - 1, wrapping into tile k's slot. One step past the chunk's last
+tile forms the g of the next chunk's first rows (zero past T) for the last tile's dx. One CTA barrier per step,
+between the store of g and the shifted loads, orders everything: slot k % 3 was last read at step k - 2 (the dx
+of tile k - 3), before the barrier of step k - 1. Each step fetches the next tile's own rows (x at tap 0 and dy)
+by hand, so that their DRAM latency overlaps the step's work; the shifted taps then mostly hit L1. The dweight /
+dbias partials are stored as one (C, W+1) float32 slice per program that the caller sums (deterministic, no
+atomics); programs of the first chunk also form the conv state's gradient (inputs at rows -(W-1)..-1) from tile
+0's g, in slot 0 after step 0's barrier.
 """
 from __future__ import annotations
 
@@ -204,21 +205,17 @@ def conv_fwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
 
 
 @triton.jit
-def _grad_preact(x_ptr, xa_ptr, s_ptr, dy_ptr, rows, row0, pos, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                 stride_sk, stride_dt, w0, w1, w2, w3, w4, w5, w6, w7, bias, W: tl.constexpr,
-                 HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, VARLEN: tl.constexpr,
-                 SILU: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """g = dy * act'(z) for a (BT, BC) tile of rows (z recomputed; g = dy without an activation), in ACC;
-    zero at rows >= T and padded channels."""
-    live = (rows < T)[:, None] & mask_c[None, :]
-    g = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dt + offs_c[None, :], mask=live, other=0.0).to(ACC)
-    if SILU:
-        z = _preact(x_ptr, xa_ptr, s_ptr, rows, row0, pos, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                    stride_sk, w0, w1, w2, w3, w4, w5, w6, w7, bias, W, HAS_STATE, HAS_BIAS, HAS_ADD, VARLEN, ACC,
-                    BT, BC)
-        sig = 1.0 / (1.0 + tl.exp(-z))
-        g = tl.where(live, g * sig * (1.0 + z * (1.0 - sig)), 0.0)  # (an inf z past T would give 0 * nan)
-    return g
+def _rows_in(x_ptr, xa_ptr, rows, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
+    """x (+ x_add, summed in ACC and rounded to x's dtype) at rows 0 <= rows < T, zero elsewhere, in x's dtype: the
+    tile the backward fetches one step ahead (exactly _load_in's value, kept in half the registers)."""
+    XDT: tl.constexpr = x_ptr.dtype.element_ty
+    m = ((rows >= 0) & (rows < T))[:, None] & mask_c[None, :]
+    r64 = rows[:, None].to(tl.int64)
+    v = tl.load(x_ptr + r64 * stride_xt + offs_c[None, :], mask=m, other=0.0)
+    if HAS_ADD:
+        a = tl.load(xa_ptr + r64 * stride_at + offs_c[None, :], mask=m, other=0.0)
+        v = (v.to(ACC) + a.to(ACC)).to(XDT)
+    return v
 
 
 @triton.jit
@@ -237,7 +234,7 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
     lm_kernels/conv1d/BENCH.md). One (W, BT, BC) accumulator fed by a 3-D load instead gave wrong dweight on
     the H100 at W = 3 with a conv state (right in the interpreter), so the taps are unrolled by hand.
     scr_ptr: this launch's float32 scratch, (programs along t and b) x (>= 3 BT rows) x C."""
-    tl.static_assert(BS <= BT)  # the carry (W-1 <= BS rows) fits in one slot
+    tl.static_assert(BS <= BT)  # the state's gradient reads g at rows 0..W-2, all in tile 0
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
@@ -265,20 +262,18 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
     t_start = pid_t * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
     n_tiles = tl.cdiv(t_end - t_start, BT)
-    if W > 1:  # the carry of the last tile: g at rows t_end .. t_end+W-2 (next chunk), in the slot after it
-        kc = tl.arange(0, BS)
-        crows = t_end + kc
-        cpos = crows
-        if VARLEN:
-            cpos = crows - _doc_start(cu_ptr, crows, N_SEQ, LOG_N)
-        gc = _grad_preact(x_ptr, xa_ptr, s_ptr, dy_ptr, crows, t_end, cpos, offs_c, mask_c, T, stride_xt, stride_at,
-                          stride_sc, stride_sk, stride_dt, w0, w1, w2, w3, w4, w5, w6, w7, bias, W, HAS_STATE,
-                          HAS_BIAS, HAS_ADD, VARLEN, SILU, ACC, BS, BC)
-        tl.store(scr + ((n_tiles % 3) * BT + kc)[:, None] * stride_rt, gc, mask=mask_c[None, :])
-    # num_stages=1: no software pipelining, which could hoist the next step's scratch loads above the barrier
-    for it in tl.range(0, n_tiles, num_stages=1):
-        k = n_tiles - 1 - it  # tiles from the chunk's last to its first
-        t0 = t_start + k * BT
+    # tile 0's own rows (tap 0 and dy), fetched ahead like every later tile's
+    xn = _rows_in(x_ptr, xa_ptr, t_start + i, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    dyn = tl.load(dy_ptr + (t_start + i)[:, None].to(tl.int64) * stride_dt + offs_c[None, :],
+                  mask=((t_start + i) < T)[:, None] & mask_c[None, :], other=0.0)
+    nxt_p = tl.zeros_like(i) + T
+    g_p = tl.zeros((BT, BC), dtype=ACC)  # the previous tile's g
+    # The tiles from the chunk's first to its last, then one more (the next chunk's first rows: the g the last tile's
+    # dx needs). Step `it` forms tile it's g and the dx of tile it - 1 (rows p need g[p + s], s < W, from the next
+    # tile). num_stages=1: no software pipelining, which could hoist the scratch loads above the barrier; the next
+    # tile's own rows are fetched by hand instead, one step ahead, so that their DRAM latency overlaps this step.
+    for it in tl.range(0, n_tiles + 1, num_stages=1):
+        t0 = t_start + it * BT
         rows = t0 + i
         pos = rows
         nxt = tl.zeros_like(rows) + T
@@ -286,59 +281,75 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
             d = _doc_index(cu_ptr, rows, N_SEQ, LOG_N)
             pos = rows - tl.load(cu_ptr + d).to(tl.int32)
             nxt = tl.load(cu_ptr + d + 1).to(tl.int32)  # the next document's start (T for the last one)
-        g = _grad_preact(x_ptr, xa_ptr, s_ptr, dy_ptr, rows, t0, pos, offs_c, mask_c, T, stride_xt, stride_at,
-                         stride_sc, stride_sk, stride_dt, w0, w1, w2, w3, w4, w5, w6, w7, bias, W, HAS_STATE, HAS_BIAS,
-                         HAS_ADD, VARLEN, SILU, ACC, BT, BC)
-        for j in tl.static_range(W):  # a_j[p] += g[p] * input[p - j]: per-row partials, summed after the loop
+        xc = xn.to(ACC)
+        live = (rows < T)[:, None] & mask_c[None, :]
+        g = dyn.to(ACC)
+        xn = _rows_in(x_ptr, xa_ptr, rows + BT, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        dyn = tl.load(dy_ptr + (rows + BT)[:, None].to(tl.int64) * stride_dt + offs_c[None, :],
+                      mask=((rows + BT) < T)[:, None] & mask_c[None, :], other=0.0)
+        if SILU:  # z = sum_j w_j input[p - j] (+ bias): tap 0 is the fetched tile, taps j >= 1 mostly L1 hits
+            z = w0 * xc
+            for j in tl.static_range(1, W):
+                z += _pick(j, w0, w1, w2, w3, w4, w5, w6, w7) * _tap_in(
+                    x_ptr, xa_ptr, s_ptr, rows, t0, pos, j, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                    stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
+            if HAS_BIAS:
+                z += bias
+            sig = 1.0 / (1.0 + tl.exp(-z))
+            g = tl.where(live, g * sig * (1.0 + z * (1.0 - sig)), 0.0)  # (an inf z past T would give 0 * nan)
+        gm = tl.where((rows < t_end)[:, None], g, 0.0)  # the chunk's own rows only: the last step's belong to the next
+        a0 += gm * xc
+        for j in tl.static_range(1, W):  # a_j[p] += g[p] * input[p - j]: per-row partials, summed after the loop
             v = _tap_in(x_ptr, xa_ptr, s_ptr, rows, t0, pos, j, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
                         stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-            if j == 0:
-                a0 += g * v
-            elif j == 1:
-                a1 += g * v
+            if j == 1:
+                a1 += gm * v
             elif j == 2:
-                a2 += g * v
+                a2 += gm * v
             elif j == 3:
-                a3 += g * v
+                a3 += gm * v
             elif j == 4:
-                a4 += g * v
+                a4 += gm * v
             elif j == 5:
-                a5 += g * v
+                a5 += gm * v
             elif j == 6:
-                a6 += g * v
+                a6 += gm * v
             else:
-                a7 += g * v
+                a7 += gm * v
         if HAS_BIAS:
-            db2 += g
-        # dx[p] = sum_s w_s g[p + s], w_s = weight[:, W-1-s]; tap 0 from the registers, taps s >= 1 from the ring
-        dx = w0 * g
-        if W > 1:
-            base = (k % 3) * BT
-            tl.store(scr + (base + i)[:, None] * stride_rt, g, mask=mask_c[None, :])
-            # the one barrier per tile: makes this store visible to the loads below; the slot it overwrote was
-            # last read two steps ago, before the previous step's barrier (module docstring)
-            tl.debug_barrier()
+            db2 += gm
+        base = (it % 3) * BT
+        tl.store(scr + (base + i)[:, None] * stride_rt, g, mask=mask_c[None, :])
+        # the one barrier per step: makes this store visible to the loads below; the slot it overwrote was last read
+        # two steps ago (the dx of tile it - 3), before the previous step's barrier
+        tl.debug_barrier()
+        if it > 0:  # dx[p] = sum_s w_s g[p + s] for the previous tile's rows p, w_s = weight[:, W-1-s]
+            rows_p = rows - BT
+            base_p = ((it - 1) % 3) * BT
+            dx = w0 * g_p  # tap 0 from the registers, taps s >= 1 from the ring
             for s in tl.static_range(1, W):
-                r = base + s + i
+                r = base_p + s + i
                 r = tl.where(r >= RING, r - RING, r)
-                ok = (rows + s < nxt) & (rows + s < T)
+                ok = (rows_p + s < nxt_p) & (rows_p + s < T)
                 gs = tl.load(scr + r[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
                 dx += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
-        tl.store(dx_ptr + rows[:, None].to(tl.int64) * stride_dxt + offs_c[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=(rows < T)[:, None] & mask_c[None, :])
-    if STATE_GRAD:
-        if pid_t == 0:  # inputs at rows -(W-1)+kc: sum_s w[:, W-1-s] g[q], q = row + s in 0..W-2 (slot 0 of tile 0)
-            kc = tl.arange(0, BS)
-            ds = tl.zeros((BS, BC), dtype=ACC)
-            for s in tl.static_range(1, W):
-                q = kc - (W - 1) + s
-                ok = (q >= 0) & (q < T)
-                if VARLEN:
-                    ok = ok & (q - _doc_start(cu_ptr, q, N_SEQ, LOG_N) >= s)
-                gs = tl.load(scr + q[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
-                ds += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
-            tl.store(ds_ptr + pid_b * stride_ob + kc[:, None] * stride_ok + offs_c[None, :] * stride_oc,
-                     ds.to(ds_ptr.dtype.element_ty), mask=(kc < W - 1)[:, None] & mask_c[None, :])
+            tl.store(dx_ptr + rows_p[:, None].to(tl.int64) * stride_dxt + offs_c[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=(rows_p < T)[:, None] & mask_c[None, :])
+        if STATE_GRAD:
+            if (it == 0) & (pid_t == 0):  # inputs at rows -(W-1)+kc: sum_s w[:, W-1-s] g[q], q = row + s in 0..W-2
+                kc = tl.arange(0, BS)
+                ds = tl.zeros((BS, BC), dtype=ACC)
+                for s in tl.static_range(1, W):
+                    q = kc - (W - 1) + s
+                    ok = (q >= 0) & (q < T)
+                    if VARLEN:
+                        ok = ok & (q - _doc_start(cu_ptr, q, N_SEQ, LOG_N) >= s)
+                    gs = tl.load(scr + q[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
+                    ds += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
+                tl.store(ds_ptr + pid_b * stride_ob + kc[:, None] * stride_ok + offs_c[None, :] * stride_oc,
+                         ds.to(ds_ptr.dtype.element_ty), mask=(kc < W - 1)[:, None] & mask_c[None, :])
+        nxt_p = nxt
+        g_p = g
     dw = tl.zeros((WP, BC), dtype=ACC)  # weight column k = tap W-1-k
     dw = tl.where((kidx == W - 1)[:, None], tl.sum(a0, axis=0)[None, :], dw)
     if W > 1:
