@@ -8,6 +8,9 @@ config list, and later processes read the choice instead of timing again. A chan
 configs therefore re-tunes; two GPUs of one architecture (an H100 and an H200) share the entries.
 LM_TRITON_AUTOTUNE_CACHE=0 (read when the kernel modules are imported) turns it off: every process times again,
 e.g. to re-tune after a driver change.
+
+`launch` keeps an autotuner's choice per call key in the process, so that repeat launches skip the autotuner's own
+per-call key building (the Triton ops launch every layer's kernels through it).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import inspect
 import os
 
 import triton
+from triton.runtime.autotuner import Autotuner
 
 _HAS_CACHE = "cache_results" in inspect.signature(triton.autotune).parameters
 
@@ -32,3 +36,26 @@ def autotune(configs, key, **kwargs):
     if cache_enabled():
         kwargs.setdefault("cache_results", True)
     return triton.autotune(configs=configs, key=key, **kwargs)
+
+
+_BEST = {}  # launch key -> the autotuner's chosen config as launch kwargs (see launch)
+
+
+def launch(tuner, key, grid, args, kw):
+    """tuner[grid](*args, **kw) for a triton Autotuner `tuner`. Autotuner.run rebuilds its key from all the
+    arguments on every call (30 - 70 us of host time per launch); so the first call per `key` goes through it
+    and the config it chose is kept, and later calls launch the jitted kernel with that config directly. `key`
+    must fix the autotuner's own key (shapes in it, tensor dtypes): it only selects a config, so a coarser key
+    could cost speed, never correctness. Anything else than an Autotuner (a test's wrapper) is called plainly."""
+    if not isinstance(tuner, Autotuner) or tuner.reset_to_zero or tuner.restore_value:
+        tuner[grid](*args, **kw)
+        return
+    key = (id(tuner), id(tuner.configs), key)  # a test may swap the configs list
+    meta = _BEST.get(key)
+    if meta is None:
+        tuner[grid](*args, **kw)
+        if len(_BEST) > 4096:
+            _BEST.clear()
+        _BEST[key] = tuner.best_config.all_kwargs()
+        return
+    tuner.fn[grid(meta) if callable(grid) else grid](*args, **kw, **meta)

@@ -238,3 +238,33 @@ def test_bad_arguments_name_what_is_wrong():
         _fused(d, (di, p, g, n, ng, 24), None, False)
     with pytest.raises(ValueError, match="cu_seqlens"):
         _fused(d, dims, torch.tensor([0, 5, t], dtype=torch.int32), False)  # packed documents need batch 1
+
+
+def test_repeat_calls_skip_the_autotuners(monkeypatch):
+    """The op's autotuned launches (conv forward / backward, the SSD kernels, the gated norm's backward) go through
+    triton's Autotuner once per shape (lm_kernels.autotune.launch); a second call launches the kept configs directly
+    and gives the same outputs and gradients."""
+    import lm_kernels.autotune as at
+    import lm_kernels.ssd.launch as ln
+    from triton.runtime.autotuner import Autotuner
+
+    runs = []
+    orig = Autotuner.run
+
+    def counting(self, *a, **k):
+        runs.append(self.base_fn.__name__)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(Autotuner, "run", counting)
+    monkeypatch.setattr(at, "_BEST", {})
+    monkeypatch.setattr(ln, "_PLANS", {})
+    (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES["adds_states"]
+    dims = (di, p, g, n, ng, chunk)
+    d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=4)
+    outs1, grads1 = _run(_fused, _leaves(d, torch.float32), dims, None, True)
+    tuned = sorted(runs)
+    assert {"conv_fwd_kernel", "conv_bwd_kernel", "_gated_rmsnorm_bwd_kernel", "dx_bwd_kernel"} <= set(tuned), tuned
+    outs2, grads2 = _run(_fused, _leaves(d, torch.float32), dims, None, True)
+    assert sorted(runs) == tuned  # nothing tuned the second time
+    assert all(torch.equal(a, r) for a, r in zip(outs1, outs2))
+    assert all(torch.equal(grads1[k], grads2[k]) for k in grads1)

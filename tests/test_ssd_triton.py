@@ -377,6 +377,7 @@ def test_autotuned_kernels_with_atomics_reset_their_outputs():
 def test_triton_launch_reuses_the_autotuned_config(monkeypatch):
     """launch: the first call per shape / dtypes goes through the autotuner, later ones launch the config it
     chose directly (same outputs, forward and backward); a swapped configs list is tuned again."""
+    import lm_kernels.autotune as at
     import lm_kernels.ssd.launch as ln
     from triton.runtime.autotuner import Autotuner
     runs = []
@@ -387,7 +388,7 @@ def test_triton_launch_reuses_the_autotuned_config(monkeypatch):
         return orig(self, *a, **k)
 
     monkeypatch.setattr(Autotuner, "run", counting)
-    monkeypatch.setattr(ln, "_BEST", {})
+    monkeypatch.setattr(at, "_BEST", {})
     monkeypatch.setattr(ln, "_PLANS", {})
     d = make(1, 40, 2, 16, 1, 16)
     y1, f1, g1 = run("triton", d, torch.float32, chunk_size=16)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotune
+from ..autotune import autotune, launch
 from ..backend import CUSTOM_OP_TAGS, absent, num_sms
 from . import triton_kernels as K
 from .reference import check_x_add
@@ -103,15 +103,15 @@ def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool, x_add=None):
     n_seq, log_n = _log_n(cu_seqlens)
     dummy = x
     grid = lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(c, meta["BC"]), b)  # noqa: E731
-    _fwd[grid](
+    flags = dict(W=w, BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
+                 HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1,
+                 ACC=_ACC.get(x.dtype, tl.float32))
+    launch(_fwd, ("fwd", c, x.dtype, weight.dtype, *flags.values()), grid, (
         x, x_add if x_add is not None else dummy, conv_state if conv_state is not None else dummy, weight,
         bias if bias is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, y, new_state,
         t, c, n_seq, log_n,
         x.stride(0), x.stride(1), *_add_strides(x_add), *_state_strides(conv_state), *weight.stride(),
-        y.stride(0), y.stride(1), *new_state.stride(),
-        W=w, BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
-        HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1,
-        ACC=_ACC.get(x.dtype, tl.float32))
+        y.stride(0), y.stride(1), *new_state.stride()), flags)
     return y, new_state
 
 
@@ -142,7 +142,10 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     n_seq, log_n = _log_n(cu_seqlens)
     dummy = x
     grid = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
-    _bwd[grid](
+    flags = dict(W=w, WP=_pow2(w), BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None,
+                 HAS_BIAS=bias is not None, HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu,
+                 STATE_GRAD=state_grad, ACC=acc)
+    launch(_bwd, ("bwd", c, chunk, x.dtype, dy.dtype, weight.dtype, *flags.values()), grid, (
         x, x_add if x_add is not None else dummy, conv_state if conv_state is not None else dummy, weight,
         bias if bias is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, dy, dx,
         dstate if dstate is not None else dummy, part, scratch,
@@ -150,9 +153,7 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
         x.stride(0), x.stride(1), *_add_strides(x_add), *_state_strides(conv_state), *weight.stride(),
         dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1),
         *(dstate.stride() if dstate is not None else (0, 0, 0)),
-        part.stride(0), part.stride(1), part.stride(2), scratch.stride(0), scratch.stride(1),
-        W=w, WP=_pow2(w), BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
-        HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu, STATE_GRAD=state_grad, ACC=acc)
+        part.stride(0), part.stride(1), part.stride(2), scratch.stride(0), scratch.stride(1)), flags)
     # part (rows, c, w [+ 1]): weight columns 0..w-1, then the bias; reduced apart so that each gradient is a
     # tensor of its own (not a strided view of one sum: an op's outputs may not alias)
     dweight = part[..., :w].sum(0).to(weight.dtype)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotune
+from ..autotune import autotune, launch
 from ..backend import CUSTOM_OP_TAGS, absent, num_sms
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -207,11 +207,12 @@ def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None)
     n_chunks = triton.cdiv(n, chunk)
     part = torch.empty(n_chunks, d, dtype=torch.float32, device=x.device) if weight is not None else None
     if n:
-        _bwd_kernel(triton.next_power_of_2(group))[(n_chunks, ng)](
+        bg = triton.next_power_of_2(group)
+        flags = dict(BG=bg, HAS_ADD=z_add is not None, HAS_W=weight is not None)
+        launch(_bwd_kernel(bg), (group, dy.dtype, x.dtype, z.dtype, *flags.values()), (n_chunks, ng), (
             dy2, x2, z2, za2, weight.contiguous() if weight is not None else x2, rstd.contiguous(), dx, dz,
             part if part is not None else dx, dy2.stride(0), x2.stride(0), z2.stride(0), za2.stride(0), dx.stride(0),
-            dz.stride(0), d, n, group, ng, chunk, BG=triton.next_power_of_2(group), HAS_ADD=z_add is not None,
-            HAS_W=weight is not None)
+            dz.stride(0), d, n, group, ng, chunk), flags)
     dweight = None
     if weight is not None:
         dweight = part.sum(0).to(weight.dtype) if n else torch.zeros_like(weight)

@@ -1,5 +1,5 @@
-"""Launch machinery of the Triton SSD scan: the autotuned kernels, `launch` (the autotuner's chosen config kept
-per call shape), and the Plan of a call (shapes, block sizes, the chunk table of packed documents).
+"""Launch machinery of the Triton SSD scan: the autotuned kernels (launched through lm_kernels.autotune.launch, the
+autotuner's chosen config kept per call shape), and the Plan of a call (shapes, block sizes, the chunk table of packed documents).
 
 Autotuning runs on the GPU only; under the interpreter or with LM_SSD_AUTOTUNE=0 (read at import) every kernel
 launches the first config of its list (saves compile time, e.g. in tests). The autotuners keep their choices on
@@ -14,9 +14,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.autotuner import Autotuner
 
-from ..autotune import autotune
+from ..autotune import autotune, launch  # noqa: F401  (launch: the SSD launches call ln.launch)
 from .backward import dbdc_bwd_kernel, dcb_bwd_kernel, dstate_bwd_kernel
 from .backward_dx import dx_bwd_kernel
 from .chunk_scan import chunk_scan_fwd2_kernel, chunk_scan_fwd4_kernel
@@ -75,29 +74,6 @@ _dbdc_bwd = _tune(_cfgs((8, 2), (8, 4), (4, 2), (8, 3)) + [triton.Config({}, num
                   ["P", "N", "R", "BN"])(dbdc_bwd_kernel)
 _dx_bwd = _tune([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _cfgs((4, 1)), ["P", "N", "R"])(
     dx_bwd_kernel)
-
-
-_BEST = {}  # launch key -> the autotuner's chosen config as launch kwargs (see launch)
-
-
-def launch(tuner, key, grid, args, kw):
-    """tuner[grid](*args, **kw) for a triton Autotuner `tuner`. Autotuner.run rebuilds its key from all ~45
-    arguments on every call (30 - 40 us of host time per launch); so the first call per `key` goes through it
-    and the config it chose is kept, and later calls launch the jitted kernel with that config directly. `key`
-    must fix the autotuner's own key (shapes in it, tensor dtypes): it only selects a config, so a coarser key
-    could cost speed, never correctness. Anything else than an Autotuner (a test's wrapper) is called plainly."""
-    if not isinstance(tuner, Autotuner) or tuner.reset_to_zero or tuner.restore_value:
-        tuner[grid](*args, **kw)
-        return
-    key = (id(tuner), id(tuner.configs), key)  # a test may swap the configs list
-    meta = _BEST.get(key)
-    if meta is None:
-        tuner[grid](*args, **kw)
-        if len(_BEST) > 4096:
-            _BEST.clear()
-        _BEST[key] = tuner.best_config.all_kwargs()
-        return
-    tuner.fn[grid(meta) if callable(grid) else grid](*args, **kw, **meta)
 
 
 def cdiv(a, b):
