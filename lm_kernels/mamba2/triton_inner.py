@@ -9,9 +9,9 @@ conv's dx straight into their column blocks of that tensor. The forward reads z,
 projection (the kernels take row strides).
 
 The implicit models' injection parts enter as x_add (the conv adds it on load), z_add (the gated norm adds it on
-load) and dt_add (a (b, t, H) tensor the scan adds to dt on load); each gets the gradient of its part.
-conv_state / initial_state: the caches' states in, with gradients; the new conv state and the final SSD state out
-(the final state only with return_final_state), with gradients.
+load) and dt_add (added to dt here, a (b, t, H) tensor); each gets the gradient of its part. conv_state /
+initial_state: the caches' states in, with gradients; the new conv state and the final SSD state out (the final
+state only with return_final_state), with gradients.
 When no gradient is needed the forward runs outside autograd and nothing is saved (the fixed-point iterations).
 """
 from __future__ import annotations
@@ -49,15 +49,12 @@ def _split(zxbcdt, dims):
 
 
 def _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size, table=None):
-    """(x, dt, dt_add, B, C, initial state, plan) of the scan on the conv output x | B | C; the scan adds dt_add to
-    dt on load."""
+    """(x, dt (+ dt_add), B, C, initial state, plan) of the scan on the conv output x | B | C."""
     _d, p, g, n, _ng = dims
-    x, dt, B, C, _ = ssd_prep(xbc, dt, None, None, None, [p, g, n])
-    if dt_add is not None and dt_add.stride(-1) != 1:
-        dt_add = dt_add.contiguous()
+    x, dt, B, C, _ = ssd_prep(xbc, dt if dt_add is None else dt + dt_add, None, None, None, [p, g, n])
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return x, dt, dt_add, B, C, initial_state, ln.plan(x, B, cu_seqlens, chunk_size, table)
+    return x, dt, B, C, initial_state, ln.plan(x, B, cu_seqlens, chunk_size, table)
 
 
 @torch.library.custom_op("lm::mamba2_inner_fwd", mutates_args=(), tags=_TAGS)
@@ -76,10 +73,9 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, x_add: Optional[torch.Tensor], z_add:
     zxbcdt, x_add, z_add = (_channels_contiguous(v) for v in (zxbcdt, x_add, z_add))
     z, xbc_in, dt = _split(zxbcdt, dims)
     xbc, new_conv_state = conv1d_fwd(xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True, x_add)
-    x, dt, dt_add, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens,
-                                                         chunk_size)
+    x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size)
     ys, final, dtcs, states, CB, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-                                                 (dt_lo, dt_hi), return_final_state, save, dt_add=dt_add)
+                                                 (dt_lo, dt_hi), return_final_state, save)
     b, t = zxbcdt.shape[:2]
     ys = ys.view(b, t, d_inner)
     y, _, rstd = norm_fwd_launch(ys, norm_weight, eps, group, z=z, z_add=z_add, write_rstd=True)
@@ -135,12 +131,12 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
     dys, _, dnorm_weight = gated_rms_norm_bwd_launch(dy, ys, z, z_add, norm_weight, rstd.view(b * t, -1), group,
                                                      dz_out=dz)
     # SSD: the conv output's gradient as one x | B | C tensor, ddt into its block
-    x, dt, dt_add, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens,
-                                                         chunk_size, table)
+    x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size,
+                                                 table)
     dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
     _, _, dA, _, _, dD, _, ddt_bias, dinit = ssd_backward(
         dys.view(b, t, d_inner // p, p), dfinal, x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-        (dt_lo, dt_hi), dtcs, states, CB, None, dxbc=dxbc, ddt_out=ddt, dt_add=dt_add)
+        (dt_lo, dt_hi), dtcs, states, CB, None, dxbc=dxbc, ddt_out=ddt)
     # conv: dx into the xBC block
     _, dweight, dbias, dstate = conv1d_bwd(dxbc, xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True,
                                            state_grad, x_add, dx_out=dxbc_in)

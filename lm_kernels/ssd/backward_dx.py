@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .kernel_common import chunk_coords, load_dt, softplus
+from .kernel_common import chunk_coords, softplus
 
 
 @triton.jit
@@ -128,17 +128,16 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
 
 
 @triton.jit
-def dt_bwd_kernel(dt_ptr, dta_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, tot_ptr, q_ptr,
-                  passing_ptr, ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
-                  T, H, NC, BT, NPN, s_dt_b, s_dt_t, s_dta_b, s_dta_t, s_ddt_b, s_ddt_t, dt_lo, dt_hi,
+def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, tot_ptr, q_ptr, passing_ptr,
+                  ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
+                  T, H, NC, BT, NPN, s_dt_b, s_dt_t, s_ddt_b, s_ddt_t, dt_lo, dt_hi,
                   L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_DT_ADD: tl.constexpr, IS_VARLEN: tl.constexpr,
-                  BMB: tl.constexpr, NDCS: tl.constexpr):
+                  SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
+                  NDCS: tl.constexpr):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c>
     + the intra-chunk part from dx_bwd (its per-row-block slots and tile totals, row blocks of BMB rows; the dcs
     partial sums of dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through
-    clamp/softplus/bias (dt + dt_add recomputed as the forward formed it). ddt_out is read through its own strides (a
-    column block of a larger gradient); it is also dt_add's gradient."""
+    clamp/softplus/bias. ddt_out is read through its own strides (a column block of a larger gradient)."""
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
@@ -176,8 +175,8 @@ def dt_bwd_kernel(dt_ptr, dta_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_pt
     A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
     ddt = ddt + A[None, :] * ddA
     tl.store(dA_part_ptr + pid_c * H + heads, tl.sum(dtp * ddA, 0), mask=hmask)
-    raw = load_dt(dt_ptr, dta_ptr, b, t0 + rows[:, None], heads[None, :], mask, s_dt_b, s_dt_t, s_dta_b, s_dta_t,
-                  HAS_DT_ADD)
+    raw = tl.load(dt_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :], mask=mask,
+                  other=0.0).to(tl.float32)
     if HAS_BIAS:
         raw += tl.load(bias_ptr + heads, mask=hmask, other=0.0).to(tl.float32)[None, :]
     v = raw

@@ -1,22 +1,22 @@
-"""Forward, first launch: dt (+ dt_add; bias, softplus, limits) with its in-chunk cumsum of dt*A, and C.B per chunk
-and group (read by every head of the group), in one kernel (notation: kernel_common.py)."""
+"""Forward, first launch: dt (bias, softplus, limits) with its in-chunk cumsum of dt*A, and C.B per chunk and
+group (read by every head of the group), in one kernel (notation: kernel_common.py)."""
 import triton
 import triton.language as tl
 
-from .kernel_common import chunk_coords, load_dt, softplus
+from .kernel_common import chunk_coords, softplus
 
 
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _dt_block(dt_ptr, dta_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, pid_h, T, H, BT, s_dt_b, s_dt_t,
-              s_dta_b, s_dta_t, dt_lo, dt_hi, L: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr,
-              SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_DT_ADD: tl.constexpr):
-    """dt (+ dt_add; bias, softplus, limits) and its within-chunk cumsum of dt * A for one chunk and BH heads."""
+def _dt_block(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, pid_h, T, H, BT, s_dt_b, s_dt_t, dt_lo, dt_hi,
+              L: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+              HAS_LIMIT: tl.constexpr):
+    """dt (bias, softplus, limits) and its within-chunk cumsum of dt * A for one chunk and BH heads."""
     rows = tl.arange(0, L)
     heads = pid_h * BH + tl.arange(0, BH)
     mask = (rows[:, None] < clen) & (heads[None, :] < H)
-    dt = load_dt(dt_ptr, dta_ptr, b, t0 + rows[:, None], heads[None, :], mask, s_dt_b, s_dt_t, s_dta_b, s_dta_t,
-                 HAS_DT_ADD)
+    dt = tl.load(dt_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :], mask=mask, other=0.0)
+    dt = dt.to(tl.float32)
     if HAS_BIAS:
         dt += tl.load(bias_ptr + heads, mask=heads < H, other=0.0).to(tl.float32)[None, :]
     if SOFTPLUS:
@@ -51,10 +51,10 @@ def _cb_tile(B_ptr, C_ptr, CB_ptr, pid_c, g, b, t0, clen, m0, k0, N, G, s_B_b, s
 
 
 @triton.jit
-def dtcb_fwd_kernel(dt_ptr, dta_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, B_ptr, C_ptr, CB_ptr, chunk_t0_ptr,
-                    chunk_len_ptr, T, H, N, NC, BT, G, s_dt_b, s_dt_t, s_dta_b, s_dta_t, s_B_b, s_B_t, s_B_g, dt_lo,
-                    dt_hi, L: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_DT_ADD: tl.constexpr,
+def dtcb_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, B_ptr, C_ptr, CB_ptr, chunk_t0_ptr, chunk_len_ptr,
+                    T, H, N, NC, BT, G, s_dt_b, s_dt_t, s_B_b, s_B_t, s_B_g, dt_lo, dt_hi,
+                    L: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Grid (chunk, G * (L/BM) * (L/BK) + cdiv(H, BH)): the first programs of axis 1 compute the C.B tiles on and
     below the diagonal (group, tile; a diagonal tile is stored whole), the rest dt and cs for a block of BH heads."""
@@ -72,6 +72,6 @@ def dtcb_fwd_kernel(dt_ptr, dta_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, B_ptr, C_
             _cb_tile(B_ptr, C_ptr, CB_ptr, pid_c, g, b, t0, clen, m0, k0, N, G, s_B_b, s_B_t, s_B_g, L, BM, BK, BNF,
                      DOT_PREC, DOT_DT)
     else:
-        _dt_block(dt_ptr, dta_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, pid - n_cb, T, H, BT, s_dt_b,
-                  s_dt_t, s_dta_b, s_dta_t, dt_lo, dt_hi, L, BH, HAS_BIAS, SOFTPLUS, HAS_LIMIT, HAS_DT_ADD)
+        _dt_block(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, pid - n_cb, T, H, BT, s_dt_b, s_dt_t,
+                  dt_lo, dt_hi, L, BH, HAS_BIAS, SOFTPLUS, HAS_LIMIT)
 

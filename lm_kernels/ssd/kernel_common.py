@@ -83,28 +83,3 @@ def state_walk_start(pid_s, pid_pn, h, start_ptr, x_ptr, B_ptr, cu_ptr, chunk_fi
 @triton.jit
 def softplus(v):
     return tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))))
-
-
-@triton.jit
-def round_like(v, DT: tl.constexpr):
-    """float32 v rounded to DT (bf16 / fp16 / fp32) to nearest even, as PyTorch rounds, returned in float32. For bf16
-    the rounding is done on the bits: the interpreter's float32 -> bf16 cast truncates (the GPU's rounds to nearest
-    even, so there the result is the plain cast's)."""
-    if DT == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        v = tl.where(v != v, v, r)  # (a NaN stays a NaN)
-    elif DT != tl.float32:
-        v = v.to(DT).to(tl.float32)
-    return v
-
-
-@triton.jit
-def load_dt(dt_ptr, dta_ptr, b, rows, heads, mask, s_dt_b, s_dt_t, s_dta_b, s_dta_t, HAS_DT_ADD: tl.constexpr):
-    """dt (+ dt_add, summed in float32 and rounded to dt's dtype as PyTorch's add rounds it) at (rows, heads), in
-    float32: the implicit models' injection part of dt, added on load instead of in a pass of its own."""
-    dt = tl.load(dt_ptr + b * s_dt_b + rows * s_dt_t + heads, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DT_ADD:
-        a = tl.load(dta_ptr + b * s_dta_b + rows * s_dta_t + heads, mask=mask, other=0.0).to(tl.float32)
-        dt = round_like(dt + a, dt_ptr.dtype.element_ty)
-    return dt

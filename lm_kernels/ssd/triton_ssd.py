@@ -40,14 +40,7 @@ def cb_dtype(dtype):
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _add_strides(v):
-    """(batch, time) strides of an optional (b, t, H) addend, zeros without one."""
-    return (0, 0) if v is None else (v.stride(0), v.stride(1))
-
-
-def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save, dt_add=None):
-    """dt_add: added to dt on load (dt's shape and dtype, heads contiguous, any batch / time strides), as PyTorch's
-    add would round the sum; lm_kernels.mamba2 passes the implicit models' injection part of dt here."""
+def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save):
     dev = x.device
     H, P, N, L = pl.H, pl.P, pl.N, pl.L
     has_limit, lo, hi = limits(dt_limit)
@@ -58,11 +51,10 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
     CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype(x.dtype), device=dev)
     tk = tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state)
     ln.launch(ln._dtcb_fwd, ("dtcb", tk), (pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK) + cdiv(H, pl.BH)), (
-        dt, dt_add if dt_add is not None else dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, B, C, CB,
-        pl.chunk_t0, pl.chunk_len, pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), *_add_strides(dt_add),
-        B.stride(0), B.stride(1), B.stride(2), lo, hi),
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, B, C, CB, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2), lo, hi),
         dict(L=L, BH=pl.BH, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-             HAS_LIMIT=has_limit, HAS_DT_ADD=dt_add is not None, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt))
+             HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt))
     states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype(x.dtype), device=dev)  # (p, n) per (chunk, head)
     ln.launch(ln._state_fwd, ("state", tk), lambda META: (cdiv(P, META["BP"]) * cdiv(N, pl.BN), H, pl.nseq), (
         x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
@@ -92,10 +84,10 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states, CB,
-              ypre, dxbc=None, ddt_out=None, dt_add=None):
+              ypre, dxbc=None, ddt_out=None):
     """The gradients; dxbc: a (b, t, H*P + 2*G*N) tensor that dx, dB and dC are written into (their views are
     returned), else they are separate tensors; ddt_out: dt's gradient is written there (dt's shape and dtype, heads
-    contiguous, any batch / time strides), else into a new tensor; dt_add: the forward's (its gradient is dt's)."""
+    contiguous, any batch / time strides), else into a new tensor."""
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
     dtp, cs = dtcs.unbind(0)
@@ -171,12 +163,11 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     dA_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev) if dt_bias is not None else None
     dt_bwd_kernel[(pl.NCB, cdiv(H, pl.BH))](
-        dt, dt_add if dt_add is not None else dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda,
-        tot, qrow, passing, ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0,
-        pl.chunk_len, pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), *_add_strides(dt_add),
-        ddt.stride(0), ddt.stride(1), lo, hi,
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, tot, qrow, passing,
+        ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), lo, hi,
         L=L, BH=pl.BH, NPN_B=p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-        HAS_LIMIT=has_limit, HAS_DT_ADD=dt_add is not None, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
+        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
     dA = dA_part.sum(0).to(A.dtype)
     ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
     dD = dD_part.sum(0).to(D.dtype) if D is not None else None  # (H, P) or (H,)
