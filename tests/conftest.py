@@ -43,6 +43,27 @@ def fast_interpreter():
     interp.interpreter_builder.options = old
 
 
+@pytest.fixture
+def autotuner_runs(monkeypatch):
+    """The names of the kernels triton's Autotuner runs from here on (appended per call), with the kept launch
+    configs (lm_kernels.autotune.launch) and the SSD's cached plans emptied first."""
+    import lm_kernels.autotune as at
+    import lm_kernels.ssd.launch as ln
+    from triton.runtime.autotuner import Autotuner
+
+    runs = []
+    orig = Autotuner.run
+
+    def counting(self, *a, **k):
+        runs.append(self.base_fn.__name__)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(Autotuner, "run", counting)
+    monkeypatch.setattr(at, "_BEST", {})
+    monkeypatch.setattr(ln, "_PLANS", {})
+    return runs
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -240,24 +240,11 @@ def test_bad_arguments_name_what_is_wrong():
         _fused(d, dims, torch.tensor([0, 5, t], dtype=torch.int32), False)  # packed documents need batch 1
 
 
-def test_repeat_calls_skip_the_autotuners(monkeypatch):
+def test_repeat_calls_skip_the_autotuners(autotuner_runs):
     """The op's autotuned launches (conv forward / backward, the SSD kernels, the gated norm's backward) go through
     triton's Autotuner once per shape (lm_kernels.autotune.launch); a second call launches the kept configs directly
     and gives the same outputs and gradients."""
-    import lm_kernels.autotune as at
-    import lm_kernels.ssd.launch as ln
-    from triton.runtime.autotuner import Autotuner
-
-    runs = []
-    orig = Autotuner.run
-
-    def counting(self, *a, **k):
-        runs.append(self.base_fn.__name__)
-        return orig(self, *a, **k)
-
-    monkeypatch.setattr(Autotuner, "run", counting)
-    monkeypatch.setattr(at, "_BEST", {})
-    monkeypatch.setattr(ln, "_PLANS", {})
+    runs = autotuner_runs
     (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES["adds_states"]
     dims = (di, p, g, n, ng, chunk)
     d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=4)

@@ -374,22 +374,11 @@ def test_autotuned_kernels_with_atomics_reset_their_outputs():
     assert checked >= 5  # the autotuned kernels were found (none uses atomics)
 
 
-def test_triton_launch_reuses_the_autotuned_config(monkeypatch):
+def test_triton_launch_reuses_the_autotuned_config(autotuner_runs, monkeypatch):
     """launch: the first call per shape / dtypes goes through the autotuner, later ones launch the config it
     chose directly (same outputs, forward and backward); a swapped configs list is tuned again."""
-    import lm_kernels.autotune as at
     import lm_kernels.ssd.launch as ln
-    from triton.runtime.autotuner import Autotuner
-    runs = []
-    orig = Autotuner.run
-
-    def counting(self, *a, **k):
-        runs.append(self.base_fn.__name__)
-        return orig(self, *a, **k)
-
-    monkeypatch.setattr(Autotuner, "run", counting)
-    monkeypatch.setattr(at, "_BEST", {})
-    monkeypatch.setattr(ln, "_PLANS", {})
+    runs = autotuner_runs
     d = make(1, 40, 2, 16, 1, 16)
     y1, f1, g1 = run("triton", d, torch.float32, chunk_size=16)
     assert sorted(runs) == sorted(["dtcb_fwd_kernel", "state_fwd_kernel", "chunk_scan_fwd2_kernel", "dstate_bwd_kernel",

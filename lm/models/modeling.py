@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from functools import partial
 from typing import Optional
 
 import torch
@@ -275,24 +276,21 @@ class LMModel(LMPreTrainedModel):
         (lm/train/BENCH.md, session 16)."""
         shared = shared or {}
         grad = torch.is_grad_enabled()
-        ckpt = grad and self.gradient_checkpointing and self.training and cache is None
+        if grad and self.gradient_checkpointing and self.training and cache is None:
+            run = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        else:
+            def run(layer, h, **kw):
+                return layer(h, **kw)
+        kw = dict(injection=inj, cache=cache, cu_seqlens=cu_seqlens, **shared)
         if not len(self.layers) or (grad and not all(layer.mixer.reads_input_once for layer in self.layers)):
-            kw = dict(injection=inj, cu_seqlens=cu_seqlens, **shared)
             for layer in self.layers:
-                if ckpt:
-                    h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
-                else:
-                    h = layer(h, cache=cache, **kw)
+                h = run(layer, h, **kw)
             return self.norm_f(h)
         u = None
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             nxt = self.norm_f if last else self.layers[i + 1].norm
-            kw = dict(u=u, next_norm=(nxt.weight, nxt.eps, not last), injection=inj, cu_seqlens=cu_seqlens, **shared)
-            if ckpt:
-                h, u = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
-            else:
-                h, u = layer(h, cache=cache, **kw)
+            h, u = run(layer, h, u=u, next_norm=(nxt.weight, nxt.eps, not last), **kw)
         return u
 
     def _shared(self, h, cache, cu_seqlens) -> dict:
