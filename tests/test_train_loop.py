@@ -103,7 +103,12 @@ def test_curriculum_switch_resume_export_plot(tmp_path, corpus):
     assert plot_main([str(full)]) == 0 and (full / "curves.png").stat().st_size > 10_000
 
 
-def test_nan_steps_skipped_then_stop(tmp_path, corpus):
+@pytest.mark.parametrize("one_behind", [False, True], ids=["read_at_once", "read_one_behind"])
+def test_nan_steps_skipped_then_stop(tmp_path, corpus, monkeypatch, one_behind):
+    import lm.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "_one_behind", lambda dist: one_behind)
+
     def nan_at(bad_steps):
         def hook(step, micro, out):
             if step in bad_steps:
@@ -154,6 +159,76 @@ def test_parameters_unchanged_on_skipped_step(tmp_path, corpus):
     out = eng.forward({"input_ids": ids, "targets": ids})
     eng.backward(out.loss)
     assert eng.micro_end(True, 1e-2)[0]
+
+
+def test_fused_adamw_skips_on_the_device(tmp_path):
+    """The fused AdamW path (CUDA's; the CPU has the kernel too): the step's skip is decided on the device from
+    the gradient norm and the micro losses, with parameters, moments and step count left as they were."""
+    from lm.models.presets import build_model, load_config
+    from lm.train.engine import TorchEngine
+    from lm.train.optim import param_groups
+
+    torch.manual_seed(0)
+    model = build_model(load_config("lm_llama-tiny", hidden_size=32, num_hidden_layers=1, vocab_size=64),
+                        device="cpu")
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, fused=True)
+    eng = TorchEngine(model, opt, accumulation=1, grad_clip=1.0, precision="fp32", device=torch.device("cpu"))
+    ids = torch.randint(0, 64, (2, 16))
+
+    def step(scale, losses=None):
+        out = eng.forward({"input_ids": ids, "targets": ids})
+        eng.backward(out.loss * scale)
+        return eng.micro_end(True, 1e-2, losses=out.loss.detach()[None] if losses is None else losses)
+
+    applied, norm = step(1.0)
+    assert isinstance(applied, torch.Tensor) and bool(applied) and torch.isfinite(norm)
+    snap = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+
+    def unchanged():
+        return (all(torch.equal(snap[k], v) for k, v in model.state_dict().items())
+                and all(torch.equal(moments[id(p)][k], v) for p, s in opt.state.items() for k, v in s.items()))
+
+    applied, norm = step(float("nan"))  # non-finite gradients
+    assert not bool(applied) and not torch.isfinite(norm) and unchanged()
+    applied, norm = step(1.0, losses=torch.tensor([1.0, float("inf")]))  # finite gradients, a non-finite loss
+    assert not bool(applied) and torch.isfinite(norm) and unchanged()
+    assert bool(step(1.0)[0]) and not unchanged()
+    assert all(int(s["step"]) == 2 for s in opt.state.values())
+
+
+def test_steps_read_one_behind(tmp_path, corpus, monkeypatch):
+    """The loop queues step k + 1 before it reads step k's results (as on a GPU; on the CPU it reads each step
+    at once), except where something needs them first (here a checkpoint at step 2 and the end); every step is
+    read once, in order, and logged with its own values, equal to those of the loop that reads at once."""
+    import lm.train.trainer as trainer
+
+    ref = tmp_path / "at_once"
+    train(_cfg(ref, corpus, checkpoint={"every_steps": 2}))
+    monkeypatch.setattr(trainer, "_one_behind", lambda dist: True)
+
+    events = []
+    read = trainer._read_step
+
+    def spy_read(p):
+        events.append(("read", p.step))
+        return read(p)
+
+    def spy_forward(step, micro, out):
+        if micro == 0:
+            events.append(("forward", step + 1))
+        return out
+
+    monkeypatch.setattr(trainer, "_read_step", spy_read)
+    run = tmp_path / "behind"
+    train(_cfg(run, corpus, checkpoint={"every_steps": 2}), hooks={"after_forward": spy_forward})
+    assert events == [("forward", 1), ("forward", 2), ("read", 1), ("read", 2),
+                      ("forward", 3), ("forward", 4), ("read", 3), ("read", 4),
+                      ("forward", 5), ("forward", 6), ("read", 5), ("read", 6)]
+    losses, recs = _losses(run)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and all(r["step_time"] > 0 for r in recs if "event" not in r)
+    assert [r["step"] for r in recs if r.get("event") == "checkpoint"] == [2, 4, 6]
+    assert losses == _losses(ref)[0]
 
 
 def test_bad_input_messages(tmp_path, corpus):

@@ -3,8 +3,10 @@
 
     engine.forward(batch) -> model output          (autocast for bf16 in the torch engine)
     engine.backward(loss)                           (scaled by 1/accumulation)
-    engine.micro_end(boundary, lr) -> None | (applied, grad_norm)   at the accumulation boundary:
-        set lr, clip, step; a step whose gradients are not finite is skipped (applied=False)
+    engine.micro_end(boundary, lr, losses) -> None | (applied, grad_norm)   at the accumulation boundary:
+        set lr, clip, step; a step whose gradients (or, torch engine, micro losses) are not finite is skipped
+        (applied false). The torch engine with the fused AdamW returns both as device tensors and decides
+        the skip on the device (no host sync in the step); otherwise they are Python values.
     engine.save(staging_root, tag) / engine.load(ckpt_dir)
     engine.module                                   (the model)
 
@@ -46,15 +48,24 @@ class TorchEngine:
     def backward(self, loss):
         (loss / self.accumulation).backward()
 
-    def micro_end(self, boundary: bool, lr: float):
+    def micro_end(self, boundary: bool, lr: float, losses: torch.Tensor | None = None):
         if not boundary:
             return None
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        applied = math.isfinite(norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        bad = ~torch.isfinite(norm)
+        if losses is not None:
+            bad = bad | ~torch.isfinite(losses).all()
+        _set_lr(self.optimizer, lr)
+        if self.optimizer.defaults.get("fused"):
+            # the fused AdamW leaves parameters, moments and step count as they are where found_inf is 1
+            self.optimizer.found_inf = bad.to(torch.float32)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return ~bad, norm.detach()
+        applied, norm = not bool(bad), float(norm)
         if applied:
-            _set_lr(self.optimizer, lr)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return applied, norm
@@ -171,7 +182,7 @@ class DeepSpeedEngine:
     def backward(self, loss):
         self.engine.backward(loss)
 
-    def micro_end(self, boundary: bool, lr: float):
+    def micro_end(self, boundary: bool, lr: float, losses: torch.Tensor | None = None):
         if boundary:
             _set_lr(self.base_optimizer, lr)
         self.engine.step()

@@ -200,7 +200,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
 
     def save(at: int) -> Path:
         client = {"step": at, "tokens": at * plan.tokens_per_step, "total_steps": total_steps,
-                  "world_size": dist.world, "engine": dist.engine, "bad_in_row": bad_in_row,
+                  "world_size": dist.world, "engine": dist.engine, "bad_in_row": st.bad_in_row,
                   "phase_index": phase_i if phases else None, "phase": phases[phase_i].name if phases else None,
                   "implicit": model.config.implicit.to_dict() if model.config.implicit is not None else None,
                   "train_s": budget.elapsed_s(), "train_config": cfg.to_dict()}
@@ -209,12 +209,45 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         logger.log({"event": "checkpoint", "step": at, "path": str(path), "phase": client["phase"]})
         return path
 
-    last_loss = float("nan")
     stop_at = min(total_steps, t.stop_after_steps) if t.stop_after_steps else total_steps
     last_saved = step if resume_from is not None else -1
+    st = _LoopState(step=step, bad_in_row=bad_in_row)
     stop_signal = None
     # why the loop ended before stop_at: "time budget" (complete) | "target accuracy" (complete) | "slice"
     stopped = "time budget" if budget.out_of_time() else None
+
+    def finish(p: _Pending) -> bool:
+        """Read step p's results (the host waits for its last kernel; the next step may already be queued
+        behind it), count a skipped step, log; True when a signal asks every rank to stop."""
+        nonlocal stopped
+        loss_sum, nonfinite, applied, grad_norm = _read_step(p)
+        loss_sum, nonfinite, n_micro, stops = dist.all_reduce_sum(
+            [loss_sum, nonfinite, float(plan.accumulation), float(signals.signal_name is not None)])
+        now = time.perf_counter()
+        window.add(now - max(p.t0, st.done_at), p.fp_stats)
+        st.done_at = now
+        step_loss = loss_sum / (n_micro - nonfinite) if n_micro > nonfinite else float("nan")
+        p.skipped = (not applied) or nonfinite > 0
+        if p.skipped:
+            st.bad_in_row += 1
+            _skipped(p.step, nonfinite, st.bad_in_row, t.max_bad_steps, dist, progress, logger, run_dir)
+        else:
+            st.bad_in_row = 0
+            st.last_loss = step_loss
+        if p.step % cfg.log.every_steps == 0 or p.step == stop_at or stops or p.last:
+            rec = {"step": p.step, "tokens": p.step * plan.tokens_per_step, "loss": step_loss, "lr": p.lr,
+                   "grad_norm": grad_norm, **window.record(model.config), "mem_gb": memory_gb(dist.device),
+                   "skipped": p.skipped, **({"phase": p.phase} if p.phase else {})}
+            if task_hook is not None:
+                rec.update(task_hook.log_fields())
+                if task_hook.reached_target(p.step):
+                    stopped = "target accuracy"
+            logger.log(rec)
+            _show(progress, p.step, rec)
+        return bool(stops)
+
+    one_behind = _one_behind(dist)
+    pending = None
     while step < stop_at and not stopped:
         if phases:  # curriculum
             i = phase_index(phases, step / total_steps)
@@ -230,46 +263,37 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         t0 = time.perf_counter()
         losses, fp_stats, (applied, grad_norm) = _step(engine, train_reader, plan.accumulation, dist, lr,
                                                        t.fused_loss, step, hooks)
-        finite = torch.isfinite(losses)
-        loss_sum = float(torch.where(finite, losses, torch.zeros_like(losses)).sum())
-        loss_sum, nonfinite, n_micro, stops = dist.all_reduce_sum(
-            [loss_sum, float((~finite).sum()), float(plan.accumulation), float(signals.signal_name is not None)])
-        step_loss = loss_sum / (n_micro - nonfinite) if n_micro > nonfinite else float("nan")
-        if dist.device.type == "cuda":
-            torch.cuda.synchronize(dist.device)
-        window.add(time.perf_counter() - t0, fp_stats)
         step += 1
-        skipped = (not applied) or nonfinite > 0
-        if skipped:
-            bad_in_row += 1
-            _skipped(step, nonfinite, bad_in_row, t.max_bad_steps, dist, progress, logger, run_dir)
-        else:
-            bad_in_row = 0
-            last_loss = step_loss
-        stopped = "time budget" if budget.out_of_time() else "slice" if budget.slice_done() and step < stop_at else None
-        if step % cfg.log.every_steps == 0 or step == stop_at or stops or stopped:
-            rec = {"step": step, "tokens": step * plan.tokens_per_step, "loss": step_loss, "lr": lr,
-                   "grad_norm": grad_norm, **window.record(model.config), "mem_gb": memory_gb(dist.device),
-                   "skipped": skipped, **({"phase": phases[phase_i].name} if phases else {})}
-            if task_hook is not None:
-                rec.update(task_hook.log_fields())
-                if task_hook.reached_target(step):
-                    stopped = "target accuracy"
-            logger.log(rec)
-            _show(progress, step, rec)
+        cur = _Pending(step, lr, t0, losses, fp_stats, applied, grad_norm,
+                       phases[phase_i].name if phases else None)
+        stops = finish(pending) if pending is not None else False
+        pending = cur
+        stopped = stopped or ("time budget" if budget.out_of_time()
+                              else "slice" if budget.slice_done() and step < stop_at else None)
+        eval_due = bool(cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < stop_at)
+        save_due = bool(cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at)
+        hook_due = task_hook is not None and step % cfg.log.every_steps == 0
+        if (not one_behind or stops or stopped or step >= stop_at or eval_due or save_due or hook_due
+                or signals.signal_name is not None):
+            cur.last = bool(stops or stopped)
+            pending = None
+            stops = finish(cur) or stops
         if stops:
             stop_signal = signals.signal_name or "a signal on another rank"
             break
         if stopped:
             break
+        if pending is not None:
+            continue
         t_eval = time.perf_counter()
         if task_hook is not None and cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < stop_at:
             task_hook.evaluate(model, step, logger)
         evaluator.periodic(step, stop_at)
         budget.exclude(time.perf_counter() - t_eval)  # evaluation is not charged to the training time
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at and not skipped:
+        if save_due and not cur.skipped:
             save(step)  # (none right after a skipped step: keep the last K good ones)
             last_saved = step
+    last_loss, bad_in_row = st.last_loss, st.bad_in_row
     progress.close()
 
     summary = {"steps": step, "total_steps": total_steps, "tokens": step * plan.tokens_per_step,
@@ -304,6 +328,50 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
     return summary
 
 
+def _one_behind(dist: Dist) -> bool:
+    """Whether the loop reads each step's results one step late: step k's (loss, skipped or not, grad norm) after
+    step k + 1 is queued, so that the device goes from one step into the next without waiting for the host (a
+    host slower than the device in the forward catches up during the backward). Whatever needs a step's results
+    or its parameters first (the log of a synthetic task, evaluation, a checkpoint, the end, a signal) reads them
+    before the next step is queued. Only for one process on a CUDA device: on the CPU the host computes each
+    step itself (nothing to overlap), and several ranks read every step together (the reads are collectives that
+    every rank must make at the same steps; the DeepSpeed engine has synchronised by then anyway)."""
+    return dist.world == 1 and dist.device.type == "cuda"
+
+
+@dataclass
+class _LoopState:
+    step: int
+    bad_in_row: int
+    last_loss: float = float("nan")
+    done_at: float = 0.0  # perf_counter when the last step's results were read
+
+
+@dataclass
+class _Pending:
+    """A queued step whose results are not read yet (tensors on the device, or floats)."""
+    step: int
+    lr: float
+    t0: float
+    losses: torch.Tensor
+    fp_stats: list
+    applied: "torch.Tensor | bool"
+    grad_norm: "torch.Tensor | float"
+    phase: str | None
+    last: bool = False  # the loop ends after it: log it whatever the step
+    skipped: bool = False
+
+
+def _read_step(p: _Pending) -> tuple[float, float, bool, float]:
+    """(sum of the finite micro losses, how many were not finite, step applied, grad norm) of a step: one
+    device-to-host copy."""
+    finite = torch.isfinite(p.losses)
+    vals = [torch.where(finite, p.losses, torch.zeros_like(p.losses)).sum(), (~finite).sum()]
+    vals += [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (p.applied, p.grad_norm)]
+    loss_sum, nonfinite, applied, norm = torch.stack([v.to(p.losses.device, torch.float64) for v in vals]).tolist()
+    return loss_sum, nonfinite, bool(applied), norm
+
+
 def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: bool, step: int, hooks: dict):
     """One optimizer step over `accumulation` micro-batches: (micro losses, solver stats, (applied, grad_norm))."""
     losses, fp_stats, result = [], [], None
@@ -318,7 +386,8 @@ def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: 
         if out.fixed_point_stats:
             fp_stats.append(out.fixed_point_stats)
         engine.backward(out.loss)
-        result = engine.micro_end(micro == accumulation - 1, lr)
+        last = micro == accumulation - 1
+        result = engine.micro_end(last, lr, losses=torch.stack(losses) if last else None)
     return torch.stack(losses), fp_stats, result
 
 
