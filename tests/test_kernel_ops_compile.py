@@ -197,7 +197,7 @@ def test_mamba2_block_compiles_as_one_graph(use, monkeypatch, tmp_path):
     x = torch.randn(1, 40, 32, requires_grad=True)
     kw = {}
     if use == "implicit":
-        kw["injection"] = tuple(torch.randn(1, 40, w, requires_grad=True) for w in Mamba2Mixer.injection_parts(cfg))
+        kw["injection"] = torch.randn(1, 40, Mamba2Mixer.injection_dim(cfg), requires_grad=True)
     elif use == "packed":
         kw["cu_seqlens"] = _cu([7, 23, 10])
     torch._dynamo.reset()

@@ -1,6 +1,6 @@
 """lm_kernels.mamba2 (Mamba2's conv -> SSD -> gated norm as one operator, its gradients written into one tensor of the
 projection's shape) against the composition of the float64 PyTorch references, forward and backward, every input
-with a gradient (the injection parts and both states included), packed documents included; without autograd; and a
+with a gradient (the injection and both states included), packed documents included; without autograd; and a
 tiny Mamba2 (explicit, implicit, packed) through it against the same model through the three ops one by one."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _inputs(b, t, di, p, g, n, w, *, adds, states, seed):
              A=-(torch.rand(h, generator=gen, dtype=F64) * 2 + 0.3), D=r(h), dt_bias=r(h, scale=0.5),
              norm_weight=r(di, scale=0.2, shift=1.0))
     if adds:
-        d.update(x_add=r(b, t, cd), z_add=r(b, t, di), dt_add=r(b, t, h, scale=0.5))
+        d.update(add=torch.cat([r(b, t, di), r(b, t, cd), r(b, t, h, scale=0.5)], dim=-1))  # z | xBC | dt
     if states:
         d.update(conv_state=r(b, cd, w - 1), initial_state=r(b, h, p, n))
     return d
@@ -52,8 +52,8 @@ def _fused(d, dims, cu, final):
     di, p, g, n, ng, chunk = dims
     return mamba2_inner(d["zxbcdt"], d["conv_weight"], d["conv_bias"], d["A"], d_inner=di, headdim=p, ngroups=g,
                         dstate=n, chunk_size=chunk, D=d["D"], dt_bias=d["dt_bias"], dt_limit=(0.0, 2.0),
-                        norm_weight=d["norm_weight"], norm_group=ng, eps=1e-5, x_add=d.get("x_add"),
-                        z_add=d.get("z_add"), dt_add=d.get("dt_add"), conv_state=d.get("conv_state"),
+                        norm_weight=d["norm_weight"], norm_group=ng, eps=1e-5, add=d.get("add"),
+                        conv_state=d.get("conv_state"),
                         initial_state=d.get("initial_state"), cu_seqlens=cu, return_final_state=final)
 
 
@@ -63,16 +63,18 @@ def _composed(d, dims, cu, final, backend="reference"):
     di, p, g, n, ng, chunk = dims
     h = di // p
     z, xbc, dt = d["zxbcdt"].split([di, di + 2 * g * n, h], dim=-1)
-    if "dt_add" in d:
-        dt = dt + d["dt_add"]
+    z_add = x_add = None
+    if "add" in d:  # the injection's column views, as the model's reference path reads it
+        z_add, x_add, dt_add = d["add"].split([di, di + 2 * g * n, h], dim=-1)
+        dt = dt + dt_add
     conv = causal_conv1d_reference if backend == "reference" else partial(causal_conv1d, backend="triton")
-    xo, ncs = conv(xbc, d["conv_weight"], d["conv_bias"], x_add=d.get("x_add"), conv_state=d.get("conv_state"),
+    xo, ncs = conv(xbc, d["conv_weight"], d["conv_bias"], x_add=x_add, conv_state=d.get("conv_state"),
                    cu_seqlens=cu, activation="silu")
     y, fin = ssd_scan_xbc(xo, dt, d["A"], headdim=p, ngroups=g, dstate=n, chunk_size=chunk, D=d["D"],
                           dt_bias=d["dt_bias"], dt_limit=(0.0, 2.0), initial_state=d.get("initial_state"),
                           cu_seqlens=cu, return_final_state=final, backend=backend)
     b, t = y.shape[:2]
-    return rms_norm(y.reshape(b, t, di), d["norm_weight"], 1e-5, z=z, group_size=ng, z_add=d.get("z_add")), ncs, fin
+    return rms_norm(y.reshape(b, t, di), d["norm_weight"], 1e-5, z=z, group_size=ng, z_add=z_add), ncs, fin
 
 
 def _run(fn, d, dims, cu, final):
@@ -200,7 +202,7 @@ def test_opcheck():
         (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
         d = {k: v.float() for k, v in _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=4).items()}
-        names = ("zxbcdt", "x_add", "z_add", "dt_add", "conv_weight", "conv_bias", "conv_state", "A", "D", "dt_bias",
+        names = ("zxbcdt", "add", "conv_weight", "conv_bias", "conv_state", "A", "D", "dt_bias",
                  "initial_state", "norm_weight")
         args = [d[k].requires_grad_() if k in d else None for k in names]
         rest = [cu, [di, p, g, n, ng], chunk, 0.0, 2.0, 1e-5, True]
@@ -224,9 +226,8 @@ def test_bad_arguments_name_what_is_wrong():
     _fused(d, dims, None, False)  # as given: runs
     bad = [
         (dict(zxbcdt=d["zxbcdt"][..., 1:]), r"zxbcdt must be \(batch, seqlen, 100\)"),
-        (dict(x_add=d["x_add"][..., 1:]), "x_add"),
-        (dict(z_add=d["z_add"].double()), "z_add"),
-        (dict(dt_add=d["dt_add"][:, :-1]), "dt_add"),
+        (dict(add=d["add"][..., 1:]), r"add \(the injection\) must have zxbcdt's shape"),
+        (dict(add=d["add"].double()), r"add \(the injection\) must have zxbcdt's shape .* and dtype"),
         (dict(conv_weight=d["conv_weight"][:-1]), "weight"),
         (dict(D=d["D"][:-1]), "`D`"),
         (dict(norm_weight=d["norm_weight"][:-1]), "weight"),

@@ -1,6 +1,6 @@
 """lm_kernels.mamba2 on a GPU at Mamba2-350M's widths (d_inner 2048, headdim 64, one group, d_state 128, chunk 128):
 bf16 outputs and every gradient equal to the Triton conv, SSD and gated norm called one by one, packed documents and
-the implicit models' injection parts included; float32 against the float64 references."""
+the implicit models' injection included; float32 against the float64 references."""
 from __future__ import annotations
 
 from functools import partial

@@ -74,7 +74,6 @@ class Mamba2Mixer(Mixer):
         # in_proj's output columns (and the injection's): z | xBC | dt
         self._cols = {"z": (0, self.d_inner), "xbc": (self.d_inner, self.d_inner + self.conv_dim),
                       "dt": (self.d_inner + self.conv_dim, self.d_inner + self.conv_dim + self.nheads)}
-        self._part_index = {"z": 0, "xbc": 1, "dt": 2}  # the injection's parts (injection_parts)
         lo, hi = config.dt_limit
         self.dt_limit = (float(lo), float("inf") if hi is None else float(hi))
         self.in_proj = nn.Linear(config.hidden_size, self.injection_dim(config), bias=False)
@@ -92,11 +91,6 @@ class Mamba2Mixer(Mixer):
     @staticmethod
     def injection_dim(config) -> int:
         return 2 * config.d_inner + 2 * config.ngroups * config.d_state + config.nheads
-
-    @staticmethod
-    def injection_parts(config) -> tuple[int, ...]:
-        # z | xBC | dt, each added where its own product is used (project)
-        return config.d_inner, config.d_inner + 2 * config.ngroups * config.d_state, config.nheads
 
     def init_weights(self, config) -> None:
         lo, hi = config.A_init_range
@@ -117,10 +111,9 @@ class Mamba2Mixer(Mixer):
             return self._step(x, injection, cache, state)
         # in_proj as one product: the inner path's backward writes the gradients of z, xBC and dt into one tensor
         # (lm_kernels.mamba2), so its input gradient and weight gradient are one GEMM each
+        # the injection (in_proj's width) is not added to the projection: the conv adds its xBC columns on load, the
+        # gated norm its z columns, the scan its dt columns; its gradient is then the projection's, whole
         zxbcdt = self.in_proj(x)
-        z_add = x_add = dt_add = None
-        if injection is not None:  # added on load by the conv (xBC), the gated norm (z) and the scan's dt
-            z_add, x_add, dt_add = (injection[self._part_index[k]] for k in ("z", "xbc", "dt"))
         A = -torch.exp(self.A_log.float())
         conv_w = self.conv1d.weight[:, 0, :]
         if mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
@@ -128,10 +121,13 @@ class Mamba2Mixer(Mixer):
                 zxbcdt, conv_w, self.conv1d.bias, A, d_inner=self.d_inner, headdim=self.headdim,
                 ngroups=self.ngroups, dstate=self.d_state, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
                 dt_limit=self.dt_limit, norm_weight=self.norm.weight, norm_group=self.norm.group_size,
-                eps=self.norm.eps, x_add=x_add, z_add=z_add, dt_add=dt_add, conv_state=state.get("conv"),
+                eps=self.norm.eps, add=injection, conv_state=state.get("conv"),
                 initial_state=state.get("ssm"), cu_seqlens=cu_seqlens, return_final_state=cache is not None)
         else:  # the same three ops one by one (the reference backends, CPU)
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
+            z_add = x_add = dt_add = None
+            if injection is not None:
+                z_add, x_add, dt_add = (injection[..., lo:hi] for lo, hi in self._cols.values())
             if dt_add is not None:
                 dt = dt + dt_add
             xbc, conv_state = causal_conv1d(xbc, conv_w, self.conv1d.bias, cu_seqlens=cu_seqlens, x_add=x_add,
@@ -149,7 +145,7 @@ class Mamba2Mixer(Mixer):
     def _step(self, x, injection, cache, state):
         """One decode token: in_proj as one product split into views (the step is launch bound)."""
         b, t, _ = x.shape
-        zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + torch.cat(injection, dim=-1)
+        zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + injection
         z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
         xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias,
                                         conv_state=state.get("conv"), activation="silu")

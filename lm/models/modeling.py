@@ -58,14 +58,6 @@ class Mixer(nn.Module):
     def injection_dim(config) -> int:
         raise NotImplementedError
 
-    @staticmethod
-    def injection_parts(config) -> tuple[int, ...] | None:
-        """Widths of the parts the mixer adds the injection to separately (summing to injection_dim), or None:
-        the injection is then one (b, t, injection_dim) tensor; with parts it is a tuple of (b, t, width)
-        tensors, each the product with its own row block of the one injection weight (no slices of a shared
-        output whose gradients would be scattered back into a full-width tensor per layer)."""
-        return None
-
     def init_weights(self, config) -> None:
         """Initialise parameters that are not plain Linear/Embedding/norm weights (A_log, dt_bias, ...)."""
 
@@ -123,29 +115,16 @@ class Block(nn.Module):
 
 
 class Injection(nn.Module):
-    """The implicit models' input injection: Linear(RMSNorm(embedding)), shared by all layers. With `parts`
-    (widths, see Mixer.injection_parts) the output is a tuple, one product per row block of the weight."""
+    """The implicit models' input injection: Linear(RMSNorm(embedding)), shared by all layers, one (b, t,
+    Mixer.injection_dim) tensor."""
 
-    def __init__(self, config: LMConfig, width: int, parts: tuple[int, ...] | None = None):
+    def __init__(self, config: LMConfig, width: int):
         super().__init__()
-        if parts is not None and sum(parts) != width:
-            raise ValueError(f"injection parts {parts} do not sum to the injection width {width}")
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.injection_norm else None
         self.proj = nn.Linear(config.hidden_size, width, bias=False)
-        self.parts = parts
 
     def forward(self, emb):
-        h = self.norm(emb) if self.norm is not None else emb
-        if self.parts is None:
-            return self.proj(h)
-        return tuple(F.linear(h, w) for w in self.proj.weight.split(self.parts))
-
-
-def time_slice(inj, t0: int, t1: int):
-    """inj[:, t0:t1] of an injection, one tensor or a tuple of parts."""
-    if isinstance(inj, tuple):
-        return tuple(x[:, t0:t1] for x in inj)
-    return inj[:, t0:t1]
+        return self.proj(self.norm(emb) if self.norm is not None else emb)
 
 
 # The name under which transformers passes the generation cache between `generate`, the model's forward and
@@ -253,8 +232,7 @@ class LMModel(LMPreTrainedModel):
         )
         self.norm_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.injection = (
-            Injection(config, self.mixer_class.injection_dim(config), self.mixer_class.injection_parts(config))
-            if config.is_implicit else None
+            Injection(config, self.mixer_class.injection_dim(config)) if config.is_implicit else None
         )
         self.gradient_checkpointing = False
         self.post_init()
@@ -416,7 +394,7 @@ class LMModel(LMPreTrainedModel):
         args = dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
         outs, all_stats = [], []
         for t in range(emb.shape[1]):
-            f = self.fixed_point_map(time_slice(inj, t, t + 1), cache)
+            f = self.fixed_point_map(inj[:, t:t + 1], cache)
             with cache.freeze():
                 z, st = solve(
                     f, torch.zeros_like(emb[:, t: t + 1]), damping=settings.damping,

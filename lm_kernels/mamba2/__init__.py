@@ -2,13 +2,13 @@
 
     y, new_conv_state, final_state = mamba2_inner(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups,
         dstate, chunk_size, D=None, dt_bias=None, dt_limit=(0, inf), norm_weight=None, norm_group=None, eps=1e-5,
-        x_add=None, z_add=None, dt_add=None, conv_state=None, initial_state=None, cu_seqlens=None,
-        return_final_state=False)
+        add=None, conv_state=None, initial_state=None, cu_seqlens=None, return_final_state=False)
 
 zxbcdt (b, t, 2*d_inner + 2*ngroups*dstate + H), H = d_inner / headdim: in_proj's output, columns z | x B C | dt.
-The conv (width <= 8, SiLU) runs on x B C (+ x_add), the SSD (dt softplus with dt_bias, clamped to dt_limit) on its
-output and dt (+ dt_add), and y = RMSNorm(ssd_out * silu(z (+ z_add))) * norm_weight per group of norm_group
-channels. It is the composition of lm_kernels.conv1d.causal_conv1d, lm_kernels.ssd.ssd_scan_xbc and
+`add` (an implicit model's injection) has zxbcdt's shape and is added to it where each part is read. The conv
+(width <= 8, SiLU) runs on x B C (+ add's x B C), the SSD (dt softplus with dt_bias, clamped to dt_limit) on its
+output and dt (+ add's dt), and y = RMSNorm(ssd_out * silu(z (+ add's z))) * norm_weight per group of norm_group
+channels; the gradient of `add` is that of zxbcdt. It is the composition of lm_kernels.conv1d.causal_conv1d, lm_kernels.ssd.ssd_scan_xbc and
 lm_kernels.rmsnorm.gated_rms_norm, equal to it up to rounding of the gradient sums (tests/test_mamba2_inner.py);
 what it adds is the backward writing the gradients of z, x B C and dt into one tensor of zxbcdt's shape, so that
 in_proj is one GEMM forward and backward (triton_inner.py). Triton only (CUDA, or TRITON_INTERPRET=1 on CPU):

@@ -8,8 +8,10 @@ pass over the whole projection's gradient per layer; here the gated norm's backw
 conv's dx straight into their column blocks of that tensor. The forward reads z, xBC and dt as column views of the
 projection (the kernels take row strides).
 
-The implicit models' injection parts enter as x_add (the conv adds it on load), z_add (the gated norm adds it on
-load) and dt_add (added to dt here, a (b, t, H) tensor); each gets the gradient of its part. conv_state /
+The implicit models' injection enters as `add`, one tensor of the projection's shape (the same for all layers):
+the conv adds its xBC columns on load, the gated norm its z columns, and its dt columns are added to dt here (a
+(b, t, H) tensor). Its gradient is the projection's, dzxbcdt, whole: autograd sums the layers' contiguous gradients
+(three per layer, strided, when the injection was three column blocks: lm/train/BENCH.md session 20). conv_state /
 initial_state: the caches' states in, with gradients; the new conv state and the final SSD state out (the final
 state only with return_final_state), with gradients.
 When no gradient is needed the forward runs outside autograd and nothing is saved (the fixed-point iterations).
@@ -48,6 +50,11 @@ def _split(zxbcdt, dims):
     return (zxbcdt[..., :d_inner], zxbcdt[..., d_inner:d_inner + conv_dim], zxbcdt[..., d_inner + conv_dim:])
 
 
+def _adds(add, dims):
+    """(z_add, x_add, dt_add): column views of the injection, or Nones."""
+    return _split(add, dims) if add is not None else (None, None, None)
+
+
 def _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size, table=None):
     """(x, dt (+ dt_add), B, C, initial state, plan) of the scan on the conv output x | B | C."""
     _d, p, g, n, _ng = dims
@@ -58,8 +65,7 @@ def _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size, ta
 
 
 @torch.library.custom_op("lm::mamba2_inner_fwd", mutates_args=(), tags=_TAGS)
-def mamba2_inner_fwd(zxbcdt: torch.Tensor, x_add: Optional[torch.Tensor], z_add: Optional[torch.Tensor],
-                     dt_add: Optional[torch.Tensor], conv_weight: torch.Tensor, conv_bias: Optional[torch.Tensor],
+def mamba2_inner_fwd(zxbcdt: torch.Tensor, add: Optional[torch.Tensor], conv_weight: torch.Tensor, conv_bias: Optional[torch.Tensor],
                      conv_state: Optional[torch.Tensor], A: torch.Tensor, D: Optional[torch.Tensor],
                      dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                      norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dims: list[int],
@@ -70,8 +76,9 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, x_add: Optional[torch.Tensor], z_add:
     return_final_state), and what the backward reads: the conv output x | B | C, the SSD output, its dt / cumsum,
     chunk start states, C.B and chunk table (ssd_scan_fwd's), the norm's rstd)."""
     d_inner, group = dims[0], dims[4]
-    zxbcdt, x_add, z_add = (_channels_contiguous(v) for v in (zxbcdt, x_add, z_add))
+    zxbcdt, add = (_channels_contiguous(v) for v in (zxbcdt, add))
     z, xbc_in, dt = _split(zxbcdt, dims)
+    z_add, x_add, dt_add = _adds(add, dims)
     xbc, new_conv_state = conv1d_fwd(xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True, x_add)
     x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size)
     ys, final, dtcs, states, CB, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
@@ -85,7 +92,7 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, x_add: Optional[torch.Tensor], z_add:
 
 
 @mamba2_inner_fwd.register_fake
-def _(zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
+def _(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
       cu_seqlens, dims, chunk_size, dt_lo, dt_hi, eps, return_final_state, save):
     d_inner, p, g, n, group = dims
     b, t = zxbcdt.shape[:2]
@@ -106,8 +113,8 @@ def _(zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt
 
 @torch.library.custom_op("lm::mamba2_inner_bwd", mutates_args=(), tags=_TAGS)
 def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch.Tensor],
-                     dfinal: Optional[torch.Tensor], zxbcdt: torch.Tensor, x_add: Optional[torch.Tensor],
-                     z_add: Optional[torch.Tensor], dt_add: Optional[torch.Tensor], conv_weight: torch.Tensor,
+                     dfinal: Optional[torch.Tensor], zxbcdt: torch.Tensor, add: Optional[torch.Tensor],
+                     conv_weight: torch.Tensor,
                      conv_bias: Optional[torch.Tensor], conv_state: Optional[torch.Tensor], A: torch.Tensor,
                      D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                      norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], xbc: torch.Tensor,
@@ -116,13 +123,14 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
                      dt_lo: float, dt_hi: float, state_grad: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dzxbcdt (the projection's gradient, also that of x_add / z_add / dt_add in their column blocks), dconv_weight,
+    """(dzxbcdt (the projection's gradient, also the injection's), dconv_weight,
     dconv_bias, dconv_state (empty unless state_grad), dA, dD, ddt_bias, dinitial_state, dnorm_weight; empty where
     the input is None). dy / dnew_conv_state / dfinal None: no gradient reaches that output."""
     d_inner, p, group = dims[0], dims[1], dims[4]
     b, t = zxbcdt.shape[:2]
-    zxbcdt, x_add, z_add = (_channels_contiguous(v) for v in (zxbcdt, x_add, z_add))
+    zxbcdt, add = (_channels_contiguous(v) for v in (zxbcdt, add))
     z, xbc_in, dt = _split(zxbcdt, dims)
+    z_add, x_add, dt_add = _adds(add, dims)
     dzxbcdt = torch.empty(zxbcdt.shape, dtype=zxbcdt.dtype, device=zxbcdt.device)
     dz, dxbc_in, ddt = _split(dzxbcdt, dims)
     if dy is None:
@@ -147,7 +155,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
 
 
 @mamba2_inner_bwd.register_fake
-def _(dy, dnew_conv_state, dfinal, zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
+def _(dy, dnew_conv_state, dfinal, zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
       initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, CB, table, rstd, dims, chunk_size, dt_lo, dt_hi,
       state_grad):
     def like(v):
@@ -158,16 +166,16 @@ def _(dy, dnew_conv_state, dfinal, zxbcdt, x_add, z_add, dt_add, conv_weight, co
             like(norm_weight))
 
 
-_N_ARGS = 20  # mamba2_inner_fwd's inputs
+_N_ARGS = 18  # mamba2_inner_fwd's inputs
 
 
 def _setup_context(ctx, inputs, output):
-    (zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
+    (zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
      cu_seqlens, dims, chunk_size, dt_lo, dt_hi, _eps, return_final_state, _save) = inputs
     _y, _ncs, _final, xbc, ys, dtcs, states, CB, table, rstd = output
     ctx.mark_non_differentiable(xbc, ys, dtcs, states, CB, table, rstd)
     ctx.set_materialize_grads(False)  # an unused output (the states) gets None, not a zero-filled gradient
-    ctx.save_for_backward(zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
+    ctx.save_for_backward(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
                           initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, CB,
                           table if cu_seqlens is not None else None, rstd)
     ctx.args = (list(dims), chunk_size, dt_lo, dt_hi)
@@ -176,16 +184,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dncs, dfinal, *_aux):
     saved = ctx.saved_tensors
-    zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state = saved[:7]
-    A, D, dt_bias, initial_state, norm_weight = saved[7:12]
+    zxbcdt, add, conv_weight, conv_bias, conv_state = saved[:5]
+    A, D, dt_bias, initial_state, norm_weight = saved[5:10]
     need = ctx.needs_input_grad
-    state_grad = conv_state is not None and need[6]
+    state_grad = conv_state is not None and need[4]
     g = torch.ops.lm.mamba2_inner_bwd(dy, dncs, dfinal if ctx.return_final_state else None, *saved,
                                       *ctx.args, state_grad)
     dzxbcdt, dweight, dbias, dstate, dA, dD, ddt_bias, dinit, dnorm = g
-    dz, dxbc, ddt = _split(dzxbcdt, ctx.args[0])
-    grads = [dzxbcdt, dxbc if x_add is not None else None, dz if z_add is not None else None,
-             ddt if dt_add is not None else None, dweight, dbias if conv_bias is not None else None,
+    grads = [dzxbcdt, dzxbcdt if add is not None else None, dweight, dbias if conv_bias is not None else None,
              dstate if state_grad else None, dA, dD if D is not None else None,
              ddt_bias if dt_bias is not None else None, dinit if initial_state is not None else None,
              dnorm if norm_weight is not None else None]
@@ -196,8 +202,8 @@ def _backward(ctx, dy, dncs, dfinal, *_aux):
 mamba2_inner_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, x_add, z_add, dt_add,
-           conv_state, initial_state, cu_seqlens, chunk_size):
+def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, add, conv_state,
+           initial_state, cu_seqlens, chunk_size):
     """The shapes of a call, by the checks of the three ops on views of the projection; a ValueError naming what is
     wrong. The offsets in cu_seqlens are read only outside torch.compile (the model checks them once per forward)."""
     d_inner, p, g, n, group = dims
@@ -211,12 +217,13 @@ def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_w
         raise ValueError(f"mamba2_inner: zxbcdt must be float32/bfloat16/float16, got {zxbcdt.dtype}")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"mamba2_inner: chunk_size must be a power of two >= 16, got {chunk_size}")
+    if add is not None and (add.shape != zxbcdt.shape or add.dtype != zxbcdt.dtype):
+        raise ValueError(f"mamba2_inner: add (the injection) must have zxbcdt's shape {tuple(zxbcdt.shape)} and dtype "
+                         f"{zxbcdt.dtype}, got {tuple(add.shape)} {add.dtype}")
     z, xbc, dt = _split(zxbcdt, dims)
+    z_add, x_add, _ = _adds(add, dims)
     check_conv_args(xbc, conv_weight, conv_bias, conv_state, cu_seqlens, "silu", MAX_WIDTH, x_add=x_add)
     x, B, C = split_xbc(xbc, h, p, g, n)
-    if dt_add is not None and (dt_add.shape != dt.shape or dt_add.dtype != dt.dtype):
-        raise ValueError(f"mamba2_inner: dt_add must have dt's shape {tuple(dt.shape)} and dtype {dt.dtype}, got "
-                         f"{tuple(dt_add.shape)} {dt_add.dtype}")
     check_scan_args(x, dt, A, B, C, D, None, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
                     values=not torch.compiler.is_compiling())
     check_norm_args(z, norm_weight, group, z=z, z_add=z_add)
@@ -224,18 +231,18 @@ def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_w
 
 def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups, dstate, chunk_size,
                         D=None, dt_bias=None, dt_limit=(0.0, float("inf")), norm_weight=None, norm_group=None,
-                        eps=1e-5, x_add=None, z_add=None, dt_add=None, conv_state=None, initial_state=None,
-                        cu_seqlens=None, return_final_state=False):
+                        eps=1e-5, add=None, conv_state=None, initial_state=None, cu_seqlens=None,
+                        return_final_state=False):
     """See lm_kernels.mamba2.mamba2_inner. Returns (y, new conv state, final SSD state or None)."""
     dims = [int(d_inner), int(headdim), int(ngroups), int(dstate), int(norm_group or d_inner)]
-    _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, x_add, z_add, dt_add,
-           conv_state, initial_state, cu_seqlens, chunk_size)
+    _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, add, conv_state,
+           initial_state, cu_seqlens, chunk_size)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(zxbcdt.device)
-    tensors = (zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state,
+    tensors = (zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state,
                norm_weight)
     needs_grad = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in tensors)
-    out = torch.ops.lm.mamba2_inner_fwd(zxbcdt, x_add, z_add, dt_add, conv_weight, conv_bias, conv_state, A, D,
+    out = torch.ops.lm.mamba2_inner_fwd(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D,
                                         dt_bias, initial_state, norm_weight, cu_seqlens, dims, int(chunk_size),
                                         float(dt_limit[0]), float(dt_limit[1]), float(eps), bool(return_final_state),
                                         needs_grad)
