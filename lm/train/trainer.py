@@ -224,7 +224,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         loss_sum, nonfinite, n_micro, stops = dist.all_reduce_sum(
             [loss_sum, nonfinite, float(plan.accumulation), float(signals.signal_name is not None)])
         now = time.perf_counter()
-        window.add(now - max(p.t0, st.done_at), p.fp_stats)
+        window.add(_step_seconds(p, now, st.done_at), p.fp_stats)
         st.done_at = now
         step_loss = loss_sum / (n_micro - nonfinite) if n_micro > nonfinite else float("nan")
         p.skipped = (not applied) or nonfinite > 0
@@ -261,10 +261,13 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
                 phase_i = i
         lr = lr_at(budget.schedule_step(step, total_steps, warmup), total_steps, **sched)
         t0 = time.perf_counter()
+        # where the step's time starts on the device: the end of the step before it when that one was queued
+        # straight ahead of this one, else a marker now
+        start = pending.results[1] if pending is not None else _device_marker(dist.device)
         losses, fp_stats, (applied, grad_norm) = _step(engine, train_reader, plan.accumulation, dist, lr,
                                                        t.fused_loss, step, hooks)
         step += 1
-        cur = _Pending(step, lr, t0, losses, fp_stats, applied, grad_norm,
+        cur = _Pending(step, lr, t0, start, _results(losses, applied, grad_norm), fp_stats,
                        phases[phase_i].name if phases else None)
         stops = finish(pending) if pending is not None else False
         pending = cur
@@ -349,26 +352,59 @@ class _LoopState:
 
 @dataclass
 class _Pending:
-    """A queued step whose results are not read yet (tensors on the device, or floats)."""
+    """A queued step whose results are not read yet: (values, event) of _results."""
     step: int
     lr: float
     t0: float
-    losses: torch.Tensor
+    start: "torch.cuda.Event | None"  # CUDA: where its time starts on the device (the loop)
+    results: tuple
     fp_stats: list
-    applied: "torch.Tensor | bool"
-    grad_norm: "torch.Tensor | float"
     phase: str | None
     last: bool = False  # the loop ends after it: log it whatever the step
     skipped: bool = False
 
 
+def _results(losses, applied, grad_norm) -> tuple:
+    """A step's (sum of the finite micro losses, how many were not finite, applied, grad norm) as one float64
+    tensor, queued right behind the step: on CUDA copied to pinned host memory without waiting, with an event
+    after the copy, so that reading it later waits for this step only, not for whatever was queued after it."""
+    finite = torch.isfinite(losses)
+    vals = [torch.where(finite, losses, torch.zeros_like(losses)).sum(), (~finite).sum()]
+    vals += [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (applied, grad_norm)]
+    vals = torch.stack([v.to(losses.device, torch.float64) for v in vals])
+    if vals.device.type != "cuda":
+        return vals, None
+    host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+    host.copy_(vals, non_blocking=True)
+    return host, _device_marker(vals.device)
+
+
+def _device_marker(device) -> "torch.cuda.Event | None":
+    """A timing event recorded on the device's current stream now (CUDA), else None."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _step_seconds(p: _Pending, now: float, last_read: float) -> float:
+    """A step's time: on CUDA the device's, from p.start to its results' event (a step queued right behind the one
+    before starts where that one ended, so time the device waited for the host between them counts, while the
+    host's own wait to queue work never shifts a step's reading); on the CPU the host's, from its start or the
+    read of the step before, whichever is later."""
+    end = p.results[1]
+    if end is not None and p.start is not None:
+        return p.start.elapsed_time(end) / 1000.0
+    return now - max(p.t0, last_read)
+
+
 def _read_step(p: _Pending) -> tuple[float, float, bool, float]:
-    """(sum of the finite micro losses, how many were not finite, step applied, grad norm) of a step: one
-    device-to-host copy."""
-    finite = torch.isfinite(p.losses)
-    vals = [torch.where(finite, p.losses, torch.zeros_like(p.losses)).sum(), (~finite).sum()]
-    vals += [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (p.applied, p.grad_norm)]
-    loss_sum, nonfinite, applied, norm = torch.stack([v.to(p.losses.device, torch.float64) for v in vals]).tolist()
+    """The values of _results, once the step has run."""
+    vals, event = p.results
+    if event is not None:
+        event.synchronize()
+    loss_sum, nonfinite, applied, norm = vals.tolist()
     return loss_sum, nonfinite, bool(applied), norm
 
 
