@@ -8,6 +8,8 @@ world_size * accumulation. Before each step the curriculum phase for the fractio
 is set on the model (model.set_solver); the LR comes from the schedule. A step whose loss or gradient is
 not finite is skipped with a warning (parameters unchanged); `train.max_bad_steps` in a row stop the run,
 leaving the last checkpoint intact. SIGTERM / SIGINT finish the step, checkpoint and raise Preempted.
+On CUDA in one process the loop reads each step's results (loss, skipped or not, gradient norm) after the next
+step is queued (_one_behind), so the GPU never waits for the host between steps.
 
 Components: distributed.py (ranks, device, engine kind), model.py (config, checks, model), data.py,
 engine.py (torch / DeepSpeed), optim.py, schedule.py, curriculum.py, checkpoint.py (save / resume),
