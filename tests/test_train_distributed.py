@@ -152,6 +152,58 @@ print("CALLS", json.dumps(calls))
     assert [s for s in calls if s >= 3] == [], calls
 
 
+def test_deepspeed_bf16_skip_decided_on_the_device(tmp_path, tmp_path_factory):
+    """bf16 ZeRO-2 with the fused AdamW (CUDA's optimizer; the CPU has the kernel too): DeepSpeed's own overflow check
+    (an all-reduced flag read on the host) is off and the fused AdamW's found_inf skips the NaN step instead; the same
+    losses and skip as DeepSpeed's check with the foreach AdamW, and the skipped step leaves no trace in the
+    optimizer (4 updates in 5 steps)."""
+    data = make_corpus(tmp_path_factory)
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import json, sys, warnings
+import torch
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+import lm.train.trainer as T
+from lm.train.optim import param_groups
+from test_train_loop import _cfg
+from lm.train.trainer import train, shutdown
+checks, steps = [], {{}}
+orig_check = Z.check_overflow
+Z.check_overflow = lambda self, *a, **k: (checks.append(1), orig_check(self, *a, **k))[1]
+plain = T.make_optimizer
+def fused(model, *, lr, betas, eps, weight_decay, device):
+    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps, fused=True)
+    steps["opt"] = opt
+    return opt
+def hook(step, micro, out):
+    if step == 3:  # the 4th step
+        out.loss = out.loss * float("nan")
+    return out
+out = {{}}
+for name, make in (("fused", fused), ("foreach", plain)):
+    T.make_optimizer = make
+    checks.clear()
+    with warnings.catch_warnings(record=True):
+        train(_cfg({str(tmp_path)!r} + "/" + name, {str(data)!r}, train={{"engine": "deepspeed", "steps": 5,
+                                                                      "precision": "bf16"}}),
+              hooks={{"after_forward": hook}})
+    out[name] = len(checks)
+out["updates"] = sorted({{int(s["step"]) for s in steps["opt"].state.values()}})
+shutdown()
+print("OUT", json.dumps(out))
+""")
+    p = _run_one_process(script)
+    out = _printed(p, "OUT")
+    assert out["fused"] == 0 and out["foreach"] == 5 and out["updates"] == [4], out
+    lf, rf = _losses(tmp_path / "fused")
+    lr_, rr = _losses(tmp_path / "foreach")
+    assert [r["step"] for r in rf if r.get("event") == "skip"] == [4] == [r["step"] for r in rr
+                                                                         if r.get("event") == "skip"]
+    for s in (1, 2, 3, 5):
+        assert lf[s] == pytest.approx(lr_[s], rel=2e-2), (s, lf, lr_)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_deepspeed_fused_overflow_check_and_grad_norm_equal_deepspeeds(tmp_path, tmp_path_factory, precision):
     """The trainer's ZeRO-2 overflow check and gradient norm (lm.train.engine._fused_zero_grad_checks: foreach norms

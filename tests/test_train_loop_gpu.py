@@ -56,8 +56,9 @@ def test_one_behind_equals_reading_at_once_on_cuda(tmp_path, monkeypatch):
 def test_reading_a_step_waits_for_that_step_only():
     """_results' event: after a long kernel is queued behind the step, reading the step does not wait for it."""
     losses = torch.tensor([1.0, float("nan")], device="cuda")
+    one = type("OneRank", (), {"world": 1, "all_reduce_": lambda self, t: t})()
     p = trainer._Pending(1, 0.1, 0.0, None, trainer._results(losses, torch.tensor(True, device="cuda"),
-                                                       torch.tensor(2.5, device="cuda")), [], None)
+                                                             torch.tensor(2.5, device="cuda"), one, 2, False), [], None)
     big = torch.randn(8192, 8192, device="cuda")
     torch.cuda.synchronize()
     for _ in range(20):  # ~0.2 s or more of queued work behind the step
@@ -65,6 +66,6 @@ def test_reading_a_step_waits_for_that_step_only():
         big = big / big.norm()
     done = torch.cuda.Event()
     done.record()
-    assert trainer._read_step(p) == (1.0, 1.0, True, 2.5)
+    assert trainer._read_step(p) == (1.0, 1.0, 2.0, False, True, 2.5)
     assert not done.query()  # the queued products were still running when the step was read
     torch.cuda.synchronize()

@@ -92,6 +92,12 @@ class Dist:
         if self._grouped:
             torch.distributed.barrier()
 
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor on this rank's device over the ranks, in place (queued on the device: no host sync)."""
+        if self.world > 1:
+            torch.distributed.all_reduce(t)
+        return t
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         if self.world == 1:
             return values

@@ -163,6 +163,31 @@ def _fused_zero_grad_checks(opt) -> None:
 
     opt.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
     opt.get_grad_norm_direct = get_grad_norm_direct
+    _skip_on_device(opt)
+
+
+def _skip_on_device(opt) -> None:
+    """bf16 ZeRO-1/2 with gradient norms and the fused AdamW: the step's skip decided on the device, as the torch
+    engine's. DeepSpeed's own check reads an all-reduced overflow flag with .item() in every step (and its bf16 path
+    then tests the norm on the host): the host waits for the backward before it can queue the optimizer, and the
+    loop cannot run ahead. Here the check is off (`check_grad_overflow`; with bf16 DeepSpeed then tests nothing) and
+    the combined gradient norm, which DeepSpeed makes +inf where any group's is not finite, sets the fused AdamW's
+    found_inf: the update, moments and step count stay as they were on every rank (the norm is all-reduced), and
+    DeepSpeed copies the unchanged fp32 partitions back. `opt._lm_found_inf` holds the step's flag for micro_end."""
+    base = opt.optimizer
+    if (opt.dtype != torch.bfloat16 or not opt.compute_grad_norm or not opt.check_grad_overflow
+            or not getattr(base, "defaults", {}).get("fused")):
+        return
+    opt.check_grad_overflow = False
+    combined = opt.scaled_global_norm
+
+    def scaled_global_norm(norm_type=2):
+        total = combined(norm_type)
+        base.found_inf = opt._lm_found_inf = (~torch.isfinite(total)).to(torch.float32).reshape(())
+        return total
+
+    opt.scaled_global_norm = scaled_global_norm
+    opt._lm_found_inf = None
 
 
 class DeepSpeedEngine:
@@ -188,6 +213,10 @@ class DeepSpeedEngine:
         self.engine.step()
         if not boundary:
             return None
+        found_inf = getattr(self.engine.optimizer, "_lm_found_inf", None)
+        if found_inf is not None:  # decided on the device (_skip_on_device): no host sync
+            norm = self.engine.get_global_grad_norm()
+            return found_inf == 0, torch.where(found_inf == 0, norm, torch.full_like(norm, float("nan")))
         applied = bool(self.engine.was_step_applied())
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")

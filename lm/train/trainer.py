@@ -222,9 +222,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         """Read step p's results (the host waits for its last kernel; the next step may already be queued
         behind it), count a skipped step, log; True when a signal asks every rank to stop."""
         nonlocal stopped
-        loss_sum, nonfinite, applied, grad_norm = _read_step(p)
-        loss_sum, nonfinite, n_micro, stops = dist.all_reduce_sum(
-            [loss_sum, nonfinite, float(plan.accumulation), float(signals.signal_name is not None)])
+        loss_sum, nonfinite, n_micro, stops, applied, grad_norm = _read_step(p)
         now = time.perf_counter()
         window.add(_step_seconds(p, now, st.done_at), p.fp_stats)
         st.done_at = now
@@ -269,7 +267,8 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         losses, fp_stats, (applied, grad_norm) = _step(engine, train_reader, plan.accumulation, dist, lr,
                                                        t.fused_loss, step, hooks)
         step += 1
-        cur = _Pending(step, lr, t0, start, _results(losses, applied, grad_norm), fp_stats,
+        cur = _Pending(step, lr, t0, start, _results(losses, applied, grad_norm, dist, plan.accumulation,
+                                                     signals.signal_name is not None), fp_stats,
                        phases[phase_i].name if phases else None)
         stops = finish(pending) if pending is not None else False
         pending = cur
@@ -279,7 +278,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         save_due = bool(cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at)
         hook_due = task_hook is not None and step % cfg.log.every_steps == 0
         if (not one_behind or stops or stopped or step >= stop_at or eval_due or save_due or hook_due
-                or signals.signal_name is not None):
+                or (dist.world == 1 and signals.signal_name is not None)):
             cur.last = bool(stops or stopped)
             pending = None
             stops = finish(cur) or stops
@@ -338,10 +337,10 @@ def _one_behind(dist: Dist) -> bool:
     step k + 1 is queued, so that the device goes from one step into the next without waiting for the host (a
     host slower than the device in the forward catches up during the backward). Whatever needs a step's results
     or its parameters first (the log of a synthetic task, evaluation, a checkpoint, the end, a signal) reads them
-    before the next step is queued. Only for one process on a CUDA device: on the CPU the host computes each
-    step itself (nothing to overlap), and several ranks read every step together (the reads are collectives that
-    every rank must make at the same steps; the DeepSpeed engine has synchronised by then anyway)."""
-    return dist.world == 1 and dist.device.type == "cuda"
+    before the next step is queued. On CUDA only: on the CPU the host computes each step itself (nothing to overlap).
+    With several ranks every rank reads at the same steps: the values are all-reduced right behind each step
+    (_results), and a signal on one rank reaches the others through them, one step later."""
+    return dist.device.type == "cuda"
 
 
 @dataclass
@@ -366,14 +365,19 @@ class _Pending:
     skipped: bool = False
 
 
-def _results(losses, applied, grad_norm) -> tuple:
-    """A step's (sum of the finite micro losses, how many were not finite, applied, grad norm) as one float64
-    tensor, queued right behind the step: on CUDA copied to pinned host memory without waiting, with an event
-    after the copy, so that reading it later waits for this step only, not for whatever was queued after it."""
+def _results(losses, applied, grad_norm, dist: Dist, n_micro: int, signalled: bool) -> tuple:
+    """A step's (sum of the finite micro losses, how many were not finite, micro-batches, ranks with a stop signal
+    pending: each summed over the ranks; applied, grad norm: the same on every rank) as one float64 tensor, queued
+    right behind the step: on CUDA copied to pinned host memory without waiting, with an event after the copy, so
+    that reading it later waits for this step only, not for whatever was queued after it."""
+    dev = losses.device
     finite = torch.isfinite(losses)
-    vals = [torch.where(finite, losses, torch.zeros_like(losses)).sum(), (~finite).sum()]
-    vals += [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (applied, grad_norm)]
-    vals = torch.stack([v.to(losses.device, torch.float64) for v in vals])
+    summed = torch.stack([torch.where(finite, losses, torch.zeros_like(losses)).sum().double(),
+                          (~finite).sum().double(), torch.tensor(float(n_micro), dtype=torch.float64, device=dev),
+                          torch.tensor(float(signalled), dtype=torch.float64, device=dev)])
+    dist.all_reduce_(summed)
+    same = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (applied, grad_norm)]
+    vals = torch.cat([summed, torch.stack([v.to(dev, torch.float64) for v in same])])
     if vals.device.type != "cuda":
         return vals, None
     host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
@@ -401,13 +405,14 @@ def _step_seconds(p: _Pending, now: float, last_read: float) -> float:
     return now - max(p.t0, last_read)
 
 
-def _read_step(p: _Pending) -> tuple[float, float, bool, float]:
-    """The values of _results, once the step has run."""
+def _read_step(p: _Pending) -> tuple[float, float, float, bool, bool, float]:
+    """The values of _results, once the step has run: (loss sum, non-finite count, micro-batches, stop, applied,
+    grad norm)."""
     vals, event = p.results
     if event is not None:
         event.synchronize()
-    loss_sum, nonfinite, applied, norm = vals.tolist()
-    return loss_sum, nonfinite, bool(applied), norm
+    loss_sum, nonfinite, n_micro, stops, applied, norm = vals.tolist()
+    return loss_sum, nonfinite, n_micro, stops > 0, bool(applied), norm
 
 
 def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: bool, step: int, hooks: dict):
