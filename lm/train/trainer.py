@@ -278,7 +278,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         save_due = bool(cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at)
         hook_due = task_hook is not None and step % cfg.log.every_steps == 0
         if (not one_behind or stops or stopped or step >= stop_at or eval_due or save_due or hook_due
-                or (dist.world == 1 and signals.signal_name is not None)):
+                or signals.signal_name is not None):
             cur.last = bool(stops or stopped)
             pending = None
             stops = finish(cur) or stops
@@ -337,10 +337,12 @@ def _one_behind(dist: Dist) -> bool:
     step k + 1 is queued, so that the device goes from one step into the next without waiting for the host (a
     host slower than the device in the forward catches up during the backward). Whatever needs a step's results
     or its parameters first (the log of a synthetic task, evaluation, a checkpoint, the end, a signal) reads them
-    before the next step is queued. On CUDA only: on the CPU the host computes each step itself (nothing to overlap).
-    With several ranks every rank reads at the same steps: the values are all-reduced right behind each step
-    (_results), and a signal on one rank reaches the others through them, one step later."""
-    return dist.device.type == "cuda"
+    before the next step is queued. Only for one process on a CUDA device: on the CPU the host computes each step
+    itself (nothing to overlap). Several ranks read every step: run one behind they would also have to drain at the
+    same steps (a signal on one rank reaching the others a step late through the all-reduced values of _results),
+    and on 2 x H100 ZeRO-2 with it gave 0.841x the plain engine per GPU, against 0.934x without on 2 x H200 (two
+    machines, no same-call comparison: lm/train/BENCH.md, session 20), so it is not turned on there."""
+    return dist.world == 1 and dist.device.type == "cuda"
 
 
 @dataclass
