@@ -223,6 +223,8 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         behind it), count a skipped step, log; True when a signal asks every rank to stop."""
         nonlocal stopped
         loss_sum, nonfinite, n_micro, stops, applied, grad_norm = _read_step(p)
+        if dist.world == 1:  # a signal that came while the step ran stops after it (several ranks: a step later)
+            stops = stops or signals.signal_name is not None
         now = time.perf_counter()
         window.add(_step_seconds(p, now, st.done_at), p.fp_stats)
         st.done_at = now
