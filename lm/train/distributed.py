@@ -101,9 +101,7 @@ class Dist:
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         if self.world == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t)
-        return t.tolist()
+        return self.all_reduce_(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
 
     def gather(self, obj) -> list:
         """Every rank's `obj` (picklable), on every rank."""

@@ -213,7 +213,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
 
     stop_at = min(total_steps, t.stop_after_steps) if t.stop_after_steps else total_steps
     last_saved = step if resume_from is not None else -1
-    st = _LoopState(step=step, bad_in_row=bad_in_row)
+    st = _LoopState(bad_in_row=bad_in_row)
     stop_signal = None
     # why the loop ended before stop_at: "time budget" (complete) | "target accuracy" (complete) | "slice"
     stopped = "time budget" if budget.out_of_time() else None
@@ -292,14 +292,14 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         if pending is not None:
             continue
         t_eval = time.perf_counter()
-        if task_hook is not None and cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < stop_at:
+        if task_hook is not None and eval_due:
             task_hook.evaluate(model, step, logger)
         evaluator.periodic(step, stop_at)
         budget.exclude(time.perf_counter() - t_eval)  # evaluation is not charged to the training time
         if save_due and not cur.skipped:
             save(step)  # (none right after a skipped step: keep the last K good ones)
             last_saved = step
-    last_loss, bad_in_row = st.last_loss, st.bad_in_row
+    last_loss = st.last_loss
     progress.close()
 
     summary = {"steps": step, "total_steps": total_steps, "tokens": step * plan.tokens_per_step,
@@ -349,7 +349,6 @@ def _one_behind(dist: Dist) -> bool:
 
 @dataclass
 class _LoopState:
-    step: int
     bad_in_row: int
     last_loss: float = float("nan")
     done_at: float = 0.0  # perf_counter when the last step's results were read
@@ -433,9 +432,9 @@ def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: 
         if out.fixed_point_stats:
             fp_stats.append(out.fixed_point_stats)
         engine.backward(out.loss)
-        last = micro == accumulation - 1
-        result = engine.micro_end(last, lr, losses=torch.stack(losses) if last else None)
-    return torch.stack(losses), fp_stats, result
+        stacked = torch.stack(losses) if micro == accumulation - 1 else None
+        result = engine.micro_end(stacked is not None, lr, losses=stacked)
+    return stacked, fp_stats, result
 
 
 def _chain(first, second):
