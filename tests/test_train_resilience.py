@@ -136,14 +136,17 @@ def test_a_second_trainer_is_refused_and_a_stale_lock_taken_over(tmp_path):
 
 def _slow_run(run, hang_from: int, **popen):
     """A training process (the _tree config) whose step `hang_from` + 1 hangs, started once step `hang_from`
-    is logged (and the checkpoint before it written)."""
+    is logged (and the checkpoint before it written). It hangs in short sleeps: a signal that the kernel hands to
+    another of the process's threads does not wake the main thread from one long sleep, and Python runs the
+    handler only when the main thread runs again (the second-signal test then waited out the whole sleep)."""
     script = textwrap.dedent(f"""
         import json, sys, time
         from lm.train.config import config_from_dict
         from lm.train.trainer import train
         def slow(step, micro, out):
             if step >= {hang_from}:
-                time.sleep(120)
+                for _ in range(1200):
+                    time.sleep(0.1)
             return out
         train(config_from_dict(json.loads(sys.argv[1])), hooks={{"after_forward": slow}})
     """)
