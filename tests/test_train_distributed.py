@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -255,3 +256,62 @@ print("PAIRS", json.dumps(pairs))
         g = len(norms) // 5
         assert overs == [] and g in (1, 2) and len(norms) == 5 * g, pairs
         assert [b == -1.0 for _, b in norms] == [False] * 3 * g + [True] * g + [False] * g, pairs
+
+
+_ONE_BEHIND_SCRIPT = """
+import json, os, signal, sys, time, types
+sys.path.insert(0, {tests!r})
+import lm.train.budget as budget
+import lm.train.trainer as trainer
+from test_train_loop import _cfg
+from lm.train.preempt import Preempted
+from lm.train.trainer import train, shutdown
+trainer._one_behind = lambda dist: True  # as on CUDA
+mode, run, data = sys.argv[1:4]
+rank = int(os.environ["RANK"])
+late = [0.0]
+real = time.perf_counter
+budget.time = types.SimpleNamespace(perf_counter=lambda: real() + late[0])
+def hook(step, micro, out):
+    if rank == 1 and step == 2 and micro == 0:  # in the third step, on rank 1 only
+        if mode == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:  # rank 1's clock jumps past the time budget; rank 0's stays far from it
+            late[0] = 10000.0
+    return out
+over = dict(train={{"engine": "deepspeed", "steps": 8, "max_minutes": 60}}, checkpoint={{"every_steps": 0}})
+try:
+    s = train(_cfg(run, data, **over), hooks={{"after_forward": hook}})
+    out = {{"steps": s["steps"], "stopped": s.get("stopped")}}
+except Preempted as err:
+    out = {{"steps": err.summary["steps"], "stopped": "preempted", "checkpoint": err.summary.get("checkpoint")}}
+shutdown()
+open(run + f".rank{{rank}}.json", "w").write(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["signal", "clock"])
+def test_two_ranks_one_behind_stop_at_the_same_step(tmp_path, tmp_path_factory, mode):
+    """Several ranks reading each step one step late (as on CUDA) decide together: a SIGTERM on rank 1 only, or
+    rank 1's clock alone past `train.max_minutes`, reaches rank 0 through the step's all-reduced values, and both
+    ranks stop after the same step (no rank waits in a collective the other never joins): a checkpoint and
+    "preempted" for the signal, a complete run stopped by the time budget for the clock."""
+    data = make_corpus(tmp_path_factory)
+    script = tmp_path / "run.py"
+    script.write_text(_ONE_BEHIND_SCRIPT.format(tests=os.path.dirname(__file__)))
+    run = tmp_path / "run"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+           str(script), mode, str(run), str(data)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    r0, r1 = (json.loads(Path(f"{run}.rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["steps"] == r1["steps"] and 3 <= r0["steps"] < 8, (r0, r1)
+    losses, recs = _losses(run)
+    assert sorted(losses) == list(range(1, r0["steps"] + 1))
+    if mode == "signal":
+        assert r0["stopped"] == r1["stopped"] == "preempted"
+        assert [r["step"] for r in recs if r.get("event") == "preempted"] == [r0["steps"]]
+        assert (run / "checkpoints" / f"step_{r0['steps']:08d}" / "manifest.json").is_file()
+    else:
+        assert r0["stopped"] == r1["stopped"] == "time budget"

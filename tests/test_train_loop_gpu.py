@@ -58,7 +58,8 @@ def test_reading_a_step_waits_for_that_step_only():
     losses = torch.tensor([1.0, float("nan")], device="cuda")
     one = type("OneRank", (), {"world": 1, "all_reduce_": lambda self, t: t})()
     p = trainer._Pending(1, 0.1, 0.0, None, trainer._results(losses, torch.tensor(True, device="cuda"),
-                                                             torch.tensor(2.5, device="cuda"), one, 2, False), [], None)
+                                                             torch.tensor(2.5, device="cuda"), one, 2, False, 7.5), [],
+                         None)
     big = torch.randn(8192, 8192, device="cuda")
     torch.cuda.synchronize()
     for _ in range(20):  # ~0.2 s or more of queued work behind the step
@@ -66,6 +67,6 @@ def test_reading_a_step_waits_for_that_step_only():
         big = big / big.norm()
     done = torch.cuda.Event()
     done.record()
-    assert trainer._read_step(p) == (1.0, 1.0, 2.0, False, True, 2.5)
+    assert trainer._read_step(p) == (1.0, 1.0, 2.0, False, True, 2.5, 7.5)
     assert not done.query()  # the queued products were still running when the step was read
     torch.cuda.synchronize()

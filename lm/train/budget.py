@@ -6,6 +6,10 @@ evaluation and is carried over a resume, so the schedule counts the training tim
     lr = lr_at(budget.schedule_step(step, total_steps, warmup), total_steps, ...)
     if budget.out_of_time(): ...     # the whole budget is spent: the run is complete
     if budget.slice_done(): ...      # this process's slice is spent: checkpoint and stop, resume later
+
+With several ranks every decision must fall at the same step on all of them, so the trainer hands the budget the
+ranks' mean clock read with each step's results (`agree`); the budget then answers from that value, not from the
+rank's own clock.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ class TimeBudget:
         self.done_s = float(done_s)  # training time of the earlier slices
         self.t0 = time.perf_counter()
         self.excluded = 0.0
+        self.agreed: float | None = None  # the ranks' mean training time of this slice, as of the last step read
 
     def resume(self, done_s: float) -> None:
         self.done_s = float(done_s)
@@ -28,8 +33,16 @@ class TimeBudget:
         """Time that is not training (evaluation, checkpoints)."""
         self.excluded += seconds
 
-    def this_slice_s(self) -> float:
+    def clock_s(self) -> float:
+        """This process's own training time of this slice."""
         return time.perf_counter() - self.t0 - self.excluded
+
+    def agree(self, slice_s: float) -> None:
+        """Several ranks: from now on answer from `slice_s`, a value every rank holds (the mean of their clocks)."""
+        self.agreed = float(slice_s)
+
+    def this_slice_s(self) -> float:
+        return self.clock_s() if self.agreed is None else self.agreed
 
     def elapsed_s(self) -> float:
         """Training time of the whole run, every slice."""

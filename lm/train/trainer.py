@@ -8,8 +8,8 @@ world_size * accumulation. Before each step the curriculum phase for the fractio
 is set on the model (model.set_solver); the LR comes from the schedule. A step whose loss or gradient is
 not finite is skipped with a warning (parameters unchanged); `train.max_bad_steps` in a row stop the run,
 leaving the last checkpoint intact. SIGTERM / SIGINT finish the step, checkpoint and raise Preempted.
-On CUDA in one process the loop reads each step's results (loss, skipped or not, gradient norm) after the next
-step is queued (_one_behind), so the GPU never waits for the host between steps.
+On CUDA the loop reads each step's results (loss, skipped or not, gradient norm) after the next step is queued
+(_one_behind), so the GPU never waits for the host between steps.
 
 Components: distributed.py (ranks, device, engine kind), model.py (config, checks, model), data.py,
 engine.py (torch / DeepSpeed), optim.py, schedule.py, curriculum.py, checkpoint.py (save / resume),
@@ -175,6 +175,8 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         phase_i = -1 if client.get("phase_index") is None else int(client["phase_index"])
         if phases and phase_i >= 0:
             model.set_solver(phases[phase_i].implicit)
+    if dist.world > 1:  # the ranks decide on one clock: the mean of theirs, read with each step (_results)
+        budget.agree(0.0)
     if dist.is_main:
         if resume_from is None:
             archive_metrics(run_dir)
@@ -222,9 +224,11 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         """Read step p's results (the host waits for its last kernel; the next step may already be queued
         behind it), count a skipped step, log; True when a signal asks every rank to stop."""
         nonlocal stopped
-        loss_sum, nonfinite, n_micro, stops, applied, grad_norm = _read_step(p)
+        loss_sum, nonfinite, n_micro, stops, applied, grad_norm, clock_s = _read_step(p)
         if dist.world == 1:  # a signal that came while the step ran stops after it (several ranks: a step later)
             stops = stops or signals.signal_name is not None
+        else:
+            budget.agree(clock_s / dist.world)
         now = time.perf_counter()
         window.add(_step_seconds(p, now, st.done_at), p.fp_stats)
         st.done_at = now
@@ -270,7 +274,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
                                                        t.fused_loss, step, hooks)
         step += 1
         cur = _Pending(step, lr, t0, start, _results(losses, applied, grad_norm, dist, plan.accumulation,
-                                                     signals.signal_name is not None), fp_stats,
+                                                     signals.signal_name is not None, budget.clock_s()), fp_stats,
                        phases[phase_i].name if phases else None)
         stops = finish(pending) if pending is not None else False
         pending = cur
@@ -280,7 +284,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         save_due = bool(cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < stop_at)
         hook_due = task_hook is not None and step % cfg.log.every_steps == 0
         if (not one_behind or stops or stopped or step >= stop_at or eval_due or save_due or hook_due
-                or signals.signal_name is not None):
+                or (dist.world == 1 and signals.signal_name is not None)):
             cur.last = bool(stops or stopped)
             pending = None
             stops = finish(cur) or stops
@@ -339,12 +343,12 @@ def _one_behind(dist: Dist) -> bool:
     step k + 1 is queued, so that the device goes from one step into the next without waiting for the host (a
     host slower than the device in the forward catches up during the backward). Whatever needs a step's results
     or its parameters first (the log of a synthetic task, evaluation, a checkpoint, the end, a signal) reads them
-    before the next step is queued. Only for one process on a CUDA device: on the CPU the host computes each step
-    itself (nothing to overlap). Several ranks read every step: run one behind they would also have to drain at the
-    same steps (a signal on one rank reaching the others a step late through the all-reduced values of _results),
-    and on 2 x H100 ZeRO-2 with it gave 0.841x the plain engine per GPU, against 0.934x without on 2 x H200 (two
-    machines, no same-call comparison: lm/train/BENCH.md, session 20), so it is not turned on there."""
-    return dist.world == 1 and dist.device.type == "cuda"
+    before the next step is queued. On CUDA only: on the CPU the host computes each step itself (nothing to
+    overlap). With several ranks every rank reads and drains at the same steps: what decides (a stop signal on any
+    rank, the time budget's clock) is all-reduced with the step's values (_results), so a signal stops the ranks
+    one step later than in one process. On 2 x H100, ZeRO-2 Mamba2-350M: 0.984x the 1-GPU plain engine per GPU
+    with it, 0.930x reading every step (lm/train/BENCH.md, session 21)."""
+    return dist.device.type == "cuda"
 
 
 @dataclass
@@ -368,16 +372,17 @@ class _Pending:
     skipped: bool = False
 
 
-def _results(losses, applied, grad_norm, dist: Dist, n_micro: int, signalled: bool) -> tuple:
+def _results(losses, applied, grad_norm, dist: Dist, n_micro: int, signalled: bool, clock_s: float) -> tuple:
     """A step's (sum of the finite micro losses, how many were not finite, micro-batches, ranks with a stop signal
-    pending: each summed over the ranks; applied, grad norm: the same on every rank) as one float64 tensor, queued
-    right behind the step: on CUDA copied to pinned host memory without waiting, with an event after the copy, so
-    that reading it later waits for this step only, not for whatever was queued after it."""
+    pending, the ranks' training clocks: each summed over the ranks; applied, grad norm: the same on every rank) as
+    one float64 tensor, queued right behind the step: on CUDA copied to pinned host memory without waiting, with an
+    event after the copy, so that reading it later waits for this step only, not for whatever was queued after it."""
     dev = losses.device
     finite = torch.isfinite(losses)
     summed = torch.stack([torch.where(finite, losses, torch.zeros_like(losses)).sum().double(),
                           (~finite).sum().double(), torch.tensor(float(n_micro), dtype=torch.float64, device=dev),
-                          torch.tensor(float(signalled), dtype=torch.float64, device=dev)])
+                          torch.tensor(float(signalled), dtype=torch.float64, device=dev),
+                          torch.tensor(float(clock_s), dtype=torch.float64, device=dev)])
     dist.all_reduce_(summed)
     same = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (applied, grad_norm)]
     vals = torch.cat([summed, torch.stack([v.to(dev, torch.float64) for v in same])])
@@ -408,14 +413,14 @@ def _step_seconds(p: _Pending, now: float, last_read: float) -> float:
     return now - max(p.t0, last_read)
 
 
-def _read_step(p: _Pending) -> tuple[float, float, float, bool, bool, float]:
+def _read_step(p: _Pending) -> tuple[float, float, float, bool, bool, float, float]:
     """The values of _results, once the step has run: (loss sum, non-finite count, micro-batches, stop, applied,
-    grad norm)."""
+    grad norm, sum of the ranks' clocks)."""
     vals, event = p.results
     if event is not None:
         event.synchronize()
-    loss_sum, nonfinite, n_micro, stops, applied, norm = vals.tolist()
-    return loss_sum, nonfinite, n_micro, stops > 0, bool(applied), norm
+    loss_sum, nonfinite, n_micro, stops, clock_s, applied, norm = vals.tolist()
+    return loss_sum, nonfinite, n_micro, stops > 0, bool(applied), norm, clock_s
 
 
 def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: bool, step: int, hooks: dict):
