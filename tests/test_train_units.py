@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from lm.train import checkpoint as ck
 from lm.train.config import config_from_dict, load_train_config
@@ -246,3 +247,28 @@ def test_manifest_hashes_come_from_the_bytes_as_written(tmp_path):
     files = ck.file_records(tmp_path, hashes)
     assert files["w.pt"] == {"bytes": size, "sha256": "recorded"}
     assert files["small.json"]["sha256"] == hashlib.sha256(b"{}").hexdigest()
+
+
+@pytest.mark.parametrize("norm", [3.0, 0.5, float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_zero_unscale_and_clip_equals_deepspeeds(norm, clip):
+    """The trainer's ZeRO-1/2 unscale_and_clip_grads (lm.train.engine._unscale_and_clip_grads: the invalid norm
+    chosen on the device, no host read) scales the gradient partitions exactly as DeepSpeed's own, for valid,
+    non-finite and sentinel (-1) norms, with and without clipping, on flat and listed partitions."""
+    pytest.importorskip("deepspeed")
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from lm.train.engine import _unscale_and_clip_grads
+
+    gen = torch.Generator().manual_seed(int(abs(norm) * 7 if norm == norm and abs(norm) != float("inf") else 5))
+    flat = [torch.randn(33, generator=gen), [torch.randn(5, generator=gen), torch.randn(7, generator=gen)]]
+    for total in (torch.tensor(norm), torch.tensor([norm])):
+        ours, theirs = ([g.clone() if torch.is_tensor(g) else [x.clone() for x in g] for g in flat] for _ in range(2))
+        opt = SimpleNamespace(clip_grad=clip, loss_scale=1.0, device=torch.device("cpu"))
+        _unscale_and_clip_grads(opt, ours, total)
+        DeepSpeedZeroOptimizer.unscale_and_clip_grads(opt, theirs, total)
+        for a, b in zip(ours, theirs):
+            for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+                assert torch.equal(x, y), (norm, clip, x, y)

@@ -106,9 +106,14 @@ def build_task_data(cfg, *, rank: int, world_size: int):
 
 
 def to_model_inputs(batch: dict, device: torch.device) -> dict:
-    """Reader batch -> model kwargs; packed documents (cu_seqlens) are laid out as one (1, B*T) row."""
-    ids, tgt = batch["input_ids"].to(device, non_blocking=True), batch["targets"].to(device, non_blocking=True)
+    """Reader batch -> model kwargs; packed documents (cu_seqlens) are laid out as one (1, B*T) row. On CUDA the
+    tensors go through pinned memory, so that their copies are queued without waiting for the device."""
+    def move(t):
+        if device.type == "cuda" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
+    ids, tgt = move(batch["input_ids"]), move(batch["targets"])
     if "cu_seqlens" in batch:
-        return {"input_ids": ids.reshape(1, -1), "targets": tgt.reshape(1, -1),
-                "cu_seqlens": batch["cu_seqlens"].to(device)}
+        return {"input_ids": ids.reshape(1, -1), "targets": tgt.reshape(1, -1), "cu_seqlens": move(batch["cu_seqlens"])}
     return {"input_ids": ids, "targets": tgt}

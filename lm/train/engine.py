@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import types
 from pathlib import Path
 
 import torch
@@ -133,7 +134,6 @@ def _fused_zero_grad_checks(opt) -> None:
     if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or getattr(opt, "has_moe_layers", False):
         return
     from deepspeed import comm as ds_dist
-    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
     dev = opt.device
 
@@ -157,13 +157,33 @@ def _fused_zero_grad_checks(opt) -> None:
             sq = torch.zeros((), dtype=torch.float32, device=dev)
         ds_dist.all_reduce(sq, op=ds_dist.ReduceOp.SUM, group=opt.dp_process_group)
         opt._model_parallel_all_reduce(tensor=sq, op=ds_dist.ReduceOp.SUM)
+        # DeepSpeed's invalid-norm sentinel -1 (its mask_nan_or_inf_with_val_inplace fills with a tensor made on
+        # the host: two waits for the device per call)
         total = sq.sqrt()
-        mask_nan_or_inf_with_val_inplace(total, device=dev)
-        return total
+        return total.masked_fill_(~torch.isfinite(total), -1.0)
 
     opt.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
     opt.get_grad_norm_direct = get_grad_norm_direct
+    opt.unscale_and_clip_grads = types.MethodType(_unscale_and_clip_grads, opt)
     _skip_on_device(opt)
+
+
+def _unscale_and_clip_grads(opt, grad_groups_flat, total_norm) -> None:
+    """DeepSpeed's ZeRO-1/2 unscale_and_clip_grads without its host test of the norm (`bool(...)` of a device
+    tensor, a wait for the backward in every step): an invalid norm (not finite, or the sentinel -1) clips with an
+    infinite norm, as DeepSpeed's does, but chosen on the device."""
+    if opt.clip_grad == 0.0 and opt.loss_scale == 1.0:
+        return
+    combined_scale = opt.loss_scale
+    if opt.clip_grad > 0.0:
+        clip_norm = torch.where(torch.isfinite(total_norm) & (total_norm >= 0), total_norm,
+                                torch.full_like(total_norm, float("inf")))  # (a tensor, as DeepSpeed's step gives)
+        clip = ((clip_norm / opt.loss_scale) + 1e-6) / opt.clip_grad
+        clip = torch.clamp(clip, min=1.0)
+        combined_scale = clip * opt.loss_scale
+    for grad in grad_groups_flat:
+        for g in (grad if isinstance(grad, list) else [grad]):
+            g.data.mul_(1.0 / combined_scale)
 
 
 def _skip_on_device(opt) -> None:

@@ -378,14 +378,16 @@ def _results(losses, applied, grad_norm, dist: Dist, n_micro: int, signalled: bo
     one float64 tensor, queued right behind the step: on CUDA copied to pinned host memory without waiting, with an
     event after the copy, so that reading it later waits for this step only, not for whatever was queued after it."""
     dev = losses.device
+
+    def const(v):  # filled on the device: a tensor made from a Python number is a copy that waits for the stream
+        return torch.full((), float(v), dtype=torch.float64, device=dev)
+
     finite = torch.isfinite(losses)
     summed = torch.stack([torch.where(finite, losses, torch.zeros_like(losses)).sum().double(),
-                          (~finite).sum().double(), torch.tensor(float(n_micro), dtype=torch.float64, device=dev),
-                          torch.tensor(float(signalled), dtype=torch.float64, device=dev),
-                          torch.tensor(float(clock_s), dtype=torch.float64, device=dev)])
+                          (~finite).sum().double(), const(n_micro), const(signalled), const(clock_s)])
     dist.all_reduce_(summed)
-    same = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (applied, grad_norm)]
-    vals = torch.cat([summed, torch.stack([v.to(dev, torch.float64) for v in same])])
+    same = [v.to(dev, torch.float64) if isinstance(v, torch.Tensor) else const(v) for v in (applied, grad_norm)]
+    vals = torch.cat([summed, torch.stack(same)])
     if vals.device.type != "cuda":
         return vals, None
     host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
