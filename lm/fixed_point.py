@@ -16,6 +16,7 @@ Used by the implicit block stacks (paper 003: the whole stack is z <- F(z, inj(x
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -33,13 +34,14 @@ class FixedPointStats:
     def converged_fraction(self) -> float:
         return float(self.converged.float().mean()) if self.converged.numel() else float("nan")
 
-    def as_dict(self) -> dict:
-        """Python floats for logging (one device-to-host copy for all of them)."""
-        if self.residual.numel():
-            vals = torch.stack([self.sample_iterations.double().mean(), self.residual.double().mean(),
-                                self.residual.double().max(), self.converged.double().mean()]).tolist()
-        else:
-            vals = [float("nan")] * 4
+    def _values(self) -> torch.Tensor | None:
+        if not self.residual.numel():
+            return None
+        return torch.stack([self.sample_iterations.double().mean(), self.residual.double().mean(),
+                            self.residual.double().max(), self.converged.double().mean()])
+
+    def _dict(self, vals: list[float] | None) -> dict:
+        vals = vals or [float("nan")] * 4
         return {
             "iterations": float(self.iterations),
             "mean_sample_iterations": vals[0],
@@ -47,6 +49,15 @@ class FixedPointStats:
             "residual_max": vals[2],
             "converged": vals[3] if self.tol is not None else float("nan"),
         }
+
+    def as_dict(self) -> dict:
+        """Python floats for logging (one device-to-host copy for all of them)."""
+        vals = self._values()
+        return self._dict(None if vals is None else vals.tolist())
+
+    def as_mapping(self) -> "LazyStats":
+        """as_dict's values without waiting for the device now (see LazyStats)."""
+        return LazyStats(self)
 
     @staticmethod
     def merge(stats: list["FixedPointStats"]) -> dict:
@@ -57,6 +68,46 @@ class FixedPointStats:
         out = {k: sum(d[k] for d in dicts) / len(dicts) for k in dicts[0]}
         out["residual_max"] = max(d["residual_max"] for d in dicts)
         return out
+
+
+class LazyStats(Mapping):
+    """A solve's logging values (the keys of FixedPointStats.as_dict) that do not make the host wait for the device
+    where they are made: on CUDA the values are copied to pinned host memory right behind the solve, with an event,
+    and the first lookup waits for that event only. A training step hands these to the trainer, which reads them
+    with the step's results, after the next step is queued; reading them in the forward (`.tolist()`) would stop
+    the host there until the device had run the whole solve."""
+
+    def __init__(self, stats: FixedPointStats):
+        self._stats, self._read = stats, None
+        vals = stats._values()
+        self._event = None
+        if vals is not None and vals.is_cuda:
+            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            vals = host
+        self._vals = vals
+
+    def _get(self) -> dict:
+        if self._read is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._read = self._stats._dict(None if self._vals is None else self._vals.tolist())
+            self._stats = self._vals = self._event = None
+        return self._read
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return f"LazyStats({self._get()!r})"
 
 
 NORMS = ("l2", "inf", "inf_rows")

@@ -165,3 +165,18 @@ def test_free_phase_masks_nothing_before_a_sample_converges(monkeypatch):
     assert not st.converged.any() and st.iterations == 5
     assert wheres[0] == 1  # the last iteration's freeze, decided without a sync
     assert torch.equal(z, _plain_iteration(f, z0, 5))
+
+
+@pytest.mark.parametrize("tol", [None, 0.05])
+def test_lazy_stats_equal_as_dict(tol):
+    """as_mapping() is as_dict() looked up later: the same keys and values, read once."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(8, 8, generator=gen) * 0.1
+    x = torch.randn(5, 8, generator=gen)
+    z, st = solve(lambda z: torch.tanh(z @ w + x), torch.zeros(5, 8), max_iter=7, tol=tol)
+    lazy = st.as_mapping()
+    assert isinstance(lazy, fp.LazyStats) and lazy._read is None  # nothing read yet
+    assert str(dict(lazy)) == str(st.as_dict()) and lazy["iterations"] == st.as_dict()["iterations"]  # (NaNs)
+    assert lazy.get("missing", 3) == 3 and set(lazy) == set(st.as_dict()) and len(lazy) == 5
+    empty = fp.FixedPointStats(0, torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.bool), tol)
+    assert str(dict(empty.as_mapping())) == str(empty.as_dict())  # (NaNs)

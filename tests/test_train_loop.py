@@ -231,6 +231,40 @@ def test_steps_read_one_behind(tmp_path, corpus, monkeypatch):
     assert losses == _losses(ref)[0]
 
 
+def test_solver_stats_read_with_the_step_one_behind(tmp_path, corpus, monkeypatch):
+    """An implicit model's solver statistics (a lazy mapping: on CUDA a copy behind the solve, read on first lookup)
+    are not looked into in the forward or the step, only where the loop reads the step, after the next step is
+    queued; the logged values equal those of the loop that reads at once."""
+    import lm.fixed_point as fp
+    import lm.train.trainer as trainer
+
+    ref = tmp_path / "at_once"
+    train(_cfg(ref, corpus))
+    monkeypatch.setattr(trainer, "_one_behind", lambda dist: True)
+    events = []
+    get = fp.LazyStats._get
+
+    def spy_get(self):
+        if self._read is None:
+            events.append("stats read")
+        return get(self)
+
+    def spy_forward(step, micro, out):
+        assert isinstance(out.fixed_point_stats, fp.LazyStats)
+        events.append(f"forward {step + 1}")
+        return out
+
+    monkeypatch.setattr(fp.LazyStats, "_get", spy_get)
+    run = tmp_path / "behind"
+    train(_cfg(run, corpus), hooks={"after_forward": spy_forward})
+    # 2 micro-batches per step; step k's stats are read after step k + 1's forwards (the last step: at the end)
+    assert events[:6] == ["forward 1", "forward 1", "forward 2", "forward 2", "stats read", "stats read"], events
+    fp_keys = [k for k in _losses(ref)[1][1] if k.startswith("fp/")]
+    assert fp_keys
+    steps = lambda recs: [{k: r[k] for k in fp_keys} for r in recs if "event" not in r]  # noqa: E731
+    assert str(steps(_losses(run)[1])) == str(steps(_losses(ref)[1]))  # (NaN where a phase has no tolerance)
+
+
 def test_bad_input_messages(tmp_path, corpus):
     # missing data: the exact prepare command
     with pytest.raises(ValueError, match=r"lm prepare-data --input shakespeare --output .*shakespeare"):

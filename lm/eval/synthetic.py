@@ -41,7 +41,7 @@ def _iteration_stats(stats: dict | None) -> dict:
 def evaluate(model, task: Task, lengths, examples: int, batch_size: int, seed: int, device: torch.device,
              precision: str = "fp32") -> dict:
     """Accuracy per length on a fixed evaluation set (seeded by (seed, length)), iterations per length.
-    `model(input_ids=...)` returns `.logits` (B, T, V) and `.fixed_point_stats` (a dict or None)."""
+    `model(input_ids=...)` returns `.logits` (B, T, V) and `.fixed_point_stats` (a mapping or None)."""
     was_training = model.training
     model.eval()
     results = {}

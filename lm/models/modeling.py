@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 from functools import partial
 from typing import Optional
 
@@ -150,7 +151,7 @@ class LMOutput(CausalLMOutputWithPast):
     """transformers' causal-LM output (loss, logits, the cache, hidden states) plus the fixed-point solver's
     statistics of implicit models."""
 
-    fixed_point_stats: Optional[dict] = None
+    fixed_point_stats: Optional[Mapping] = None  # the solver's statistics (lm.fixed_point.LazyStats or a dict)
 
 
 class LMPreTrainedModel(PreTrainedModel):
@@ -305,24 +306,26 @@ class LMModel(LMPreTrainedModel):
                              "build the model from a config with implicit={...} instead of setting it afterwards")
         if cache is not None:
             cache.prefill = resolve_prefill(prefill, self.config)
-        stats: dict = {}
+        solver = None  # the stack's solve: a mapping read lazily (no wait for the device in the forward)
         if settings is None:
             h = self._stack(emb, None, cache, cu_seqlens, self._shared(emb, cache, cu_seqlens))
         elif cache is None:
             h, st = self._simultaneous(emb, settings, cu_seqlens)
-            stats.update(st.as_dict())
+            solver = st.as_mapping()
         elif input_ids.shape[1] > 1 and cache.prefill == "parallel":
             h, st = self._parallel_prefill(emb, settings, cache)
-            stats.update(st.as_dict())
+            solver = st.as_mapping()
         else:
-            h, st = self._sequential(emb, settings, cache)
-            stats.update(st)
+            h, solver = self._sequential(emb, settings, cache)
+            solver = solver or None  # (a dict)
         if cache is not None and settings is None:
             cache.seen_tokens += input_ids.shape[1]
         inner = self._mixer_stats()
-        if inner:
-            stats.update({f"layer_{k}": v for k, v in FixedPointStats.merge(inner).items()})
-        return h, (stats or None)
+        if not inner:
+            return h, solver
+        stats = dict(solver or {})
+        stats.update({f"layer_{k}": v for k, v in FixedPointStats.merge(inner).items()})
+        return h, stats
 
     def set_solver(self, settings: ImplicitSettings) -> None:
         """Switch the fixed-point solver settings (a curriculum phase); every later forward reads them."""

@@ -436,7 +436,7 @@ def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: 
         if "after_forward" in hooks:
             out = hooks["after_forward"](step, micro, out)
         losses.append(out.loss.detach().float())  # read after the step: no sync per micro-batch
-        if out.fixed_point_stats:
+        if out.fixed_point_stats is not None:  # (a lazy mapping: not looked into before the step is read)
             fp_stats.append(out.fixed_point_stats)
         engine.backward(out.loss)
         stacked = torch.stack(losses) if micro == accumulation - 1 else None
