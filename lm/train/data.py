@@ -109,7 +109,7 @@ def to_model_inputs(batch: dict, device: torch.device) -> dict:
     """Reader batch -> model kwargs; packed documents (cu_seqlens) are laid out as one (1, B*T) row. On CUDA the
     tensors go through pinned memory, so that their copies are queued without waiting for the device."""
     def move(t):
-        if device.type == "cuda" and not t.is_pinned():
+        if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
             t = t.pin_memory()
         return t.to(device, non_blocking=True)
 
