@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from .host_copy import queue_to_host, read_host
+
 
 @dataclasses.dataclass
 class FixedPointStats:
@@ -80,21 +82,12 @@ class LazyStats(Mapping):
     def __init__(self, stats: FixedPointStats):
         self._stats, self._read = stats, None
         vals = stats._values()
-        self._event = None
-        if vals is not None and vals.is_cuda:
-            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
-            host.copy_(vals, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            vals = host
-        self._vals = vals
+        self._pending = None if vals is None else queue_to_host(vals)
 
     def _get(self) -> dict:
         if self._read is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._read = self._stats._dict(None if self._vals is None else self._vals.tolist())
-            self._stats = self._vals = self._event = None
+            self._read = self._stats._dict(None if self._pending is None else read_host(self._pending))
+            self._stats = self._pending = None
         return self._read
 
     def __getitem__(self, key):

@@ -114,9 +114,6 @@ class _Waits:
         torch.cuda.set_sync_debug_mode("warn")
         self.active = True
 
-    def stepped(self, seconds: float):
-        pass
-
     def stop(self, rank: int):
         self.active = False
         torch.cuda.set_sync_debug_mode(0)
@@ -158,7 +155,7 @@ def main(argv=None) -> None:
             rec.start()
         t0 = time.perf_counter()
         out = step_fn(*a, **k)
-        if args.first <= i < args.first + args.steps and not args.sync:
+        if args.first <= i < args.first + args.steps and not args.sync:  # (the profile's synced wall times)
             sync()
             rec.stepped(time.perf_counter() - t0)
         if i == args.first + args.steps - 1:

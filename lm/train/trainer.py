@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..host_copy import queue_to_host, read_host
 from . import checkpoint as ckpt
 from .budget import TimeBudget
 from .config import TrainConfig
@@ -387,12 +388,7 @@ def _results(losses, applied, grad_norm, dist: Dist, n_micro: int, signalled: bo
                           (~finite).sum().double(), const(n_micro), const(signalled), const(clock_s)])
     dist.all_reduce_(summed)
     same = [v.to(dev, torch.float64) if isinstance(v, torch.Tensor) else const(v) for v in (applied, grad_norm)]
-    vals = torch.cat([summed, torch.stack(same)])
-    if vals.device.type != "cuda":
-        return vals, None
-    host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
-    host.copy_(vals, non_blocking=True)
-    return host, _device_marker(vals.device)
+    return queue_to_host(torch.cat([summed, torch.stack(same)]))
 
 
 def _device_marker(device) -> "torch.cuda.Event | None":
@@ -418,10 +414,7 @@ def _step_seconds(p: _Pending, now: float, last_read: float) -> float:
 def _read_step(p: _Pending) -> tuple[float, float, float, bool, bool, float, float]:
     """The values of _results, once the step has run: (loss sum, non-finite count, micro-batches, stop, applied,
     grad norm, sum of the ranks' clocks)."""
-    vals, event = p.results
-    if event is not None:
-        event.synchronize()
-    loss_sum, nonfinite, n_micro, stops, clock_s, applied, norm = vals.tolist()
+    loss_sum, nonfinite, n_micro, stops, clock_s, applied, norm = read_host(p.results)
     return loss_sum, nonfinite, n_micro, stops > 0, bool(applied), norm, clock_s
 
 
