@@ -450,6 +450,8 @@ def test_one_pass_backward_crosses_tiles_and_chunks(t, w, state, cu, add, act, c
     from lm_kernels.conv1d import triton_conv1d as T
 
     monkeypatch.setattr(T, "_bwd_chunk", lambda *a: chunk)
+    monkeypatch.setattr(T, "_bwd_scratch", lambda programs, c, device, dtype: torch.full(
+        (programs, 3 * T._BWD_BT_MAX, c), float("nan"), device=device, dtype=dtype))
     c = 20
     proj, w3, bi, st = make_inputs(1, t, c, w, state=state, dtype=torch.float64)
     kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32) if cu else None, activation=act)

@@ -205,58 +205,36 @@ def conv_fwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
 
 
 @triton.jit
-def _x_at(x_ptr, xa_ptr, s_ptr, rows, row0, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
-          W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
-    """The input at rows (BT,) (row0 <= every row), a (BT, BC) tile in ACC (_load_in)."""
-    return _load_in(x_ptr, xa_ptr, s_ptr, rows[:, None], row0, offs_c[None, :], mask_c[None, :], T, stride_xt,
-                    stride_at, stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-
-
-@triton.jit
-def _tapped(v, pos, j: tl.constexpr, VARLEN: tl.constexpr):
-    """Tap j's operand v = input[q - j] at rows q whose position in their document is pos: zero where the tap
-    crosses the document's start."""
-    if VARLEN:
-        v = tl.where((pos >= j)[:, None], v, 0.0)
+def _rows_in(x_ptr, xa_ptr, rows, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
+    """x (+ x_add, summed in ACC and rounded to x's dtype) at rows 0 <= rows < T, zero elsewhere, in x's dtype: the
+    tile the backward fetches one step ahead (exactly _load_in's value, kept in half the registers)."""
+    XDT: tl.constexpr = x_ptr.dtype.element_ty
+    m = ((rows >= 0) & (rows < T))[:, None] & mask_c[None, :]
+    r64 = rows[:, None].to(tl.int64)
+    v = tl.load(x_ptr + r64 * stride_xt + offs_c[None, :], mask=m, other=0.0)
+    if HAS_ADD:
+        a = tl.load(xa_ptr + r64 * stride_at + offs_c[None, :], mask=m, other=0.0)
+        v = (v.to(ACC) + a.to(ACC)).to(XDT)
     return v
 
 
 @triton.jit
-def _g(dy_ptr, rows, offs_c, mask_c, T, stride_dt, z, SILU: tl.constexpr, ACC: tl.constexpr):
-    """g = dy * act'(z) at rows (BT,) in ACC, zero outside [0, T) (an inf z there would give 0 * nan)."""
-    live = ((rows >= 0) & (rows < T))[:, None] & mask_c[None, :]
-    g = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dt + offs_c[None, :], mask=live, other=0.0).to(ACC)
-    if SILU:
-        sig = 1.0 / (1.0 + tl.exp(-z))
-        g = tl.where(live, g * sig * (1.0 + z * (1.0 - sig)), 0.0)
-    return g
-
-
-@triton.jit
-def _pos(cu_ptr, rows, N_SEQ, LOG_N, VARLEN: tl.constexpr):
-    """Position of each row inside its document (the row itself without packed documents)."""
-    pos = rows
-    if VARLEN:
-        pos = rows - _doc_start(cu_ptr, rows, N_SEQ, LOG_N)
-    return pos
-
-
-@triton.jit
-def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, ds_ptr, part_ptr,
+def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, ds_ptr, part_ptr, scr_ptr,
                     T, C, N_SEQ, LOG_N, CHUNK,
                     stride_xb, stride_xt, stride_ab, stride_at, stride_sb, stride_sc, stride_sk, stride_wc,
                     stride_wk, stride_db, stride_dt, stride_dxb, stride_dxt, stride_ob, stride_oc, stride_ok,
-                    stride_pb, stride_pc, stride_pk,
+                    stride_pb, stride_pc, stride_pk, stride_rb, stride_rt,
                     W: tl.constexpr, WP: tl.constexpr, BS: tl.constexpr, HAS_STATE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr,
                     STATE_GRAD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """The whole backward of CHUNK rows x BC channels (module docstring): dx, the per-program dweight / dbias
-    partial sums, and (first chunk, STATE_GRAD) the conv state's gradient. Tiles are independent: dx[p] =
-    sum_s w_s g[p + s] takes g at the shifted rows p + s from dy[p + s] and z[p + s], recomputed from a window of
-    the inputs at rows p - (W-1) .. p + W-1, each loaded once (2W - 1 tile loads, all but one L1 hits, and W loads
-    of dy); the window is renamed, not moved, as s grows (v_k = input[p + s - k]). The partials are kept per row,
-    one (BT, BC) accumulator per tap (W <= 8; the unused ones are dead code), and summed over the rows once after
-    the loop."""
+    partial sums, and (first chunk, STATE_GRAD) the conv state's gradient. The partials are kept per row,
+    one (BT, BC) accumulator per tap (W <= 8; the unused ones are dead code), and summed over the rows once
+    after the loop: no cross-row reduction per step and tap (H100: 0.19 vs 0.52 ms at B8 T2048 C2304 W4,
+    lm_kernels/conv1d/BENCH.md). One (W, BT, BC) accumulator fed by a 3-D load instead gave wrong dweight on
+    the H100 at W = 3 with a conv state (right in the interpreter), so the taps are unrolled by hand.
+    scr_ptr: this launch's float32 scratch, (programs along t and b) x (>= 3 BT rows) x C."""
+    tl.static_assert(BS <= BT)  # the state's gradient reads g at rows 0..W-2, all in tile 0
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
@@ -266,135 +244,112 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
     dx_ptr += pid_b * stride_dxb
     offs_c = pid_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
+    scr = scr_ptr + (pid_b * tl.num_programs(0) + pid_t) * stride_rb + offs_c[None, :]  # + slot row * stride_rt
+    RING: tl.constexpr = 3 * BT
     w0, w1, w2, w3, w4, w5, w6, w7, bias = _weights(w_ptr, b_ptr, offs_c, mask_c, stride_wc, stride_wk, W, HAS_BIAS,
                                                     XDT, ACC, BC)
     kidx = tl.arange(0, WP)  # weight column k = tap W-1-k
     i = tl.arange(0, BT)
-    zero = tl.zeros((BT, BC), dtype=ACC)
-    a0 = zero
-    a1 = zero
-    a2 = zero
-    a3 = zero
-    a4 = zero
-    a5 = zero
-    a6 = zero
-    a7 = zero
-    db2 = zero
+    a0 = tl.zeros((BT, BC), dtype=ACC)
+    a1 = tl.zeros((BT, BC), dtype=ACC)
+    a2 = tl.zeros((BT, BC), dtype=ACC)
+    a3 = tl.zeros((BT, BC), dtype=ACC)
+    a4 = tl.zeros((BT, BC), dtype=ACC)
+    a5 = tl.zeros((BT, BC), dtype=ACC)
+    a6 = tl.zeros((BT, BC), dtype=ACC)
+    a7 = tl.zeros((BT, BC), dtype=ACC)
+    db2 = tl.zeros((BT, BC), dtype=ACC)
     t_start = pid_t * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
-    for t0 in tl.range(t_start, t_end, BT):
+    n_tiles = tl.cdiv(t_end - t_start, BT)
+    # tile 0's own rows (tap 0 and dy), fetched ahead like every later tile's
+    xn = _rows_in(x_ptr, xa_ptr, t_start + i, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    dyn = tl.load(dy_ptr + (t_start + i)[:, None].to(tl.int64) * stride_dt + offs_c[None, :],
+                  mask=((t_start + i) < T)[:, None] & mask_c[None, :], other=0.0)
+    nxt_p = tl.zeros_like(i) + T
+    g_p = tl.zeros((BT, BC), dtype=ACC)  # the previous tile's g
+    # The tiles from the chunk's first to its last, then one more (the next chunk's first rows: the g the last tile's
+    # dx needs). Step `it` forms tile it's g and the dx of tile it - 1 (rows p need g[p + s], s < W, from the next
+    # tile). num_stages=1: no software pipelining, which could hoist the scratch loads above the barrier; the next
+    # tile's own rows are fetched by hand instead, one step ahead, so that their DRAM latency overlaps this step.
+    for it in tl.range(0, n_tiles + 1, num_stages=1):
+        t0 = t_start + it * BT
         rows = t0 + i
+        pos = rows
         nxt = tl.zeros_like(rows) + T
         if VARLEN:
-            nxt = tl.load(cu_ptr + _doc_index(cu_ptr, rows, N_SEQ, LOG_N) + 1).to(tl.int32)  # the next doc's start
-        # the window v_k = input[p - k] for s = 0
-        v0 = _x_at(x_ptr, xa_ptr, s_ptr, rows, t0, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
-                   W, HAS_STATE, HAS_ADD, ACC)
-        v1 = zero
-        v2 = zero
-        v3 = zero
-        v4 = zero
-        v5 = zero
-        v6 = zero
-        v7 = zero
-        if W > 1:
-            v1 = _x_at(x_ptr, xa_ptr, s_ptr, rows - 1, t0 - 1, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                       stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-        if W > 2:
-            v2 = _x_at(x_ptr, xa_ptr, s_ptr, rows - 2, t0 - 2, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                       stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-        if W > 3:
-            v3 = _x_at(x_ptr, xa_ptr, s_ptr, rows - 3, t0 - 3, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                       stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-        if W > 4:
-            v4 = _x_at(x_ptr, xa_ptr, s_ptr, rows - 4, t0 - 4, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                       stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-        if W > 5:
-            v5 = _x_at(x_ptr, xa_ptr, s_ptr, rows - 5, t0 - 5, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                       stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-        if W > 6:
-            v6 = _x_at(x_ptr, xa_ptr, s_ptr, rows - 6, t0 - 6, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                       stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-        if W > 7:
-            v7 = _x_at(x_ptr, xa_ptr, s_ptr, rows - 7, t0 - 7, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                       stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-        dx = zero
-        for s in tl.static_range(W):
-            q = rows + s
-            if s > 0:  # slide the window one row: v_k = input[q - k]
-                v7 = v6
-                v6 = v5
-                v5 = v4
-                v4 = v3
-                v3 = v2
-                v2 = v1
-                v1 = v0
-                v0 = _x_at(x_ptr, xa_ptr, s_ptr, q, t0 + s, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                           stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-            pos = _pos(cu_ptr, q, N_SEQ, LOG_N, VARLEN)
-            z = zero
-            if SILU:  # z[q] = sum_j w_j input[q - j] (+ bias)
-                z = w0 * v0
-                if W > 1:
-                    z += w1 * _tapped(v1, pos, 1, VARLEN)
-                if W > 2:
-                    z += w2 * _tapped(v2, pos, 2, VARLEN)
-                if W > 3:
-                    z += w3 * _tapped(v3, pos, 3, VARLEN)
-                if W > 4:
-                    z += w4 * _tapped(v4, pos, 4, VARLEN)
-                if W > 5:
-                    z += w5 * _tapped(v5, pos, 5, VARLEN)
-                if W > 6:
-                    z += w6 * _tapped(v6, pos, 6, VARLEN)
-                if W > 7:
-                    z += w7 * _tapped(v7, pos, 7, VARLEN)
-                if HAS_BIAS:
-                    z += bias
-            g = _g(dy_ptr, q, offs_c, mask_c, T, stride_dt, z, SILU, ACC)
-            if s == 0:  # the tile's own rows: a_j[p] += g[p] * input[p - j], per-row partials summed after the loop
-                a0 += g * v0
-                if W > 1:
-                    a1 += g * _tapped(v1, pos, 1, VARLEN)
-                if W > 2:
-                    a2 += g * _tapped(v2, pos, 2, VARLEN)
-                if W > 3:
-                    a3 += g * _tapped(v3, pos, 3, VARLEN)
-                if W > 4:
-                    a4 += g * _tapped(v4, pos, 4, VARLEN)
-                if W > 5:
-                    a5 += g * _tapped(v5, pos, 5, VARLEN)
-                if W > 6:
-                    a6 += g * _tapped(v6, pos, 6, VARLEN)
-                if W > 7:
-                    a7 += g * _tapped(v7, pos, 7, VARLEN)
-                if HAS_BIAS:
-                    db2 += g
-                dx = w0 * g
-            else:  # tap s of row q = p + s reads row p: unmasked while q is in p's document
-                dx += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * tl.where((q < nxt)[:, None], g, 0.0)
-        tl.store(dx_ptr + rows[:, None].to(tl.int64) * stride_dxt + offs_c[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=(rows < T)[:, None] & mask_c[None, :])
-    if STATE_GRAD:
-        if pid_t == 0:  # inputs at rows r = -(W-1) + kc: sum_s w_s g[r + s] over the rows r + s in 0..W-2
-            kc = tl.arange(0, BS)
-            r = kc - (W - 1)
-            ds = tl.zeros((BS, BC), dtype=ACC)
+            d = _doc_index(cu_ptr, rows, N_SEQ, LOG_N)
+            pos = rows - tl.load(cu_ptr + d).to(tl.int32)
+            nxt = tl.load(cu_ptr + d + 1).to(tl.int32)  # the next document's start (T for the last one)
+        xc = xn.to(ACC)
+        live = (rows < T)[:, None] & mask_c[None, :]
+        g = dyn.to(ACC)
+        xn = _rows_in(x_ptr, xa_ptr, rows + BT, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        dyn = tl.load(dy_ptr + (rows + BT)[:, None].to(tl.int64) * stride_dt + offs_c[None, :],
+                      mask=((rows + BT) < T)[:, None] & mask_c[None, :], other=0.0)
+        if SILU:  # z = sum_j w_j input[p - j] (+ bias): tap 0 is the fetched tile, taps j >= 1 mostly L1 hits
+            z = w0 * xc
+            for j in tl.static_range(1, W):
+                z += _pick(j, w0, w1, w2, w3, w4, w5, w6, w7) * _tap_in(
+                    x_ptr, xa_ptr, s_ptr, rows, t0, pos, j, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                    stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
+            if HAS_BIAS:
+                z += bias
+            sig = 1.0 / (1.0 + tl.exp(-z))
+            g = tl.where(live, g * sig * (1.0 + z * (1.0 - sig)), 0.0)  # (an inf z past T would give 0 * nan)
+        gm = tl.where((rows < t_end)[:, None], g, 0.0)  # the chunk's own rows only: the last step's belong to the next
+        a0 += gm * xc
+        for j in tl.static_range(1, W):  # a_j[p] += g[p] * input[p - j]: per-row partials, summed after the loop
+            v = _tap_in(x_ptr, xa_ptr, s_ptr, rows, t0, pos, j, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                        stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
+            if j == 1:
+                a1 += gm * v
+            elif j == 2:
+                a2 += gm * v
+            elif j == 3:
+                a3 += gm * v
+            elif j == 4:
+                a4 += gm * v
+            elif j == 5:
+                a5 += gm * v
+            elif j == 6:
+                a6 += gm * v
+            else:
+                a7 += gm * v
+        if HAS_BIAS:
+            db2 += gm
+        base = (it % 3) * BT
+        tl.store(scr + (base + i)[:, None] * stride_rt, g, mask=mask_c[None, :])
+        # the one barrier per step: makes this store visible to the loads below; the slot it overwrote was last read
+        # two steps ago (the dx of tile it - 3), before the previous step's barrier
+        tl.debug_barrier()
+        if it > 0:  # dx[p] = sum_s w_s g[p + s] for the previous tile's rows p, w_s = weight[:, W-1-s]
+            rows_p = rows - BT
+            base_p = ((it - 1) % 3) * BT
+            dx = w0 * g_p  # tap 0 from the registers, taps s >= 1 from the ring
             for s in tl.static_range(1, W):
-                q = r + s
-                pos = _pos(cu_ptr, q, N_SEQ, LOG_N, VARLEN)
-                z = tl.zeros((BS, BC), dtype=ACC)
-                if SILU:
-                    for j in tl.static_range(W):
-                        z += _pick(j, w0, w1, w2, w3, w4, w5, w6, w7) * _tapped(
-                            _x_at(x_ptr, xa_ptr, s_ptr, q - j, 1 - W - j, offs_c, mask_c, T, stride_xt, stride_at,
-                                  stride_sc, stride_sk, W, HAS_STATE, HAS_ADD, ACC), pos, j, VARLEN)
-                    if HAS_BIAS:
-                        z += bias
-                g = _g(dy_ptr, q, offs_c, mask_c, T, stride_dt, z, SILU, ACC)
-                ds += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * _tapped(g, pos, s, VARLEN)
-            tl.store(ds_ptr + pid_b * stride_ob + kc[:, None] * stride_ok + offs_c[None, :] * stride_oc,
-                     ds.to(ds_ptr.dtype.element_ty), mask=(kc < W - 1)[:, None] & mask_c[None, :])
+                r = base_p + s + i
+                r = tl.where(r >= RING, r - RING, r)
+                ok = (rows_p + s < nxt_p) & (rows_p + s < T)
+                gs = tl.load(scr + r[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
+                dx += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
+            tl.store(dx_ptr + rows_p[:, None].to(tl.int64) * stride_dxt + offs_c[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=(rows_p < T)[:, None] & mask_c[None, :])
+        if STATE_GRAD:
+            if (it == 0) & (pid_t == 0):  # inputs at rows -(W-1)+kc: sum_s w[:, W-1-s] g[q], q = row + s in 0..W-2
+                kc = tl.arange(0, BS)
+                ds = tl.zeros((BS, BC), dtype=ACC)
+                for s in tl.static_range(1, W):
+                    q = kc - (W - 1) + s
+                    ok = (q >= 0) & (q < T)
+                    if VARLEN:
+                        ok = ok & (q - _doc_start(cu_ptr, q, N_SEQ, LOG_N) >= s)
+                    gs = tl.load(scr + q[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
+                    ds += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
+                tl.store(ds_ptr + pid_b * stride_ob + kc[:, None] * stride_ok + offs_c[None, :] * stride_oc,
+                         ds.to(ds_ptr.dtype.element_ty), mask=(kc < W - 1)[:, None] & mask_c[None, :])
+        nxt_p = nxt
+        g_p = g
     dw = tl.zeros((WP, BC), dtype=ACC)  # weight column k = tap W-1-k
     dw = tl.where((kidx == W - 1)[:, None], tl.sum(a0, axis=0)[None, :], dw)
     if W > 1:
