@@ -17,11 +17,35 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int | None, 
         raise ValueError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor (num_seqs + 1,) of offsets "
                          f"[0, ..., seq_len], got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
     if seq_len is not None:
-        cs = cu_seqlens.detach().cpu()
-        if int(cs[0]) != 0 or int(cs[-1]) != seq_len or bool((cs[1:] < cs[:-1]).any()):
-            raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), "
-                             f"got {cs.tolist()}")
+        _check_values(cu_seqlens.detach().cpu(), seq_len, op)
     return cu_seqlens.numel() - 1
+
+
+def _check_values(cs: torch.Tensor, seq_len: int, op: str) -> None:
+    """The offsets `cs` (a CPU tensor) run non-decreasing from 0 to seq_len."""
+    if int(cs[0]) != 0 or int(cs[-1]) != seq_len or bool((cs[1:] < cs[:-1]).any()):
+        raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), "
+                         f"got {cs.tolist()}")
+
+
+def packed_max_seqlen(cu_seqlens: torch.Tensor, batch: int, seq_len: int, op: str,
+                      max_seqlen: int | None = None) -> int:
+    """Check packed offsets as `check_cu_seqlens(..., seq_len, op)` does and return the longest document's length
+    (the model's varlen attention pads the documents to it).
+
+    `max_seqlen` given (an int >= the longest document) says that the caller has checked the offsets' values on the
+    host (`lm.train.data.to_model_inputs` does, before copying them to the device): they are not read again, so the
+    forward never waits for the device here; their shape and dtype are still checked. Without it they are read and
+    checked here: free for a CPU tensor, a copy to the host that waits for the device otherwise."""
+    check_cu_seqlens(cu_seqlens, batch, None, op)
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+            raise ValueError(f"{op}: max_seqlen must be a non-negative int (the longest document's length), "
+                             f"got {max_seqlen!r}")
+        return max_seqlen
+    cs = cu_seqlens.detach().cpu()
+    _check_values(cs, seq_len, op)
+    return int((cs[1:] - cs[:-1]).max())
 
 
 def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:

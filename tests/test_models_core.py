@@ -329,7 +329,7 @@ def test_llama_rotary_tables_once_per_forward_equal_per_layer(implicit, packed, 
         shared = model(ids, cu_seqlens=cu).logits
         n_shared = len(calls)
         calls.clear()
-        monkeypatch.setattr(llama_mod.Attention, "shared_inputs", lambda self, t, c, d, positions=None: {})
+        monkeypatch.setattr(llama_mod.Attention, "shared_inputs", lambda self, t, c, d, **kw: {})
         per_layer = model(ids, cu_seqlens=cu).logits
     assert n_shared == 1
     assert len(calls) >= 2  # every layer call computed its own tables

@@ -69,12 +69,16 @@ class Attention(Mixer):
         # causal QK^T and AV: 2 matmuls of (t x d) average length t/2, 2 FLOPs per MAC
         return 2 * 2 * self.n_heads * self.head_dim * seq_len / 2
 
-    def shared_inputs(self, t: int, cu_seqlens, device, positions=None) -> dict:
-        """The rotary tables (cos, sin), float32 (t, head_dim), computed once per model forward."""
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None) -> dict:
+        """The rotary tables (cos, sin), float32 (t, head_dim), computed once per model forward; with packed documents
+        also the longest one's length (a host int: varlen_causal_attention then reads nothing from the device)."""
         pos = position_in_document(t, cu_seqlens, device) if positions is None else positions
-        return {"rope": rotary_cos_sin(pos, self.head_dim, self.rope_theta, torch.float32)}
+        out = {"rope": rotary_cos_sin(pos, self.head_dim, self.rope_theta, torch.float32)}
+        if cu_seqlens is not None and max_seqlen is not None:
+            out["max_seqlen"] = max_seqlen
+        return out
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None, max_seqlen=None):
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)
         if injection is not None:
@@ -109,18 +113,18 @@ class Attention(Mixer):
             # new tokens attend to all cached ones and causally among themselves
             s = k.shape[2]
             mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
-        return self._attend(q, k, v, mask, cu_seqlens, pos if cu_seqlens is not None else None)
+        return self._attend(q, k, v, mask, cu_seqlens, pos if cu_seqlens is not None else None, max_seqlen)
 
-    def _attend(self, q, k, v, mask, cu_seqlens=None, pos=None):
+    def _attend(self, q, k, v, mask, cu_seqlens=None, pos=None, max_seqlen=None):
         """o_proj(attention of q (b, h, t, d) to k, v (b, h_kv, s, d)): under `mask` (t, s) if given, else causal
-        (s == t) or per packed document (cu_seqlens, pos)."""
+        (s == t) or per packed document (cu_seqlens, pos, max_seqlen)."""
         b, _, t, hd = q.shape
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         if cu_seqlens is not None:
-            o = varlen_causal_attention(q, k, v, cu_seqlens, pos)
+            o = varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen)
         elif mask is not None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -128,19 +132,27 @@ class Attention(Mixer):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * hd))
 
 
-def varlen_causal_attention(q, k, v, cu_seqlens, pos):
+def varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen: int | None = None):
     """Causal attention within each packed document: q, k, v (1, h, n, d), documents given by cu_seqlens,
     pos (n,) each token's position inside its document. The documents are padded into a (num_docs, h, max_len, d) batch and
     run through SDPA's causal path (flash kernels on GPU); memory is num_docs * max_len, not n^2.
-    (Padding sits at the end of each document, so real queries never see padded keys.)"""
+    (Padding sits at the end of each document, so real queries never see padded keys; a longer max_len changes nothing
+    but the work.)
+
+    `max_seqlen`: max_len as a host int, at least the longest document's length (LMModel.forward measures it once per
+    forward, or the data loader before the offsets reach the device); None reads it from cu_seqlens, a wait for the
+    device where they are on one (and a graph break inside a compiled block). It is used exactly, not rounded up: a
+    compiled block sees it as an int input that changes from batch to batch, as the offsets' length does, so dynamo
+    recompiles once with both sizes symbolic (automatic dynamic shapes) and no more; rounding it to a few buckets
+    would not spare that one recompile and would pad more."""
     _, h, n, d = q.shape
     cu = cu_seqlens.to(q.device).long()
-    lens = cu[1:] - cu[:-1]
+    num_docs = cu.shape[0] - 1
     doc = torch.searchsorted(cu[1:], torch.arange(n, device=q.device), right=True)
-    max_len = int(lens.max())
+    max_len = int((cu[1:] - cu[:-1]).max()) if max_seqlen is None else max_seqlen
 
     def pad(t):
-        out = t.new_zeros(len(lens), h, max_len, d)
+        out = t.new_zeros(num_docs, h, max_len, d)
         out[doc, :, pos] = t[0].transpose(0, 1)
         return out
 

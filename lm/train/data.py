@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lm_kernels.varlen import packed_max_seqlen
+
 
 def prepare_command(path: str) -> str:
     source = "shakespeare" if Path(path).name == "shakespeare" else "SOURCE"
@@ -107,13 +109,21 @@ def build_task_data(cfg, *, rank: int, world_size: int):
 
 def to_model_inputs(batch: dict, device: torch.device) -> dict:
     """Reader batch -> model kwargs; packed documents (cu_seqlens) are laid out as one (1, B*T) row. On CUDA the
-    tensors go through pinned memory, so that their copies are queued without waiting for the device."""
+    tensors go through pinned memory, so that their copies are queued without waiting for the device.
+
+    Packed offsets still on the host (as the readers yield them) are checked here, before their copy, and the longest
+    document's length goes with them as `max_seqlen`: the model then reads nothing back from the device in its
+    forward (LMModel.forward), which would otherwise wait there for the step queued before."""
     def move(t):
         if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
             t = t.pin_memory()
         return t.to(device, non_blocking=True)
 
-    ids, tgt = move(batch["input_ids"]), move(batch["targets"])
     if "cu_seqlens" in batch:
-        return {"input_ids": ids.reshape(1, -1), "targets": tgt.reshape(1, -1), "cu_seqlens": move(batch["cu_seqlens"])}
-    return {"input_ids": ids, "targets": tgt}
+        cu = batch["cu_seqlens"]
+        # (offsets already on a device are left to the model to check, which waits for the device)
+        extra = {"max_seqlen": packed_max_seqlen(cu, 1, batch["input_ids"].numel(), "data")} \
+            if cu.device.type == "cpu" else {}
+        return {"input_ids": move(batch["input_ids"]).reshape(1, -1), "targets": move(batch["targets"]).reshape(1, -1),
+                "cu_seqlens": move(cu), **extra}
+    return {"input_ids": move(batch["input_ids"]), "targets": move(batch["targets"])}
