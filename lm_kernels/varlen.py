@@ -17,35 +17,78 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int | None, 
         raise ValueError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor (num_seqs + 1,) of offsets "
                          f"[0, ..., seq_len], got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
     if seq_len is not None:
-        _check_values(cu_seqlens.detach().cpu(), seq_len, op)
+        _check_values(cu_seqlens.detach().cpu().tolist(), seq_len, op)
     return cu_seqlens.numel() - 1
 
 
-def _check_values(cs: torch.Tensor, seq_len: int, op: str) -> None:
-    """The offsets `cs` (a CPU tensor) run non-decreasing from 0 to seq_len."""
-    if int(cs[0]) != 0 or int(cs[-1]) != seq_len or bool((cs[1:] < cs[:-1]).any()):
-        raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), "
-                         f"got {cs.tolist()}")
+def _check_values(cs: list[int], seq_len: int, op: str) -> None:
+    """The offsets `cs` run non-decreasing from 0 to seq_len."""
+    if cs[0] != 0 or cs[-1] != seq_len or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), got {cs}")
+
+
+def check_max_seqlen(max_seqlen, op: str) -> None:
+    """`max_seqlen` (given with packed offsets) is a non-negative int (torch.compile traces a symbolic one as an int:
+    the check guards on its sign, which does not specialise it)."""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"{op}: max_seqlen must be a non-negative int (the longest document's length), "
+                         f"got {max_seqlen!r}")
+
+
+def cpu_offsets(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, op: str) -> torch.Tensor:
+    """The packed offsets on the CPU, for ops that need their values on the host: `cu_seqlens_cpu`, a CPU copy of
+    cu_seqlens the caller holds (the data loader's, from before the copy to the device: reading it does not wait for
+    the device), else cu_seqlens copied back (a wait for the device where it is on one). The caller vouches that the
+    copy holds cu_seqlens's values; its device, dtype and shape are checked."""
+    if cu_seqlens_cpu is None:
+        return cu_seqlens.detach().cpu()
+    if (not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu"
+            or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64) or cu_seqlens_cpu.shape != cu_seqlens.shape):
+        what = (f"{cu_seqlens_cpu.device.type} {cu_seqlens_cpu.dtype} {tuple(cu_seqlens_cpu.shape)}"
+                if isinstance(cu_seqlens_cpu, torch.Tensor) else type(cu_seqlens_cpu).__name__)
+        raise ValueError(f"{op}: cu_seqlens_cpu must be a CPU int32/int64 tensor of cu_seqlens's shape "
+                         f"{tuple(cu_seqlens.shape)} (the same offsets on the host), got {what}")
+    return cu_seqlens_cpu
+
+
+def offset_values(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, seq_len: int, op: str) -> list[int]:
+    """The offsets as a list of ints, read from `cu_seqlens_cpu` where given (see cpu_offsets) and checked to run
+    non-decreasing from 0 to seq_len."""
+    values = cpu_offsets(cu_seqlens, cu_seqlens_cpu, op).tolist()
+    _check_values(values, seq_len, op)
+    return values
+
+
+def packed_offsets(cu_seqlens: torch.Tensor, batch: int, seq_len: int, op: str, max_seqlen: int | None = None,
+                   cu_seqlens_cpu: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+    """Check packed offsets as `check_cu_seqlens(..., seq_len, op)` does; returns the longest document's length
+    (the model's varlen attention pads the documents to it) and the offsets on the CPU where they are at hand (ops
+    that need their values on the host, DeltaProduct's chunk tables, read them there), else None.
+
+    `max_seqlen` given (an int >= the longest document) says that the caller has checked the offsets' values on the
+    host (`lm.train.data.to_model_inputs` does, before copying them to the device): they are not read again, so this
+    never waits for the device; their shape and dtype are still checked. Without it they are read and checked here:
+    from `cu_seqlens_cpu` where given (see cpu_offsets) and free for CPU offsets, else a copy to the host that waits
+    for the device."""
+    check_cu_seqlens(cu_seqlens, batch, None, op)
+    if cu_seqlens_cpu is not None:
+        cpu_offsets(cu_seqlens, cu_seqlens_cpu, op)  # (its device, dtype and shape)
+    elif cu_seqlens.device.type == "cpu":
+        cu_seqlens_cpu = cu_seqlens.detach()
+    if max_seqlen is not None:
+        check_max_seqlen(max_seqlen, op)
+        return max_seqlen, cu_seqlens_cpu
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cpu_offsets(cu_seqlens, None, op)
+    values = cu_seqlens_cpu.tolist()
+    _check_values(values, seq_len, op)
+    return max(b - a for a, b in zip(values, values[1:])), cu_seqlens_cpu
 
 
 def packed_max_seqlen(cu_seqlens: torch.Tensor, batch: int, seq_len: int, op: str,
                       max_seqlen: int | None = None) -> int:
-    """Check packed offsets as `check_cu_seqlens(..., seq_len, op)` does and return the longest document's length
-    (the model's varlen attention pads the documents to it).
-
-    `max_seqlen` given (an int >= the longest document) says that the caller has checked the offsets' values on the
-    host (`lm.train.data.to_model_inputs` does, before copying them to the device): they are not read again, so the
-    forward never waits for the device here; their shape and dtype are still checked. Without it they are read and
-    checked here: free for a CPU tensor, a copy to the host that waits for the device otherwise."""
-    check_cu_seqlens(cu_seqlens, batch, None, op)
-    if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-            raise ValueError(f"{op}: max_seqlen must be a non-negative int (the longest document's length), "
-                             f"got {max_seqlen!r}")
-        return max_seqlen
-    cs = cu_seqlens.detach().cpu()
-    _check_values(cs, seq_len, op)
-    return int((cs[1:] - cs[:-1]).max())
+    """The longest document's length of `packed_offsets` (which see)."""
+    return packed_offsets(cu_seqlens, batch, seq_len, op, max_seqlen)[0]
 
 
 def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm_kernels.deltaproduct import chunk_deltaproduct, deltaproduct_step
+from lm_kernels.varlen import cpu_offsets
 
 from .config import LMConfig
 from .layers import RMSNorm, causal_conv1d, dt_init
@@ -160,6 +161,16 @@ class DeltaProductMixer(Mixer):
         per_row = (c / 2) * (2 * dk + dk + dv + dv) + 3 * dk * dv
         return 2 * self.H * self.nh * per_row
 
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
+                      cu_seqlens_cpu=None) -> dict:
+        """With packed documents, the offsets on the CPU (a CPU int tensor, a graph input of a compiled block like the
+        offsets themselves): the chunk op builds its chunk tables from their values on the host (and checks them
+        there), so that no layer copies the offsets back from the device. Where the forward has no CPU copy, they
+        are copied back here, once per forward."""
+        if cu_seqlens is None:
+            return {}
+        return {"cu_seqlens_cpu": cpu_offsets(cu_seqlens, cu_seqlens_cpu, "model")}
+
     def _short_convs(self, qkv, cu_seqlens):
         """q, k, v = SiLU(conv(.)) of the projection's q / k / v columns, one conv call each (training, no cache),
         so that each comes out in its own contiguous buffer: k and v then reshape to their (t * n_h) step rows as
@@ -170,7 +181,7 @@ class DeltaProductMixer(Mixer):
         return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0]
                 for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, cu_seqlens_cpu=None):
         b, t, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
@@ -212,7 +223,7 @@ class DeltaProductMixer(Mixer):
             o, new_state = chunk_deltaproduct(
                 q, k, v, beta, g, num_householder=nh, initial_state=state.get("state"),
                 output_final_state=cache is not None, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
-                chunk_size=self.chunk_size)
+                chunk_size=self.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
         if cache is not None:
             upd = {"state": new_state}
             if conv_state is not None:

@@ -281,9 +281,10 @@ class FPMambaMixer(Mixer):
         return x + ys if kind == "sum" else x
 
     def layer_map(self, inp: _Inputs, y, *, y_first=None, state=None, keep=None, cu_seqlens=None,
-                  token=False, return_state=False):
+                  token=False, return_state=False, max_seqlen=None):
         """One application of the layer map y^{l-1} -> y^l (module docstring). Returns (y^l, SSM final state
-        or None). `token=True`: a single token (t == 1) through ssd_step from `state` (zeros if None)."""
+        or None). `token=True`: a single token (t == 1) through ssd_step from `state` (zeros if None).
+        `max_seqlen` (with cu_seqlens): the model has checked the offsets, the scan does not read them again."""
         b, t, _ = y.shape
         ys = shift_right(y, y_first, keep)
         xt = inp.x
@@ -310,7 +311,8 @@ class FPMambaMixer(Mixer):
         else:
             out, new_state = ssd_scan(xh, inp.dt, A, B, C, chunk_size=self.chunk_size, D=self.D,
                                       dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
-                                      initial_state=state, cu_seqlens=cu_seqlens, return_final_state=return_state)
+                                      initial_state=state, cu_seqlens=cu_seqlens, return_final_state=return_state,
+                                      max_seqlen=max_seqlen)
         gate = None if self.z_y_proj is not None else inp.z
         return self.norm(out.reshape(b, t, self.d_inner), gate), new_state
 
@@ -339,7 +341,7 @@ class FPMambaMixer(Mixer):
             del self._stats[0]
 
     # --- modes --------------------------------------------------------------------------------------
-    def iterate(self, x, *, injection=None, cu_seqlens=None):
+    def iterate(self, x, *, injection=None, cu_seqlens=None, max_seqlen=None):
         """Parallel mode on the normalised layer input x (b, t, hidden). Returns (y after the n_backwards
         steps, the detached fixed point y*, stats, the layer's x-only inputs, the document mask or None);
         y and y* are (b, t, d_inner), before the output gate / out_proj."""
@@ -349,17 +351,25 @@ class FPMambaMixer(Mixer):
             keep = position_in_document(x.shape[1], cu_seqlens, x.device) > 0
 
         def f(y):
-            return self.layer_map(inp, y, keep=keep, cu_seqlens=cu_seqlens)[0]
+            return self.layer_map(inp, y, keep=keep, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)[0]
 
         y0 = inp.x.new_zeros(inp.x.shape)
         y_star, st = solve(f, y0, **self._solver_args())
         y = phantom(f, y_star, steps=self.fp_config.n_backwards)
         return y, y_star, st, inp, keep
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
+                      cu_seqlens_cpu=None) -> dict:
+        """With packed documents, the longest one's length (a host int): the sign that the model has checked the
+        offsets, so that the scans of the layer's iterations do not read them back to check them again."""
+        if cu_seqlens is None or max_seqlen is None:
+            return {}
+        return {"max_seqlen": max_seqlen}
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None):
         if cache is not None:
             return self._sequential(x, injection, cache, cu_seqlens)
-        y, _, st, inp, keep = self.iterate(x, injection=injection, cu_seqlens=cu_seqlens)
+        y, _, st, inp, keep = self.iterate(x, injection=injection, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         self._record(st)
         return self._output(y, inp, keep=keep)
 

@@ -69,7 +69,7 @@ class Attention(Mixer):
         # causal QK^T and AV: 2 matmuls of (t x d) average length t/2, 2 FLOPs per MAC
         return 2 * 2 * self.n_heads * self.head_dim * seq_len / 2
 
-    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None) -> dict:
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None, cu_seqlens_cpu=None) -> dict:
         """The rotary tables (cos, sin), float32 (t, head_dim), computed once per model forward; with packed documents
         also the longest one's length (a host int: varlen_causal_attention then reads nothing from the device)."""
         pos = position_in_document(t, cu_seqlens, device) if positions is None else positions

@@ -104,7 +104,16 @@ class Mamba2Mixer(Mixer):
         h, p, n = self.nheads, self.headdim, self.d_state
         return 2 * h * (c / 2) * (n + p) + 2 * 2 * h * p * n
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
+                      cu_seqlens_cpu=None) -> dict:
+        """With packed documents, the longest one's length (a host int), which tells the conv-SSD ops that the model
+        has checked the offsets (LMModel.forward): no layer reads them back to check them again (nor, on the
+        reference SSD, to measure the documents)."""
+        if cu_seqlens is None or max_seqlen is None:
+            return {}
+        return {"max_seqlen": max_seqlen}
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None):
         b, t, _ = x.shape
         state = cache.get(self.layer_idx) if cache is not None else {}
         if cache is not None and t == 1 and "ssm" in state:
@@ -122,7 +131,8 @@ class Mamba2Mixer(Mixer):
                 ngroups=self.ngroups, dstate=self.d_state, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
                 dt_limit=self.dt_limit, norm_weight=self.norm.weight, norm_group=self.norm.group_size,
                 eps=self.norm.eps, add=injection, conv_state=state.get("conv"),
-                initial_state=state.get("ssm"), cu_seqlens=cu_seqlens, return_final_state=cache is not None)
+                initial_state=state.get("ssm"), cu_seqlens=cu_seqlens, return_final_state=cache is not None,
+                max_seqlen=max_seqlen)
         else:  # the same three ops one by one (the reference backends, CPU)
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
             z_add = x_add = dt_add = None
@@ -136,7 +146,7 @@ class Mamba2Mixer(Mixer):
             y, ssm = ssd_scan_xbc(xbc, dt, A, headdim=self.headdim, ngroups=self.ngroups, dstate=self.d_state,
                                   chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
                                   dt_limit=self.dt_limit, initial_state=state.get("ssm"), cu_seqlens=cu_seqlens,
-                                  return_final_state=cache is not None)
+                                  return_final_state=cache is not None, max_seqlen=max_seqlen)
             y = self.norm(y.reshape(b, t, self.d_inner), z, z_add=z_add)
         if cache is not None:
             cache.update(self.layer_idx, conv=conv_state, ssm=ssm)

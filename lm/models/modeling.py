@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lm_kernels.varlen import packed_max_seqlen
+from lm_kernels.varlen import packed_offsets
 
 from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache
@@ -70,11 +70,14 @@ class Mixer(nn.Module):
         """Forward FLOPs per token beyond the mixer's Linear layers (attention scores, scans)."""
         return 0.0
 
-    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None) -> dict:
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
+                      cu_seqlens_cpu=None) -> dict:
         """Extra keyword inputs that every layer's forward receives, computed once per model forward
         (not per layer and not per fixed-point iteration); {} for most mixers. `positions` (t,): the tokens'
-        positions when a cache is used (else they start at 0 in every document of cu_seqlens). `max_seqlen`: with
-        cu_seqlens, the longest document's length as a host int (LMModel.forward), or None.
+        positions when a cache is used (else they start at 0 in every document of cu_seqlens). With cu_seqlens
+        (LMModel.forward): `max_seqlen`, the longest document's length as a host int, and `cu_seqlens_cpu`, the
+        offsets on the CPU where the forward has them (else None): a mixer whose ops read the offsets' values
+        (checks, host-built tables) takes them from here, so that no layer waits for the device.
         Attention returns its rotary tables here: computed inside a compiled block, inductor fuses the
         sin/cos into the rotation and evaluates them per element of q and k (~1 ms per layer call at
         16 x 2048 tokens on an H100)."""
@@ -273,13 +276,13 @@ class LMModel(LMPreTrainedModel):
             h, u = run(layer, h, u=u, next_norm=(nxt.weight, nxt.eps, not last), **kw)
         return u
 
-    def _shared(self, h, cache, cu_seqlens, max_seqlen=None) -> dict:
+    def _shared(self, h, cache, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None) -> dict:
         """The mixers' shared inputs for this forward (see Mixer.shared_inputs), at the cache's positions."""
         if not len(self.layers):
             return {}
         pos = cache.positions(h.shape[1], h.device) if cache is not None else None
         return self.layers[0].mixer.shared_inputs(h.shape[1], cu_seqlens, h.device, positions=pos,
-                                                  max_seqlen=max_seqlen)
+                                                  max_seqlen=max_seqlen, cu_seqlens_cpu=cu_seqlens_cpu)
 
     def fixed_point_map(self, inj, cache=None, cu_seqlens=None, shared=None):
         """F(z) = norm_f(blocks(z, inj)): the implicit model's map."""
@@ -292,22 +295,28 @@ class LMModel(LMPreTrainedModel):
         return out
 
     def forward(self, input_ids, *, cache: LMCache | None = None, cu_seqlens=None, max_seqlen: int | None = None,
-                prefill: str | None = None):
+                cu_seqlens_cpu: torch.Tensor | None = None, prefill: str | None = None):
         """Returns (hidden states after the final norm (b, t, d), stats dict or None).
 
         `cu_seqlens`: offsets of packed documents (batch 1), on any device. `max_seqlen`: the longest document's
         length (or more), known on the host, given by a caller that has checked the offsets there
         (lm.train.data.to_model_inputs): then offsets on a device are not read and the forward does not wait for
         the device. Without it they are checked and measured on the host here, once per forward (a wait for the
-        device where they are on one; free for a CPU tensor).
+        device where they are on one and no `cu_seqlens_cpu` is given; free for a CPU tensor).
+        `cu_seqlens_cpu`: the same offsets as a CPU tensor, where the caller has them (to_model_inputs: the reader's,
+        before their copy): mixers whose ops need the offsets' values on the host (DeltaProduct) read them there.
+        Without it a model of such mixers reads offsets on a device back once per forward (here, or in
+        Mixer.shared_inputs where max_seqlen was given), not in every layer.
         `prefill` (implicit models, t > 1 new tokens with a cache): "parallel" solves them together in
         simultaneous mode and commits their states in one pass, "sequential" solves them token by token (the
         generation mode run on the prompt); None = the config's `prefill` field where it has one (FP-Mamba),
         else "parallel"."""
         if cu_seqlens is not None and not torch.compiler.is_compiling():
             # once per forward, here: the compiled blocks' kernels take the offsets unread (no host sync inside a
-            # graph), and attention takes the longest document's length as this host int (Mixer.shared_inputs)
-            max_seqlen = packed_max_seqlen(cu_seqlens, input_ids.shape[0], input_ids.shape[1], "model", max_seqlen)
+            # graph), attention takes the longest document's length as this host int, and ops that need the
+            # offsets' values on the host read their CPU copy (Mixer.shared_inputs)
+            max_seqlen, cu_seqlens_cpu = packed_offsets(cu_seqlens, input_ids.shape[0], input_ids.shape[1], "model",
+                                                        max_seqlen, cu_seqlens_cpu)
         emb = self.embed_tokens(input_ids)
         settings = self.config.implicit
         if settings is not None and self.injection is None:
@@ -317,9 +326,10 @@ class LMModel(LMPreTrainedModel):
             cache.prefill = resolve_prefill(prefill, self.config)
         solver = None  # the stack's solve: a mapping read lazily (no wait for the device in the forward)
         if settings is None:
-            h = self._stack(emb, None, cache, cu_seqlens, self._shared(emb, cache, cu_seqlens, max_seqlen))
+            h = self._stack(emb, None, cache, cu_seqlens,
+                            self._shared(emb, cache, cu_seqlens, max_seqlen, cu_seqlens_cpu))
         elif cache is None:
-            h, st = self._simultaneous(emb, settings, cu_seqlens, max_seqlen)
+            h, st = self._simultaneous(emb, settings, cu_seqlens, max_seqlen, cu_seqlens_cpu)
             solver = st.as_mapping()
         elif input_ids.shape[1] > 1 and cache.prefill == "parallel":
             h, st = self._parallel_prefill(emb, settings, cache)
@@ -368,9 +378,9 @@ class LMModel(LMPreTrainedModel):
             return dict(max_iter=settings.max_iter, tol=settings.tol)
         return dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
 
-    def _simultaneous(self, emb, settings, cu_seqlens, max_seqlen=None):
+    def _simultaneous(self, emb, settings, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None):
         inj = self.injection(emb)
-        f = self.fixed_point_map(inj, None, cu_seqlens, self._shared(emb, None, cu_seqlens, max_seqlen))
+        f = self.fixed_point_map(inj, None, cu_seqlens, self._shared(emb, None, cu_seqlens, max_seqlen, cu_seqlens_cpu))
         z0 = torch.zeros_like(emb)
         # packed sequences: one "sample" per document is not separable here; the batch row is the unit
         z, st = solve(
@@ -479,6 +489,7 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
@@ -492,8 +503,9 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         input_ids (targets[:, i] is the token after input_ids[:, i]), as the pretraining reader yields.
         `fused_loss`: with labels/targets, compute the loss chunk by chunk from the hidden states
         (lm.models.loss) and return no logits: the (tokens x vocab) logits are never held (training).
-        `cu_seqlens` / `max_seqlen`: packed documents (batch 1) and, optionally, the longest one's length known on
-        the host, which spares a wait for the device in every forward (LMModel.forward).
+        `cu_seqlens` / `max_seqlen` / `cu_seqlens_cpu`: packed documents (batch 1) and, optionally, the longest one's
+        length known on the host and the offsets' CPU copy, which spare waits for the device in every forward
+        (LMModel.forward).
         `cache` (an LMCache; `past_key_values` is the same argument under transformers' older name) carries the
         recurrent / KV state between calls; the output returns it under CACHE_FIELD.
         `prefill`: how implicit models process several new tokens with a cache (LMModel.forward).
@@ -517,7 +529,8 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
             )
         if use_cache and cache is None:
             cache = LMCache(self.config.num_hidden_layers)
-        h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, prefill=prefill)
+        h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                              cu_seqlens_cpu=cu_seqlens_cpu, prefill=prefill)
         if self.compression_head is not None:  # decodes the whole sequence from its last state
             if labels is not None:
                 raise ValueError("labels: the compression head predicts targets aligned with input_ids (no shift); "

@@ -111,9 +111,10 @@ def to_model_inputs(batch: dict, device: torch.device) -> dict:
     """Reader batch -> model kwargs; packed documents (cu_seqlens) are laid out as one (1, B*T) row. On CUDA the
     tensors go through pinned memory, so that their copies are queued without waiting for the device.
 
-    Packed offsets still on the host (as the readers yield them) are checked here, before their copy, and the longest
-    document's length goes with them as `max_seqlen`: the model then reads nothing back from the device in its
-    forward (LMModel.forward), which would otherwise wait there for the step queued before."""
+    Packed offsets still on the host (as the readers yield them) are checked here, before their copy, and go with
+    the longest document's length as `max_seqlen` and with their host tensor as `cu_seqlens_cpu` (what ops that need
+    the offsets' values on the host read, DeltaProduct's chunk tables): the model then reads nothing back from the
+    device in its forward (LMModel.forward), which would otherwise wait there for the step queued before."""
     def move(t):
         if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
             t = t.pin_memory()
@@ -122,7 +123,7 @@ def to_model_inputs(batch: dict, device: torch.device) -> dict:
     if "cu_seqlens" in batch:
         cu = batch["cu_seqlens"]
         # (offsets already on a device are left to the model to check, which waits for the device)
-        extra = {"max_seqlen": packed_max_seqlen(cu, 1, batch["input_ids"].numel(), "data")} \
+        extra = {"max_seqlen": packed_max_seqlen(cu, 1, batch["input_ids"].numel(), "data"), "cu_seqlens_cpu": cu} \
             if cu.device.type == "cpu" else {}
         return {"input_ids": move(batch["input_ids"]).reshape(1, -1), "targets": move(batch["targets"]).reshape(1, -1),
                 "cu_seqlens": move(cu), **extra}

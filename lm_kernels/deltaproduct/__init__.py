@@ -2,12 +2,16 @@
 
     o, final_state = chunk_deltaproduct(q, k, v, beta, g=None, *, num_householder, scale=None,
                                         initial_state=None, output_final_state=False,
-                                        use_qk_l2norm=False, cu_seqlens=None, chunk_size=64, backend=None)
+                                        use_qk_l2norm=False, cu_seqlens=None, chunk_size=64, backend=None,
+                                        cu_seqlens_cpu=None)
 
 q (b,t,h,dk); k (b,t*nh,h,dk), v (b,t*nh,h,dv), beta (b,t*nh,h) interleaved (sub-step j of token i at
 index i*nh + j); g (b,t,h) optional log decay (<= 0) applied before each token's first sub-step:
     H_{i,0} = exp(g_i) H_{i-1};  H_{i,j} = (I - beta k k^T) H_{i,j-1} + beta k v^T;  o_i = scale H_{i,nh}^T q_i.
 State (b,h,dk,dv), or (num_seqs,h,dk,dv) with cu_seqlens (b == 1; the state resets at each document).
+Every backend needs the offsets' values on the host (the Triton path builds its chunk tables from them; the checks):
+`cu_seqlens_cpu`, the same offsets as a CPU tensor (a data loader's, from before their copy to the device), is read
+instead of cu_seqlens, so that a call does not wait for the device; without it cu_seqlens is copied back, once.
 final_state is float32 (float64 for float64 inputs) or None; o has v's dtype.
 
     o, new_state = deltaproduct_step(state, q, k, v, beta, g=None, *, scale=None, use_qk_l2norm=False, backend=None)
@@ -63,12 +67,12 @@ _IMPLS = {"reference": (chunk_deltaproduct_reference, deltaproduct_step_referenc
 @torch.compiler.disable  # torch.compile: one opaque call (its own Triton launches / autograd.Function)
 def chunk_deltaproduct(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
                        output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64,
-                       backend=None):
+                       backend=None, cu_seqlens_cpu=None):
     """(Gated) DeltaProduct over a whole sequence; returns (o, final_state). See the module docstring."""
     chunk, _ = _IMPLS[resolve_backend("deltaproduct", backend, q.device, backends=BACKENDS)]
     return chunk(q, k, v, beta, g, num_householder=num_householder, scale=scale, initial_state=initial_state,
                  output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
-                 chunk_size=chunk_size)
+                 chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 @torch.compiler.disable

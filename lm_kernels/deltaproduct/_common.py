@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..varlen import check_cu_seqlens
+from ..varlen import check_cu_seqlens, offset_values
 
 L2NORM_EPS = 1e-6
 
@@ -22,8 +22,10 @@ def compute_dtype(*tensors) -> torch.dtype:
     return torch.float32
 
 
-def check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens):
-    """Validate shapes of the chunk/naive API; returns (B, T, H, K, V, N) where N = number of states."""
+def check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens, cu_seqlens_cpu=None):
+    """Validate the chunk/naive API's arguments; returns (B, T, H, K, V, N, offsets): N the number of states, offsets
+    cu_seqlens's values as a list of ints (checked to run from 0 to T), read from `cu_seqlens_cpu` where given (no
+    wait for the device; lm_kernels.varlen.cpu_offsets), or None without cu_seqlens."""
     if not isinstance(num_householder, int) or num_householder < 1:
         raise ValueError(f"num_householder must be an int >= 1, got {num_householder!r}")
     nh = num_householder
@@ -42,14 +44,15 @@ def check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens):
                          f"got {tuple(beta.shape)}")
     if g is not None and tuple(g.shape) != (B, T, H):
         raise ValueError(f"g (log decay) must be (batch, seq_len, heads) = {(B, T, H)}, got {tuple(g.shape)}")
-    N = B
+    N, offsets = B, None
     if cu_seqlens is not None:
-        N = check_cu_seqlens(cu_seqlens, B, T, "deltaproduct")
+        N = check_cu_seqlens(cu_seqlens, B, None, "deltaproduct")
+        offsets = offset_values(cu_seqlens, cu_seqlens_cpu, T, "deltaproduct")
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
         raise ValueError(f"initial_state must be (num_states, heads, head_k_dim, head_v_dim) = {(N, H, K, V)} "
                          f"(num_states = batch, or number of sequences with cu_seqlens), "
                          f"got {tuple(initial_state.shape)}")
-    return B, T, H, K, V, N
+    return B, T, H, K, V, N, offsets
 
 
 def state_dtype(*tensors) -> torch.dtype:

@@ -93,30 +93,50 @@ def _launch(kern, name, grid, args, kw, config=None):
     raise err
 
 
-def _chunk_tables(cu_rows_list, BT, device):
-    """Per chunk: its sequence and first row; per sequence: index of its first chunk."""
+def _chunk_tables(cu_rows_list, BT):
+    """Per chunk: its sequence and first row; per sequence: index of its first chunk (lists of ints)."""
     seq, row, off = [], [], []
     for n, (a, b) in enumerate(zip(cu_rows_list[:-1], cu_rows_list[1:])):
         off.append(len(seq))
         for r in range(a, b, BT):
             seq.append(n)
             row.append(r)
-    mk = lambda x: torch.tensor(x if x else [0], dtype=torch.int32, device=device)  # noqa: E731
-    return mk(seq), mk(row), mk(off), len(seq)
+    return seq, row, off
+
+
+def _int32_on(parts, device):
+    """The lists of ints `parts` as int32 tensors on `device` (an empty one as [0]): views of one buffer, each
+    starting at a multiple of 4 elements (16-byte aligned pointers, as the kernels are specialised for), copied in one
+    piece; to a GPU from pinned memory without waiting (a copy from pageable memory waits for the whole stream, all
+    the work queued before it)."""
+    parts = [p if p else [0] for p in parts]
+    flat, starts = [], []
+    for p in parts:
+        starts.append(len(flat))
+        flat.extend(p)
+        flat.extend([0] * (-len(p) % 4))
+    host = torch.tensor(flat, dtype=torch.int32)
+    if device.type == "cuda":
+        buf = host.pin_memory().to(device, non_blocking=True)
+    else:
+        buf = host.to(device)
+    return [buf[s:s + len(p)] for s, p in zip(starts, parts)]
 
 
 _TABLES: dict = {}
 
 
 def _tables(cu_tok, nh, BT, device):
-    """Chunk tables for these token offsets, cached (fixed-length batches repeat the same key, so the
-    host-to-device copies happen once, not on every call)."""
+    """Chunk tables (cseq, crow, coff, NT, cu_rows) for these token offsets (a tuple of ints), cached: the layers of a
+    forward, the fixed-point iterations and fixed-length batches repeat the same key, so the tables are built and
+    copied to the device once, not on every call."""
     key = (cu_tok, nh, BT, str(device))
     hit = _TABLES.get(key)
     if hit is None:
         cu_rows_list = [c * nh for c in cu_tok]
-        cseq, crow, coff, NT = _chunk_tables(cu_rows_list, BT, device)
-        hit = (cseq, crow, coff, NT, torch.tensor(cu_rows_list, dtype=torch.int32, device=device))
+        seq, row, off = _chunk_tables(cu_rows_list, BT)
+        cseq, crow, coff, cu_rows = _int32_on((seq, row, off, cu_rows_list), device)
+        hit = (cseq, crow, coff, len(seq), cu_rows)
         if len(_TABLES) > 64:
             _TABLES.clear()
         _TABLES[key] = hit
@@ -278,10 +298,13 @@ def _fitting_chunk(chunk_size: int, dtype, K: int, on_gpu: bool) -> int:
 
 
 def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
-                              output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64):
+                              output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64,
+                              cu_seqlens_cpu=None):
     """Triton path of `chunk_deltaproduct` (same contract). Computes in float32 inside the kernels;
-    float64 inputs are not supported here (use the reference)."""
-    B, T, H, K, V, N = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens)
+    float64 inputs are not supported here (use the reference). The kernels read the offsets only through the chunk
+    tables, built on the host from their values (`cu_seqlens_cpu` where given: then nothing is read back)."""
+    B, T, H, K, V, N, offsets = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens,
+                                             cu_seqlens_cpu)
     if chunk_size not in SUPPORTED_CHUNKS:
         raise ValueError(f"the triton backend supports chunk_size in {SUPPORTED_CHUNKS}, got {chunk_size}")
     if K > 256:
@@ -298,7 +321,7 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
         o, ht = chunk_deltaproduct_triton(
             q.float(), k.float(), v.float(), beta.float(), g, num_householder=nh, scale=scale,
             initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
         return o.to(dt), ht
     chunk_size = _fitting_chunk(chunk_size, q.dtype, K, q.is_cuda and not INTERPRET)
     scale = K ** -0.5 if scale is None else float(scale)
@@ -308,10 +331,7 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
     q, k, v = (x.reshape(1, -1, H, x.shape[-1]).contiguous() for x in (q, k, v))
     beta = beta.reshape(1, -1, H).contiguous()
     g = g.reshape(1, -1, H).contiguous() if g is not None else None
-    if cu_seqlens is None:
-        cu_tok = tuple(b * T for b in range(B + 1))
-    else:
-        cu_tok = tuple(int(x) for x in cu_seqlens.tolist())
+    cu_tok = tuple(b * T for b in range(B + 1)) if offsets is None else tuple(offsets)
     cseq, crow, coff, NT, cu_rows = _tables(cu_tok, nh, chunk_size, q.device)
     meta = dict(nh=nh, BT=chunk_size, scale=scale, output_final=output_final_state, cseq=cseq, crow=crow,
                 coff=coff, NT=NT, N=N, cu_rows=cu_rows)

@@ -75,9 +75,10 @@ def check_fla_can_run(q, k, v, g, needs_grad: bool) -> None:
 
 
 def chunk_deltaproduct_fla(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
-                           output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64):
+                           output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64,
+                           cu_seqlens_cpu=None):
     """`chunk_deltaproduct` on fla's kernel; same arguments and results (o in v's dtype, final state float32)."""
-    check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens)
+    *_, offsets = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens, cu_seqlens_cpu)
     op = _fla_op()
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, beta, g, initial_state))
@@ -87,6 +88,8 @@ def chunk_deltaproduct_fla(q, k, v, beta, g=None, *, num_householder, scale=None
         initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
         cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None,
+        # the offsets' host copy: fla builds its chunk indices from it instead of reading cu_seqlens back
+        cu_seqlens_cpu=torch.tensor(offsets, dtype=torch.long) if offsets is not None else None,
     )
     if final_state is not None and final_state.dtype != torch.float32:
         final_state = final_state.float()

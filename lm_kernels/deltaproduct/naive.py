@@ -20,9 +20,10 @@ def _step_rows(H, k, v, beta):
 
 def naive_deltaproduct(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
                        output_final_state=False, use_qk_l2norm=False, cu_seqlens=None, chunk_size=64,
-                       backend=None):
+                       backend=None, cu_seqlens_cpu=None):
     """Same contract as `chunk_deltaproduct`; `chunk_size` and `backend` are accepted and ignored."""
-    B, T, H, K, V, N = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens)
+    B, T, H, K, V, N, cs = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens,
+                                        cu_seqlens_cpu)
     nh = num_householder
     cd = compute_dtype(q, k, v, beta, g, initial_state)
     scale = K ** -0.5 if scale is None else scale
@@ -34,7 +35,6 @@ def naive_deltaproduct(q, k, v, beta, g=None, *, num_householder, scale=None, in
     if cu_seqlens is None:
         spans = [(b, 0, T) for b in range(B)]
     else:
-        cs = cu_seqlens.tolist()
         spans = [(0, cs[n], cs[n + 1]) for n in range(N)]
     outs, finals = [], []
     for n, (b, t0, t1) in enumerate(spans):

@@ -88,9 +88,10 @@ def _pack(x, cs, Tmax):
 
 def chunk_deltaproduct_reference(q, k, v, beta, g=None, *, num_householder, scale=None, initial_state=None,
                                  output_final_state=False, use_qk_l2norm=False, cu_seqlens=None,
-                                 chunk_size=64, backend=None):
+                                 chunk_size=64, backend=None, cu_seqlens_cpu=None):
     """Chunkwise reference with the contract of `chunk_deltaproduct` (see the package docstring)."""
-    B, T, H, K, V, N = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens)
+    B, T, H, K, V, N, cs = check_inputs(q, k, v, beta, g, num_householder, initial_state, cu_seqlens,
+                                        cu_seqlens_cpu)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     nh = num_householder
@@ -104,7 +105,6 @@ def chunk_deltaproduct_reference(q, k, v, beta, g=None, *, num_householder, scal
     g = g.to(cd) if g is not None else None
     h0 = initial_state.to(cd) if initial_state is not None else None
     if cu_seqlens is not None:
-        cs = cu_seqlens.tolist()
         lens = [b - a for a, b in zip(cs[:-1], cs[1:])]
         Tmax = max(lens) if lens else 0
         q = _pack(q, cs, Tmax)

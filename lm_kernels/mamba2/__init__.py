@@ -2,7 +2,7 @@
 
     y, new_conv_state, final_state = mamba2_inner(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups,
         dstate, chunk_size, D=None, dt_bias=None, dt_limit=(0, inf), norm_weight=None, norm_group=None, eps=1e-5,
-        add=None, conv_state=None, initial_state=None, cu_seqlens=None, return_final_state=False)
+        add=None, conv_state=None, initial_state=None, cu_seqlens=None, return_final_state=False, max_seqlen=None)
 
 zxbcdt (b, t, 2*d_inner + 2*ngroups*dstate + H), H = d_inner / headdim: in_proj's output, columns z | x B C | dt.
 `add` (an implicit model's injection) has zxbcdt's shape and is added to it where each part is read. The conv
@@ -13,6 +13,9 @@ lm_kernels.rmsnorm.gated_rms_norm, equal to it up to rounding of the gradient su
 what it adds is the backward writing the gradients of z, x B C and dt into one tensor of zxbcdt's shape, so that
 in_proj is one GEMM forward and backward (triton_inner.py). Triton only (CUDA, or TRITON_INTERPRET=1 on CPU):
 `fits` says whether it takes a call; the caller composes the three ops otherwise.
+Packed offsets (cu_seqlens, b == 1) are checked on the host (a wait for the device where they are on one) unless
+`max_seqlen`, the longest document's length as a host int, says that the caller has checked them
+(lm_kernels.varlen.packed_offsets; the model does, once per forward).
 """
 from __future__ import annotations
 

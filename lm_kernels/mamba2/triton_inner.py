@@ -203,9 +203,10 @@ mamba2_inner_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, add, conv_state,
-           initial_state, cu_seqlens, chunk_size):
+           initial_state, cu_seqlens, chunk_size, max_seqlen=None):
     """The shapes of a call, by the checks of the three ops on views of the projection; a ValueError naming what is
-    wrong. The offsets in cu_seqlens are read only outside torch.compile (the model checks them once per forward)."""
+    wrong. The offsets in cu_seqlens are read only outside torch.compile and without `max_seqlen` (given by a caller
+    that has checked them: the model, once per forward)."""
     d_inner, p, g, n, group = dims
     if d_inner % p or (d_inner // p) % g:
         raise ValueError(f"mamba2_inner: headdim {p} must divide d_inner {d_inner} and ngroups {g} the heads")
@@ -225,18 +226,18 @@ def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_w
     check_conv_args(xbc, conv_weight, conv_bias, conv_state, cu_seqlens, "silu", MAX_WIDTH, x_add=x_add)
     x, B, C = split_xbc(xbc, h, p, g, n)
     check_scan_args(x, dt, A, B, C, D, None, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
-                    values=not torch.compiler.is_compiling())
+                    values=not torch.compiler.is_compiling(), max_seqlen=max_seqlen)
     check_norm_args(z, norm_weight, group, z=z, z_add=z_add)
 
 
 def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups, dstate, chunk_size,
                         D=None, dt_bias=None, dt_limit=(0.0, float("inf")), norm_weight=None, norm_group=None,
                         eps=1e-5, add=None, conv_state=None, initial_state=None, cu_seqlens=None,
-                        return_final_state=False):
+                        return_final_state=False, max_seqlen=None):
     """See lm_kernels.mamba2.mamba2_inner. Returns (y, new conv state, final SSD state or None)."""
     dims = [int(d_inner), int(headdim), int(ngroups), int(dstate), int(norm_group or d_inner)]
     _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, add, conv_state,
-           initial_state, cu_seqlens, chunk_size)
+           initial_state, cu_seqlens, chunk_size, max_seqlen)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(zxbcdt.device)
     tensors = (zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state,

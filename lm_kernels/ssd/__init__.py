@@ -2,7 +2,7 @@
 
     y, final_state = ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None,
                               dt_softplus=True, dt_limit=(0.0, inf), initial_state=None,
-                              cu_seqlens=None, return_final_state=False, backend=None)
+                              cu_seqlens=None, return_final_state=False, backend=None, max_seqlen=None)
     y, final_state = ssd_scan_xbc(xbc, dt, A, *, headdim, ngroups, dstate, ...same keywords...)
                                                      # x, B, C as one (b, t, h*headdim + 2*ngroups*dstate) tensor
     y, final_state = ssd_scan_naive(...same...)      # per-timestep recurrence (tests)
@@ -14,7 +14,10 @@
 Recurrence: dt_t = clamp(softplus(dt_t + dt_bias), *dt_limit); h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T;
 y_t = h_t C_t + D x_t; then y_t *= silu(z_t). Shapes: x (b,t,h,p), dt (b,t,h), A (h,), B/C (b,t,g,n),
 D (h,) or (h,p), z like x, dt_bias (h,), initial_state (b|num_seqs, h, p, n); cu_seqlens (num_seqs+1,)
-with b == 1 for packed documents (the state restarts at each document). ssd_step: state (b,h,p,n), x (b,h,p),
+with b == 1 for packed documents (the state restarts at each document). The offsets are checked on the host (a
+wait for the device where they are on one) unless `max_seqlen` is given: the longest document's length (or more) as
+a host int, from a caller that has checked them (lm_kernels.varlen.packed_offsets; the models, once per forward);
+the reference then pads the documents to it. ssd_step: state (b,h,p,n), x (b,h,p),
 dt (b,h), B/C (b,g,n); new_state is float32 (float64 on the reference for float64 inputs); `state` is not modified
 unless it is passed as `out_state`, the float32 tensor the new state is written into (a static decode cache's
 buffer: the update in place saves the copy that would follow).
@@ -39,19 +42,20 @@ __all__ = ["ssd_scan", "ssd_scan_xbc", "ssd_scan_naive", "ssd_step", "ssd_step_r
 
 # The PyTorch reference stays one opaque call under torch.compile (the CPU path, tests): traced, inductor compiles its
 # chunked products into every block (the CPU compile tests took 2-10x longer) and its packed path reads the document
-# lengths on the host, a graph break anyway.
+# lengths on the host without max_seqlen, a graph break anyway.
 _reference_opaque = torch.compiler.disable(ssd_scan_reference)
 
 
 def ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
              dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None, return_final_state=False,
-             backend=None):
+             backend=None, max_seqlen=None):
     """Chunked SSD scan; returns (y in x's dtype, final_state float32 or None). See module docstring.
 
     torch.compile traces through it: the Triton path is the custom operators lm::ssd_scan_fwd / _bwd (one node
     each in the graph, triton_ssd.py); the reference path is one opaque call (_reference_opaque)."""
     kwargs = dict(chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                  initial_state=initial_state, cu_seqlens=cu_seqlens, return_final_state=return_final_state)
+                  initial_state=initial_state, cu_seqlens=cu_seqlens, return_final_state=return_final_state,
+                  max_seqlen=max_seqlen)
     if resolve_backend("ssd", backend, x.device) == "triton":
         from .triton_ssd import ssd_scan_triton  # noqa: PLC0415 (lazy: triton is optional)
         return ssd_scan_triton(x, dt, A, B, C, **kwargs)
@@ -60,12 +64,13 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt
 
 def ssd_scan_xbc(xbc, dt, A, *, headdim, ngroups, dstate, chunk_size=256, D=None, z=None, dt_bias=None,
                  dt_softplus=True, dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None,
-                 return_final_state=False, backend=None):
+                 return_final_state=False, backend=None, max_seqlen=None):
     """ssd_scan with x, B and C as the columns of one (b, t, h*headdim + 2*ngroups*dstate) tensor, x | B | C (Mamba2's
     conv output); h is dt's last dim. On the Triton backend the backward writes the three gradients into one tensor
     of xbc's shape: separate ones would be concatenated by autograd (a pass over the conv's gradient per layer)."""
     kwargs = dict(chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                  initial_state=initial_state, cu_seqlens=cu_seqlens, return_final_state=return_final_state)
+                  initial_state=initial_state, cu_seqlens=cu_seqlens, return_final_state=return_final_state,
+                  max_seqlen=max_seqlen)
     if resolve_backend("ssd", backend, xbc.device) == "triton":
         from .triton_ssd import ssd_scan_triton  # noqa: PLC0415 (lazy: triton is optional)
         return ssd_scan_triton(xbc, dt, A, None, None, xbc_dims=(headdim, ngroups, dstate), **kwargs)

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..varlen import check_cu_seqlens
+from ..varlen import check_cu_seqlens, check_max_seqlen
 
 
 def compute_dtype(*tensors) -> torch.dtype:
@@ -44,9 +44,12 @@ def _check_skip_gate_bias(x, D, z, dt_bias, h, p):
         raise _shape_err("dt_bias", dt_bias, (h,))
 
 
-def check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit, *, values=True):
-    """Validate shapes of ssd_scan's arguments; returns (b, t, h, p, g, n, num_seqs). values=False: the offsets in
-    cu_seqlens are not read (no host sync; torch.compile would break its graph there), only its shape and dtype."""
+def check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit, *, values=True,
+                    max_seqlen=None):
+    """Validate shapes of ssd_scan's arguments; returns (b, t, h, p, g, n, num_seqs). The offsets in cu_seqlens are
+    read on the host and checked unless values=False (torch.compile would break its graph there) or `max_seqlen` is
+    given (an int: the caller has checked them, lm_kernels.varlen.packed_offsets); else only their shape and dtype
+    are checked, and nothing waits for the device."""
     if x.dim() != 4:
         raise ValueError(f"ssd: `x` must be (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
     b, t, h, p = x.shape
@@ -68,7 +71,9 @@ def check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, ch
         raise ValueError(f"ssd: dt_limit must be (low, high) with low <= high, got {dt_limit!r}")
     num_seqs = b
     if cu_seqlens is not None:
-        num_seqs = check_cu_seqlens(cu_seqlens, b, t if values else None, "ssd")
+        if max_seqlen is not None:
+            check_max_seqlen(max_seqlen, "ssd")
+        num_seqs = check_cu_seqlens(cu_seqlens, b, t if values and max_seqlen is None else None, "ssd")
     if initial_state is not None and initial_state.shape != (num_seqs, h, p, n):
         what = "num_seqs" if cu_seqlens is not None else "batch"
         raise _shape_err("initial_state", initial_state, f"({what}={num_seqs}, {h}, {p}, {n})")

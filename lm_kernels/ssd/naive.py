@@ -23,12 +23,13 @@ def _recurrence(x, dt, A, B, C, state):
 
 def ssd_scan_naive(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
                    dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None,
-                   return_final_state=False, backend=None):
+                   return_final_state=False, backend=None, max_seqlen=None):
     """The recurrence one token at a time (same signature as ssd_scan; chunk_size/backend unused).
 
-    With cu_seqlens every document is run on its own, which is what packing must reproduce."""
+    With cu_seqlens every document is run on its own, which is what packing must reproduce (the offsets are read
+    for that, with or without max_seqlen)."""
     b, t, h, p, g, n, num_seqs = check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens,
-                                                 chunk_size, dt_limit)
+                                                 chunk_size, dt_limit, max_seqlen=max_seqlen)
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype)
     xc, Bc, Cc, Ac = x.to(dtype), B.to(dtype), C.to(dtype), A.to(dtype)

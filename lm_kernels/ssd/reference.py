@@ -99,11 +99,13 @@ def chunk_scan_core(x, dt, A, B, C, chunk_size, initial_state=None):
     return y, final_state.reshape(b, h, p, n)
 
 
-def pack_index(cu_seqlens: torch.Tensor, device):
-    """Offsets -> (idx (S, maxlen) long into the packed axis, mask (S, maxlen) bool)."""
+def pack_index(cu_seqlens: torch.Tensor, device, max_seqlen: int | None = None):
+    """Offsets -> (idx (S, maxlen) long into the packed axis, mask (S, maxlen) bool); maxlen the longest
+    document's length, read from the offsets (a wait for the device where they are on one) unless `max_seqlen` (at
+    least that length) is given."""
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     lens = cu[1:] - cu[:-1]
-    maxlen = max(1, int(lens.max()))
+    maxlen = max(1, int(lens.max()) if max_seqlen is None else max_seqlen)
     j = torch.arange(maxlen, device=device)
     mask = j[None, :] < lens[:, None]
     idx = torch.where(mask, cu[:-1, None] + j[None, :], torch.zeros_like(j)[None, :])
@@ -112,9 +114,10 @@ def pack_index(cu_seqlens: torch.Tensor, device):
 
 def ssd_scan_reference(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
                        dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None,
-                       return_final_state=False):
+                       return_final_state=False, max_seqlen=None):
     """PyTorch chunked SSD; see lm_kernels.ssd.ssd_scan for the arguments. Returns (y, final_state)."""
-    check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit)
+    check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
+                    max_seqlen=max_seqlen)
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype)
     xc, Bc, Cc, Ac = x.to(dtype), B.to(dtype), C.to(dtype), A.to(dtype)
@@ -122,7 +125,7 @@ def ssd_scan_reference(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bia
     if cu_seqlens is None:
         y, final = chunk_scan_core(xc, dtp, Ac, Bc, Cc, chunk_size, s0)
     else:
-        idx, mask = pack_index(cu_seqlens, x.device)
+        idx, mask = pack_index(cu_seqlens, x.device, max_seqlen)
         m = mask.to(dtype)
         xs = xc[0][idx] * m[..., None, None]
         dts = dtp[0][idx] * m[..., None]

@@ -316,11 +316,11 @@ def _prep(x, dt, B, C, z, xbc_dims=()):
 
 def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=True,
                     dt_limit=(0.0, float("inf")), initial_state=None, cu_seqlens=None, return_final_state=False,
-                    xbc_dims=None):
+                    xbc_dims=None, max_seqlen=None):
     """Triton SSD scan; same contract as lm_kernels.ssd.ssd_scan. Returns (y, final_state or None).
     xbc_dims = (P, G, N): `x` is x | B | C in one (b, t, H*P + 2*G*N) tensor and B, C are None (ssd_scan_xbc).
-    Under torch.compile the values of cu_seqlens are not read on the host (that would break the graph): check
-    them before (lm_kernels.varlen.check_cu_seqlens)."""
+    Under torch.compile, and where `max_seqlen` is given, the values of cu_seqlens are not read on the host (that
+    would break the graph, or wait for the device): check them before (lm_kernels.varlen.packed_offsets)."""
     xbc = None
     if xbc_dims is not None:
         if B is not None or C is not None:
@@ -329,7 +329,7 @@ def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=N
         xbc = x if x.stride(-1) == 1 else x.contiguous()
         x, B, C = split_xbc(xbc, dt.shape[-1], p, g, n)
     check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
-                    values=not torch.compiler.is_compiling())
+                    values=not torch.compiler.is_compiling(), max_seqlen=max_seqlen)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"ssd (triton backend): chunk_size must be a power of two >= 16, got {chunk_size}")
     for name, v in (("x", x), ("B", B), ("C", C)):
@@ -340,7 +340,8 @@ def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=N
         from .reference import ssd_scan_reference  # noqa: PLC0415
         return ssd_scan_reference(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                                   dt_softplus=dt_softplus, dt_limit=dt_limit, initial_state=initial_state,
-                                  cu_seqlens=cu_seqlens, return_final_state=return_final_state)
+                                  cu_seqlens=cu_seqlens, return_final_state=return_final_state,
+                                  max_seqlen=max_seqlen)
     if xbc is not None:  # the op splits it again (views)
         x, dt, _, _, z = _prep(x, dt, B, C, z)
         x, B, C, dims = xbc, None, None, [p, g, n]
