@@ -91,11 +91,16 @@ def packed_max_seqlen(cu_seqlens: torch.Tensor, batch: int, seq_len: int, op: st
     return packed_offsets(cu_seqlens, batch, seq_len, op, max_seqlen)[0]
 
 
-def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
-    """Index of every token inside its document, (total,) int64; plain arange without cu_seqlens."""
+def document_and_position(total: int, cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the document holding every token, index of every token inside its document), each (total,) int64."""
     pos = torch.arange(total, device=device)
-    if cu_seqlens is None:
-        return pos
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     doc = torch.searchsorted(cu[1:], pos, right=True)
-    return pos - cu[doc]
+    return doc, pos - cu[doc]
+
+
+def position_in_document(total: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """Index of every token inside its document, (total,) int64; plain arange without cu_seqlens."""
+    if cu_seqlens is None:
+        return torch.arange(total, device=device)
+    return document_and_position(total, cu_seqlens, device)[1]

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm_kernels.rope import rope_kv_step
+from lm_kernels.varlen import document_and_position
 
 from .config import LMConfig
 from .layers import apply_rotary, position_in_document, rotary_cos_sin
@@ -71,14 +72,20 @@ class Attention(Mixer):
 
     def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None, cu_seqlens_cpu=None) -> dict:
         """The rotary tables (cos, sin), float32 (t, head_dim), computed once per model forward; with packed documents
-        also the longest one's length (a host int: varlen_causal_attention then reads nothing from the device)."""
+        also each token's document and position in it (`packed`), and the longest document's length (a host int:
+        varlen_causal_attention then reads nothing from the device). The document lookup (a searchsorted on the
+        offsets) stays out of the compiled blocks: inductor (torch 2.11) cannot lower it on a slice of the offsets."""
+        out = {}
+        if cu_seqlens is not None and positions is None:
+            doc, positions = document_and_position(t, cu_seqlens, device)
+            out["packed"] = (doc, positions)
         pos = position_in_document(t, cu_seqlens, device) if positions is None else positions
-        out = {"rope": rotary_cos_sin(pos, self.head_dim, self.rope_theta, torch.float32)}
+        out["rope"] = rotary_cos_sin(pos, self.head_dim, self.rope_theta, torch.float32)
         if cu_seqlens is not None and max_seqlen is not None:
             out["max_seqlen"] = max_seqlen
         return out
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None, max_seqlen=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None, max_seqlen=None, packed=None):
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)
         if injection is not None:
@@ -97,8 +104,11 @@ class Attention(Mixer):
 
         if cache is not None and cu_seqlens is not None:
             raise ValueError("Attention: cu_seqlens (packed training) cannot be combined with a generation cache")
-        if rope is None or cu_seqlens is not None:
-            pos = cache.positions(t, x.device) if cache is not None else position_in_document(t, cu_seqlens, x.device)
+        doc = None
+        if cu_seqlens is not None:
+            doc, pos = packed if packed is not None else document_and_position(t, cu_seqlens, x.device)
+        elif rope is None:
+            pos = cache.positions(t, x.device) if cache is not None else position_in_document(t, None, x.device)
         if rope is None:
             cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)
         else:  # the model's tables for this forward (float32; same values, rounded here as above)
@@ -113,18 +123,18 @@ class Attention(Mixer):
             # new tokens attend to all cached ones and causally among themselves
             s = k.shape[2]
             mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
-        return self._attend(q, k, v, mask, cu_seqlens, pos if cu_seqlens is not None else None, max_seqlen)
+        return self._attend(q, k, v, mask, cu_seqlens, pos if cu_seqlens is not None else None, max_seqlen, doc)
 
-    def _attend(self, q, k, v, mask, cu_seqlens=None, pos=None, max_seqlen=None):
+    def _attend(self, q, k, v, mask, cu_seqlens=None, pos=None, max_seqlen=None, doc=None):
         """o_proj(attention of q (b, h, t, d) to k, v (b, h_kv, s, d)): under `mask` (t, s) if given, else causal
-        (s == t) or per packed document (cu_seqlens, pos, max_seqlen)."""
+        (s == t) or per packed document (cu_seqlens, pos, max_seqlen, doc)."""
         b, _, t, hd = q.shape
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         if cu_seqlens is not None:
-            o = varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen)
+            o = varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen, doc)
         elif mask is not None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -132,10 +142,11 @@ class Attention(Mixer):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * hd))
 
 
-def varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen: int | None = None):
+def varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen: int | None = None, doc=None):
     """Causal attention within each packed document: q, k, v (1, h, n, d), documents given by cu_seqlens,
-    pos (n,) each token's position inside its document. The documents are padded into a (num_docs, h, max_len, d) batch and
-    run through SDPA's causal path (flash kernels on GPU); memory is num_docs * max_len, not n^2.
+    pos (n,) each token's position inside its document, doc (n,) its document's index (looked up here if None: the
+    model hands both in from outside its compiled blocks). The documents are padded into a (num_docs, h, max_len, d)
+    batch and run through SDPA's causal path (flash kernels on GPU); memory is num_docs * max_len, not n^2.
     (Padding sits at the end of each document, so real queries never see padded keys; a longer max_len changes nothing
     but the work.)
 
@@ -148,7 +159,8 @@ def varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen: int | None = N
     _, h, n, d = q.shape
     cu = cu_seqlens.to(q.device).long()
     num_docs = cu.shape[0] - 1
-    doc = torch.searchsorted(cu[1:], torch.arange(n, device=q.device), right=True)
+    if doc is None:
+        doc = torch.searchsorted(cu[1:], torch.arange(n, device=q.device), right=True)
     max_len = int((cu[1:] - cu[:-1]).max()) if max_seqlen is None else max_seqlen
 
     def pad(t):
