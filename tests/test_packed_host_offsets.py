@@ -480,3 +480,28 @@ def test_compiled_blocks_take_the_host_offsets(family, backend, monkeypatch, req
     assert frames[0] > 0 and frames[-1] <= 2 * frames[0], frames  # at most one recompile per compiled frame
     if backend == "triton":
         assert not breaks, breaks
+
+
+def test_compiled_fp_mamba_blocks_hold_no_document_lookup():
+    """FP-Mamba's document mask is formed once per forward outside its compiled blocks: no searchsorted in a block's
+    graph (torch 2.11's inductor cannot lower one on a slice of the offsets), with the eager model's loss."""
+    from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config("fp_mamba")).train()
+    inputs = to_model_inputs(reader_batch(1), CPU)
+    ref = model(**inputs).loss.detach()
+    graphs = EagerAndRecordGraphs()
+    try:
+        for layer in model.model.layers:
+            layer.compile(backend=CompileCounterWithBackend(graphs))
+        loss = model(**inputs).loss
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-6, atol=1e-6)
+    # (on CPU the conv runs its PyTorch reference, which looks the documents up itself; on CUDA the Triton conv does not)
+    lookups = [n.meta.get("stack_trace", "") for g in graphs.graphs for n in g.graph.nodes
+               if "searchsorted" in str(n.target)]
+    assert graphs.graphs and not [s for s in lookups if "conv1d/reference.py" not in s], lookups

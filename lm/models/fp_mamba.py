@@ -341,13 +341,13 @@ class FPMambaMixer(Mixer):
             del self._stats[0]
 
     # --- modes --------------------------------------------------------------------------------------
-    def iterate(self, x, *, injection=None, cu_seqlens=None, max_seqlen=None):
+    def iterate(self, x, *, injection=None, cu_seqlens=None, max_seqlen=None, keep=None):
         """Parallel mode on the normalised layer input x (b, t, hidden). Returns (y after the n_backwards
         steps, the detached fixed point y*, stats, the layer's x-only inputs, the document mask or None);
-        y and y* are (b, t, d_inner), before the output gate / out_proj."""
+        y and y* are (b, t, d_inner), before the output gate / out_proj. `keep` (t,): the document mask (False at
+        document starts) where the model has formed it (shared_inputs), else formed here from cu_seqlens."""
         inp, _ = self._inputs(x, injection, None, cu_seqlens)
-        keep = None
-        if cu_seqlens is not None:
+        if cu_seqlens is not None and keep is None:
             keep = position_in_document(x.shape[1], cu_seqlens, x.device) > 0
 
         def f(y):
@@ -360,16 +360,23 @@ class FPMambaMixer(Mixer):
 
     def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
                       cu_seqlens_cpu=None) -> dict:
-        """With packed documents, the longest one's length (a host int): the sign that the model has checked the
-        offsets, so that the scans of the layer's iterations do not read them back to check them again."""
-        if cu_seqlens is None or max_seqlen is None:
+        """With packed documents: the document mask `keep` (t,) (False at document starts), formed once per forward
+        outside the compiled blocks (its document lookup, a searchsorted on a slice of the offsets, is one that
+        torch 2.11's inductor cannot lower inside a block's graph), and the longest document's length (a host int),
+        the sign that the model has checked the offsets, so that the scans of the layer's iterations do not read them
+        back to check them again."""
+        if cu_seqlens is None:
             return {}
-        return {"max_seqlen": max_seqlen}
+        out = {"keep": position_in_document(t, cu_seqlens, device) > 0}
+        if max_seqlen is not None:
+            out["max_seqlen"] = max_seqlen
+        return out
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None, keep=None):
         if cache is not None:
             return self._sequential(x, injection, cache, cu_seqlens)
-        y, _, st, inp, keep = self.iterate(x, injection=injection, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        y, _, st, inp, keep = self.iterate(x, injection=injection, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                           keep=keep)
         self._record(st)
         return self._output(y, inp, keep=keep)
 
