@@ -85,12 +85,6 @@ def packed_offsets(cu_seqlens: torch.Tensor, batch: int, seq_len: int, op: str, 
     return max(b - a for a, b in zip(values, values[1:])), cu_seqlens_cpu
 
 
-def packed_max_seqlen(cu_seqlens: torch.Tensor, batch: int, seq_len: int, op: str,
-                      max_seqlen: int | None = None) -> int:
-    """The longest document's length of `packed_offsets` (which see)."""
-    return packed_offsets(cu_seqlens, batch, seq_len, op, max_seqlen)[0]
-
-
 def document_and_position(total: int, cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(index of the document holding every token, index of every token inside its document), each (total,) int64."""
     pos = torch.arange(total, device=device)

@@ -406,34 +406,40 @@ def test_ssd_ops_skip_the_check_with_max_seqlen(op):
 
 # --- torch.compile -----------------------------------------------------------------------------------------
 
+def _run_compiled(model, batches, eager, backend):
+    """The blocks compiled as the trainer does (with a dynamo test `backend`), a training micro-step per batch, each
+    loss equal to the eager model's: (the backend's frame count after each batch, the graph breaks)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    try:
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+        frames = []
+        for b, ref in zip(batches, eager):
+            loss = model(**b).loss
+            loss.backward()
+            torch.testing.assert_close(loss.detach(), ref, rtol=1e-6, atol=1e-6)
+            frames.append(backend.frame_count)
+        return frames, dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+
+
 def test_compiled_blocks_take_the_host_length_without_graph_break():
     """Blocks compiled as the trainer does (model.compile): batches whose offsets and longest document differ run
     without a graph break (reading the length from the offsets inside the attention would break every block's graph)
     and recompile once (both sizes become symbolic), with the eager model's loss."""
     from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
-    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    counters.clear()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config("llama")).train()
     batches = [to_model_inputs(reader_batch(s), CPU) for s in range(5)]
     assert len({b["max_seqlen"] for b in batches}) >= 3 and len({b["cu_seqlens"].numel() for b in batches}) >= 3
     eager = [model(**b).loss.detach() for b in batches]
     graphs = EagerAndRecordGraphs()
-    cnt = CompileCounterWithBackend(graphs)
-    try:
-        for layer in model.model.layers:
-            layer.compile(backend=cnt)
-        frames = []
-        for b, ref in zip(batches, eager):
-            loss = model(**b).loss
-            loss.backward()
-            torch.testing.assert_close(loss.detach(), ref, rtol=1e-6, atol=1e-6)
-            frames.append(cnt.frame_count)
-        breaks = dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
+    frames, breaks = _run_compiled(model, batches, eager, CompileCounterWithBackend(graphs))
     assert not breaks, breaks
     assert frames[0] > 0 and frames[-1] <= 2 * frames[0], frames  # at most one recompile per block
     # the document lookup runs once per forward outside the blocks (inductor of torch 2.11 fails to lower a
@@ -451,32 +457,18 @@ def test_compiled_blocks_take_the_host_offsets(family, backend, monkeypatch, req
     torch.compiler.disable calls (graph breaks of their own); Mamba2's Triton operator is traced, with max_seqlen
     symbolic in its argument check, without a graph break."""
     from torch._dynamo.testing import CompileCounter
-    from torch._dynamo.utils import counters
 
     if backend == "triton":
         request.getfixturevalue("fast_interpreter")
     _set_backend(monkeypatch, family, backend)
     torch._dynamo.reset()
-    counters.clear()
     torch.manual_seed(0)
     # (the Triton operator in the interpreter takes a while: one layer, three batches)
     model = AutoModelForCausalLM.from_config(small_config(family, layers=2 if backend == "reference" else 1)).train()
     batches = [to_model_inputs(reader_batch(s), CPU) for s in range(5 if backend == "reference" else 3)]
     assert len({b["max_seqlen"] for b in batches}) == len(batches)
     eager = [model(**b).loss.detach() for b in batches]
-    cnt = CompileCounter()
-    try:
-        for layer in model.model.layers:
-            layer.compile(backend=cnt)
-        frames = []
-        for b, ref in zip(batches, eager):
-            loss = model(**b).loss
-            loss.backward()
-            torch.testing.assert_close(loss.detach(), ref, rtol=1e-6, atol=1e-6)
-            frames.append(cnt.frame_count)
-        breaks = dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
+    frames, breaks = _run_compiled(model, batches, eager, CompileCounter())
     assert frames[0] > 0 and frames[-1] <= 2 * frames[0], frames  # at most one recompile per compiled frame
     if backend == "triton":
         assert not breaks, breaks
@@ -491,16 +483,8 @@ def test_compiled_fp_mamba_blocks_hold_no_document_lookup():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config("fp_mamba")).train()
     inputs = to_model_inputs(reader_batch(1), CPU)
-    ref = model(**inputs).loss.detach()
     graphs = EagerAndRecordGraphs()
-    try:
-        for layer in model.model.layers:
-            layer.compile(backend=CompileCounterWithBackend(graphs))
-        loss = model(**inputs).loss
-        loss.backward()
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(loss.detach(), ref, rtol=1e-6, atol=1e-6)
+    _run_compiled(model, [inputs], [model(**inputs).loss.detach()], CompileCounterWithBackend(graphs))
     # (on CPU the conv runs its PyTorch reference, which looks the documents up itself; on CUDA the Triton conv does not)
     lookups = [n.meta.get("stack_trace", "") for g in graphs.graphs for n in g.graph.nodes
                if "searchsorted" in str(n.target)]

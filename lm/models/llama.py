@@ -79,8 +79,9 @@ class Attention(Mixer):
         if cu_seqlens is not None and positions is None:
             doc, positions = document_and_position(t, cu_seqlens, device)
             out["packed"] = (doc, positions)
-        pos = position_in_document(t, cu_seqlens, device) if positions is None else positions
-        out["rope"] = rotary_cos_sin(pos, self.head_dim, self.rope_theta, torch.float32)
+        elif positions is None:
+            positions = torch.arange(t, device=device)
+        out["rope"] = rotary_cos_sin(positions, self.head_dim, self.rope_theta, torch.float32)
         if cu_seqlens is not None and max_seqlen is not None:
             out["max_seqlen"] = max_seqlen
         return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lm_kernels.varlen import packed_max_seqlen
+from lm_kernels.varlen import packed_offsets
 
 
 def prepare_command(path: str) -> str:
@@ -123,8 +123,9 @@ def to_model_inputs(batch: dict, device: torch.device) -> dict:
     if "cu_seqlens" in batch:
         cu = batch["cu_seqlens"]
         # (offsets already on a device are left to the model to check, which waits for the device)
-        extra = {"max_seqlen": packed_max_seqlen(cu, 1, batch["input_ids"].numel(), "data"), "cu_seqlens_cpu": cu} \
-            if cu.device.type == "cpu" else {}
+        extra = {}
+        if cu.device.type == "cpu":
+            extra["max_seqlen"], extra["cu_seqlens_cpu"] = packed_offsets(cu, 1, batch["input_ids"].numel(), "data")
         return {"input_ids": move(batch["input_ids"]).reshape(1, -1), "targets": move(batch["targets"]).reshape(1, -1),
                 "cu_seqlens": move(cu), **extra}
     return {"input_ids": move(batch["input_ids"]), "targets": move(batch["targets"])}
