@@ -78,10 +78,8 @@ def packed_offsets(cu_seqlens: torch.Tensor, batch: int, seq_len: int, op: str, 
     if max_seqlen is not None:
         check_max_seqlen(max_seqlen, op)
         return max_seqlen, cu_seqlens_cpu
-    if cu_seqlens_cpu is None:
-        cu_seqlens_cpu = cpu_offsets(cu_seqlens, None, op)
-    values = cu_seqlens_cpu.tolist()
-    _check_values(values, seq_len, op)
+    cu_seqlens_cpu = cpu_offsets(cu_seqlens, cu_seqlens_cpu, op)
+    values = offset_values(cu_seqlens, cu_seqlens_cpu, seq_len, op)
     return max(b - a for a, b in zip(values, values[1:])), cu_seqlens_cpu
 
 

@@ -12,7 +12,7 @@ from lm_kernels.rope import rope_kv_step
 from lm_kernels.varlen import document_and_position
 
 from .config import LMConfig
-from .layers import apply_rotary, position_in_document, rotary_cos_sin
+from .layers import apply_rotary, rotary_cos_sin
 from .modeling import LMForCausalLM, LMModel, Mixer
 
 
@@ -109,7 +109,7 @@ class Attention(Mixer):
         if cu_seqlens is not None:
             doc, pos = packed if packed is not None else document_and_position(t, cu_seqlens, x.device)
         elif rope is None:
-            pos = cache.positions(t, x.device) if cache is not None else position_in_document(t, None, x.device)
+            pos = cache.positions(t, x.device) if cache is not None else torch.arange(t, device=x.device)
         if rope is None:
             cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)
         else:  # the model's tables for this forward (float32; same values, rounded here as above)
