@@ -43,12 +43,13 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr
                       L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                       DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """Per (sequence, head, p-block x n-block): walk the chunks backwards carrying G = dLoss/dS; store G_{c+1}
-    per chunk (dstates) and each program's part of <G_{c+1}, e^a S_c> (passing, for d(dt*A))."""
-    pid_s = tl.program_id(0)
+    """Per (p-block x n-block, head, sequence): walk the chunks backwards carrying G = dLoss/dS; store G_{c+1}
+    per chunk (dstates) and each program's part of <G_{c+1}, e^a S_c> (passing, for d(dt*A)). The programs that
+    read the same dy rows (one per n-block) are neighbours in the grid and share them through L2."""
+    pid_pn = tl.program_id(0)
     h = tl.program_id(1)
-    pid_pn = tl.program_id(2)
-    n_pn = tl.num_programs(2)
+    pid_s = tl.program_id(2)
+    n_pn = tl.num_programs(0)
     offs_p, offs_n, pn_mask, pn_off, b, t_begin, seqlen, c_begin, n_chunks, G, dy_base, C_base = state_walk_start(
         pid_s, pid_pn, h, dfinal_ptr, dy_ptr, C_ptr, cu_ptr, chunk_first_ptr, T, H, P, N, NC, R,
         s_dy_b, s_dy_h, s_B_b, s_B_g, BP, BN, HAS_DFINAL, IS_VARLEN)
@@ -151,10 +152,12 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
     """Per (chunk, group, m-block x n-block): dC = sum_h e^{cs} dy S + Q B, dB = sum_h w x G' + Q^T C; and each
     head's dcs_m = dy_m . y_off_m = sum_n C_mn (e^{cs_m} dy_m S)_n from the dC product it forms anyway, the part
     of the n block in its slot of dcs ((n blocks, H, B*T), summed by dt_bwd). dB and dC rows are s_dB_t apart (batch
-    stride T * s_dB_t): (b, t, g, n) tensors or the B / C columns of a (b, t, x | B | C) gradient."""
-    pid_c = tl.program_id(0)
+    stride T * s_dB_t): (b, t, g, n) tensors or the B / C columns of a (b, t, x | B | C) gradient. Grid (m-block x
+    n-block, group, chunk): the m-blocks of a chunk, which all read the chunk states S and their gradients of every
+    head of the group, are neighbours and share them through L2."""
+    pid_mn = tl.program_id(0)
     g = tl.program_id(1)
-    pid_mn = tl.program_id(2)
+    pid_c = tl.program_id(2)
     n_nb = tl.cdiv(N, BN)
     m0 = (pid_mn // n_nb) * BM
     offs_n = (pid_mn % n_nb) * BN + tl.arange(0, BN)

@@ -111,7 +111,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     if dfinal is not None:
         dfinal = dfinal.float().contiguous()
     tk = tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state) + (dy.dtype,)
-    ln.launch(ln._dstate_bwd, ("dstate", tk), (pl.nseq, H, pl.npn), (
+    ln.launch(ln._dstate_bwd, ("dstate", tk), (pl.npn, H, pl.nseq), (
         dy, C, cs, states, dfinal if dfinal is not None else cs, dstates, dinit if dinit is not None else cs,
         passing, pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, R,
@@ -151,7 +151,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     # dB, dC and each row's dcs = dy . y_off (a partial sum per n block)
     n_dcs = cdiv(N, pl.BN_DBDC)
     dcs = torch.empty(n_dcs, H, pl.BT, dtype=torch.float32, device=dev)
-    ln.launch(ln._dbdc_bwd, ("dbdc", tk), (pl.NCB, G, nm * n_dcs), (
+    ln.launch(ln._dbdc_bwd, ("dbdc", tk), (nm * n_dcs, G, pl.NCB), (
         dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, dcs, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
