@@ -103,19 +103,20 @@ def _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, h, b, t0, BT, T, k0, rows_m, row
 
 
 @triton.jit
-def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, tot_ptr, chunk_t0_ptr, chunk_len_ptr,
-                   T, H, P, NC, BT, R, G,
+def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, Q_ptr, chunk_t0_ptr, chunk_len_ptr,
+                   T, P, NC, BT, R, G,
                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h,
                    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr,
                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32; zeros
+    above the diagonal of the diagonal tiles), per (tile, group, chunk): a chunk's tiles run together and share
+    its dy / x rows through L2."""
     pid_mk = tl.program_id(0)
     g = tl.program_id(1)
     pid_c = tl.program_id(2)
     n_kb = L // BK
-    mb = pid_mk // n_kb
-    kb = pid_mk % n_kb
-    m0 = mb * BM
-    k0 = kb * BK
+    m0 = (pid_mk // n_kb) * BM
+    k0 = (pid_mk % n_kb) * BK
     b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
     if (m0 >= clen) | (k0 >= m0 + BM):
         return
@@ -126,37 +127,17 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, CB_ptr, Q_ptr, dda_ptr, tot_p
     offs_p = tl.arange(0, BPF)
     pmask = offs_p < P
     causal = (rows_m[:, None] >= rows_k[None, :]) & kmask[None, :] & mmask[:, None]
-    NMB: tl.constexpr = L // BM
-    HBT = H.to(tl.int64) * BT
-    cb = tl.load(CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L + rows_m[:, None] * L + rows_k[None, :],
-                 mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
     acc = tl.zeros((BM, BK), dtype=tl.float32)
     if k0 == m0:
         for hh in range(0, R):
-            h = g * R + hh
-            qq = _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, h, b, t0, BT, T, k0, rows_m, rows_k, mmask,
-                             kmask, causal, offs_p, pmask, s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, BK, True,
-                             DOT_DT, DOT_PREC)
-            acc += qq
-            M = qq * cb  # lower triangular: sum_{m >= l} sum_{s < l} M[m, s] = sum_{s < l} (col_s - row_s)
-            d = tl.sum(M, 0) - tl.sum(M, 1)  # per index t: col_t - row_t
-            F = tl.cumsum(d, 0) - d
-            tl.store(dda_ptr + mb * HBT + h * BT + b * T + t0 + rows_k, F, mask=kmask)
+            acc += _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, g * R + hh, b, t0, BT, T, k0, rows_m, rows_k, mmask,
+                               kmask, causal, offs_p, pmask, s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, BK, True,
+                               DOT_DT, DOT_PREC)
     else:
         for hh in range(0, R):
-            h = g * R + hh
-            qq = _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, h, b, t0, BT, T, k0, rows_m, rows_k, mmask,
-                             kmask, causal, offs_p, pmask, s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, BK, False,
-                             DOT_DT, DOT_PREC)
-            acc += qq
-            M = qq * cb
-            col = tl.sum(M, 0)
-            row = tl.sum(M, 1)
-            total = tl.sum(col, 0)
-            tok0 = h * BT + b * T + t0
-            tl.store(dda_ptr + mb * HBT + tok0 + rows_k, tl.cumsum(col, 0) - col, mask=kmask)
-            tl.store(dda_ptr + kb * HBT + tok0 + rows_m, total - tl.cumsum(row, 0) + row, mask=mmask)
-            tl.store(tot_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + mb) * NMB + kb, total)
+            acc += _dcb_q_head(dy_ptr, x_ptr, cs_ptr, dtp_ptr, g * R + hh, b, t0, BT, T, k0, rows_m, rows_k, mmask,
+                               kmask, causal, offs_p, pmask, s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, BK, False,
+                               DOT_DT, DOT_PREC)
     q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     tl.store(q_base + rows_m[:, None] * L + rows_k[None, :], acc)
 

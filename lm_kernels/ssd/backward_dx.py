@@ -6,11 +6,22 @@ from .kernel_common import chunk_coords, softplus
 
 
 @triton.jit
-def _dx_tile(dxi, cb_base, cs_ptr, dy_base, tok0, t0, clen, k, rows_l, lmask, cs_l, offs_p, pmask, s_dy_t,
-             L: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
+             offs_p, pmask, s_dy_t, HBT, pid_c, h, H,
+             L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NMB: tl.constexpr, DIAG: tl.constexpr,
+             DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k; and, with x_l . dy_m (xld = x_l),
+    the transposed tile M^T[l, m] = M[m, l] of M = Q_h * CB gives the intra-chunk d(dt*A) shares in their stable
+    form, dda_l = sum_{m >= l} sum_{s < l} M[m, s] (no difference of large row and column sums): on the diagonal
+    block (DIAG) directly; below it the column part (slot of block m, rows l; prefix sums of its column sums), the
+    row part (slot of block l, rows m; suffix sums of its row sums) and the tile total (tot[(chunk, head), k block,
+    l block]; dt_bwd adds it to the row blocks strictly between). So a token of row block j gets exactly one share
+    per row block of the chunk, in its own slot of dda ((L // BM, H, B*T)); no atomics."""
     rows_k = k + tl.arange(0, BK)
     kmask = rows_k < clen
     cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
+    # [l, m] = C_m . B_l; the diagonal tile is stored whole by dtcb_fwd (finite where the decay is 0): no causal
+    # mask on the load, so it vectorises
     cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=kmask[None, :] & lmask[:, None],
                   other=0.0).to(tl.float32)
     if DIAG:
@@ -20,22 +31,42 @@ def _dx_tile(dxi, cb_base, cs_ptr, dy_base, tok0, t0, clen, k, rows_l, lmask, cs
                       mask=kmask[:, None] & pmask[None, :], other=0.0).to(DOT_DT)
         cbd = cbT * decay
     else:
+        # below the diagonal every l precedes every m: e^{cs_m - cs_l} = e^{cs_m - c} e^{c - cs_l} through the row c
+        # before the k block (both exponents <= 0), on the dy rows and the C.B columns: no exponential per element
         c = tl.load(cs_ptr + tok0 + k - 1)
         ek = tl.where(kmask, tl.exp(cs_k - c), 0.0)
         cbd = cbT * tl.exp(c - cs_l)[:, None]
         dyk = (tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :],
                        mask=kmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * ek[:, None]).to(DOT_DT)
-    return tl.dot(cbd.to(DOT_DT), dyk, dxi, input_precision=DOT_PREC)
+    dxi = tl.dot(cbd.to(DOT_DT), dyk, dxi, input_precision=DOT_PREC)
+    MT = tl.dot(xld, tl.trans(dyk), input_precision=DOT_PREC) * cbd * dt_l[:, None]  # [l, m] = M[m, l]
+    if DIAG:
+        pre = tl.cumsum(MT, axis=0) - MT  # [l, m] = sum_{s < l} M[m, s]
+        F = tl.sum(tl.where(rows_k[None, :] >= rows_l[:, None], pre, 0.0), 1)
+        tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_l, F, mask=lmask)
+    else:
+        col = tl.sum(MT, 1)  # per l: sum_m M[m, l]
+        row = tl.sum(MT, 0)  # per m: sum_l M[m, l]
+        total = tl.sum(col, 0)
+        tl.store(dda_ptr + (k // BK) * HBT + tok0 + rows_l, tl.cumsum(col, 0) - col, mask=lmask)
+        tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_k, total - tl.cumsum(row, 0) + row,
+                 mask=kmask)
+        tl.store(tot_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + k // BK) * NMB + l0 // BM, total)
+    return dxi
 
 
 @triton.jit
 def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr,
-                  dx_ptr, ddt_ptr, q_ptr, dD_ptr, chunk_t0_ptr, chunk_len_ptr,
+                  dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, tot_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_DT: tl.constexpr):
+    """Per (chunk, head, l-block): dx, the direct ddt, the per-row state terms q, dD partial sums and the
+    intra-chunk d(dt*A) shares (_dx_tile). Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a
+    chunk's heads run together (dy tiles, dstates and the group's C.B / B rows come from L2). dx rows are s_dx_t
+    apart (its batch stride T * s_dx_t): a (b, t, h, p) tensor or the x columns of a (b, t, x | B | C) gradient."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -60,15 +91,19 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
     dt_l = tl.load(dtp_ptr + tok0 + rows_l, mask=lmask, other=0.0)
     a = tl.load(cs_ptr + tok0 + clen - 1)
     dxi = tl.zeros((BM, BPF), dtype=tl.float32)
-    dxi = _dx_tile(dxi, cb_base, cs_ptr, dy_base, tok0, t0, clen, l0, rows_l, lmask, cs_l, offs_p, pmask, s_dy_t,
-                   L, BK, True, dtype, DOT_PREC)
+    NMB: tl.constexpr = L // BM  # the d(dt*A) slots / tile totals
+    HBT = H.to(tl.int64) * BT
+    xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
+                  mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
+    dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                   cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, dtype, DOT_PREC)
     for k in range(l0 + BK, clen, BK):
-        dxi = _dx_tile(dxi, cb_base, cs_ptr, dy_base, tok0, t0, clen, k, rows_l, lmask, cs_l, offs_p, pmask, s_dy_t,
-                       L, BK, False, dtype, DOT_PREC)
+        dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
+                       cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, dtype, DOT_PREC)
     Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
                  other=0.0).to(dtype)
     Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
-                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)
+                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
     dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
     lp = lmask[:, None] & pmask[None, :]
     xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
@@ -86,7 +121,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
         if D_HP:
             tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h) * P + offs_p,
                      tl.sum(dyl * xl, 0), mask=pmask)
-        else:
+        else:  # one D per head: one partial sum per program (a small reduction on the host side)
             tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h, tl.sum(tl.sum(dyl * xl, 0), 0))
     tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * s_dx_t + h * P + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)

@@ -118,15 +118,18 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2)),
         dict(L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
              IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
+    # per-group dy.x^T (decayed), for dB and dC
     Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
+    ln.launch(ln._dcb_bwd, ("dcb", tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
+        dy, x, dtp, cs, Q, pl.chunk_t0, pl.chunk_len,
+        pl.T, P, pl.NC, pl.BT, R, G,
+        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
+        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
+    # dx, direct ddt, the state terms q and the intra-chunk d(dt*A) shares: every slot / total dt_bwd reads is
+    # written (it skips the slots of row blocks a chunk lacks), so no zeroing
     nm = cdiv(L, pl.BM)
     dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
     tot = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
-    ln.launch(ln._dcb_bwd, ("dcb", tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
-        dy, x, dtp, cs, CB, Q, dda, tot, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, P, pl.NC, pl.BT, R, G,
-        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
-        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     if dxbc is not None:
         dx, dB, dC = split_xbc(dxbc, H, P, G, N)
     else:
@@ -139,7 +142,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
                if D is not None else None)
     ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
         dy, x, B, CB, dtp, cs, dstates, D if D is not None else cs,
-        dx, ddt_dir, qrow, dD_part if dD_part is not None else cs, pl.chunk_t0, pl.chunk_len,
+        dx, ddt_dir, qrow, dD_part if dD_part is not None else cs, dda, tot, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2), dx.stride(1)),
