@@ -22,9 +22,20 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int | None, 
 
 
 def _check_values(cs: list[int], seq_len: int, op: str) -> None:
-    """The offsets `cs` run non-decreasing from 0 to seq_len."""
-    if cs[0] != 0 or cs[-1] != seq_len or any(b < a for a, b in zip(cs, cs[1:])):
-        raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), got {cs}")
+    """The offsets `cs` run non-decreasing from 0 to seq_len; the error names the first offset that does not (and
+    shows the ends of a long list, not all of it)."""
+    if cs[0] != 0:
+        bad = f"cu_seqlens[0] = {cs[0]}"
+    elif cs[-1] != seq_len:
+        bad = f"cu_seqlens[-1] = {cs[-1]}"
+    else:
+        i = next((i for i in range(1, len(cs)) if cs[i] < cs[i - 1]), None)
+        if i is None:
+            return
+        bad = f"cu_seqlens[{i}] = {cs[i]} < cu_seqlens[{i - 1}] = {cs[i - 1]}"
+    shown = str(cs) if len(cs) <= 12 else "[" + ", ".join(map(str, cs[:6])) + ", ..., " + ", ".join(map(str, cs[-6:])) + "]"
+    raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), got {shown} "
+                     f"({len(cs)} offsets): {bad}")
 
 
 def check_max_seqlen(max_seqlen, op: str) -> None:

@@ -256,3 +256,18 @@ def test_repeat_calls_skip_the_autotuners(autotuner_runs):
     assert sorted(runs) == tuned  # nothing tuned the second time
     assert all(torch.equal(a, r) for a, r in zip(outs1, outs2))
     assert all(torch.equal(grads1[k], grads2[k]) for k in grads1)
+
+
+def test_too_many_chunks_for_the_launch_grid_is_a_clear_error():
+    """The fused layer checks the scan's chunk count against the launch grid before any work, as the scan does:
+    packed one-token documents that make 65536 chunk slots at chunk 16 are refused with what to change."""
+    from lm_kernels.ssd import launch as ln
+
+    di, p, g, n, w, t = 16, 16, 1, 16, 4, 65536
+    n_docs = ln.MAX_GRID_YZ + 1 - t // 16
+    d = {k: v.float() for k, v in _inputs(1, t, di, p, g, n, w, adds=False, states=False, seed=0).items()}
+    cu = torch.arange(n_docs + 1, dtype=torch.int32)
+    cu[-1] = t
+    with pytest.raises(ValueError, match=rf"^mamba2_inner: 1 x {t} tokens, {n_docs} documents at chunk_size 16 make "
+                                         r"65536 chunks in one call.*larger chunk_size or fewer tokens per call"):
+        _fused(d, (di, p, g, n, di, 16), cu, False)

@@ -489,3 +489,21 @@ def test_compiled_fp_mamba_blocks_hold_no_document_lookup():
     lookups = [n.meta.get("stack_trace", "") for g in graphs.graphs for n in g.graph.nodes
                if "searchsorted" in str(n.target)]
     assert graphs.graphs and not [s for s in lookups if "conv1d/reference.py" not in s], lookups
+
+
+def test_bad_offsets_error_names_the_first_bad_one_and_stays_short():
+    """A long cu_seqlens that decreases somewhere is refused with the offending pair and the list's ends only (not
+    tens of thousands of offsets in the message); a wrong first or last offset is named as such."""
+    from lm_kernels.varlen import check_cu_seqlens
+
+    cu = torch.arange(0, 20001, dtype=torch.int64)
+    cu[7000] = 5
+    with pytest.raises(ValueError, match=r"^ssd: cu_seqlens must be non-decreasing from 0 to seq_len \(20000\), got "
+                                         r"\[0, 1, 2, 3, 4, 5, \.\.\., 19995, 19996, 19997, 19998, 19999, 20000\] "
+                                         r"\(20001 offsets\): cu_seqlens\[7000\] = 5 < cu_seqlens\[6999\] = 6999$") as e:
+        check_cu_seqlens(cu, 1, 20000, "ssd")
+    assert len(str(e.value)) < 300
+    with pytest.raises(ValueError, match=r"\): cu_seqlens\[-1\] = 20000$"):
+        check_cu_seqlens(cu.sort().values, 1, 19999, "ssd")
+    with pytest.raises(ValueError, match=r"got \[1, 3, 4\] \(3 offsets\): cu_seqlens\[0\] = 1$"):
+        check_cu_seqlens(torch.tensor([1, 3, 4]), 1, 4, "ssd")

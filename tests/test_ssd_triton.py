@@ -391,3 +391,22 @@ def test_triton_launch_reuses_the_autotuned_config(autotuner_runs, monkeypatch):
         y3, _ = ssd_scan(**d, chunk_size=16, backend="triton")
     assert runs[7:] == ["chunk_scan_fwd2_kernel"]  # the other two kernels' keys are known
     assert torch.equal(y1, y3)
+
+
+def test_triton_too_many_chunks_for_the_launch_grid_is_a_clear_error():
+    """More chunks in one call than a launch grid's third axis holds (65535) is refused before any launch, with what
+    to change, for fixed-length batches and for packed documents (whose chunk slots count the documents too)."""
+    from lm_kernels.ssd import launch as ln
+
+    def args(b, t, h=1, p=16, g=1, n=16):
+        return dict(x=torch.zeros(b, t, h, p), dt=torch.zeros(b, t, h), A=-torch.ones(h), B=torch.zeros(b, t, g, n),
+                    C=torch.zeros(b, t, g, n))
+
+    with pytest.raises(ValueError, match=r"65536 chunks in one call.*larger chunk_size or fewer tokens per call"):
+        ssd_scan(**args(ln.MAX_GRID_YZ + 1, 16), chunk_size=16, backend="triton")
+    t = 65536  # T // 16 = 4096 chunk slots plus one per document: 61439 one-token documents and a long last one
+    n_docs = ln.MAX_GRID_YZ + 1 - t // 16
+    cu = torch.arange(n_docs + 1, dtype=torch.int32)
+    cu[-1] = t
+    with pytest.raises(ValueError, match=rf"{n_docs} documents at chunk_size 16 make 65536 chunks"):
+        ssd_scan(**args(1, t), chunk_size=16, cu_seqlens=cu, backend="triton")

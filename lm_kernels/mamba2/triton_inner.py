@@ -225,8 +225,9 @@ def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_w
     z_add, x_add, _ = _adds(add, dims)
     check_conv_args(xbc, conv_weight, conv_bias, conv_state, cu_seqlens, "silu", MAX_WIDTH, x_add=x_add)
     x, B, C = split_xbc(xbc, h, p, g, n)
-    check_scan_args(x, dt, A, B, C, D, None, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
-                    values=not torch.compiler.is_compiling(), max_seqlen=max_seqlen)
+    b, t, *_, nseq = check_scan_args(x, dt, A, B, C, D, None, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
+                                     values=not torch.compiler.is_compiling(), max_seqlen=max_seqlen)
+    ln.check_chunk_grid(b, t, nseq, chunk_size, cu_seqlens is not None, "mamba2_inner")
     check_norm_args(z, norm_weight, group, z=z, z_add=z_add)
 
 

@@ -26,6 +26,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = not (INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
 STATE_STEP_ROWS = 256  # the state kernels take a whole chunk per step up to this many rows
 TILE_ROWS = 64  # row / k blocks of C.B, the scan and the backward kernels: min(TILE_ROWS, chunk) (tests use 16)
+MAX_GRID_YZ = 65535  # CUDA's limit on a launch grid's second and third axes (chunks and sequences run on the third)
 
 
 def _tune(configs, key, **kwargs):
@@ -147,6 +148,17 @@ def plan(x, B, cu_seqlens, chunk_size, table=None):
 def num_chunk_blocks(b, t, nseq, chunk_size, varlen):
     """Plan.NCB from the shapes alone (ints or SymInts, for the custom op's fake): chunk slots of the call."""
     return t // chunk_size + nseq if varlen else b * max(1, -(-t // chunk_size))
+
+
+def check_chunk_grid(b, t, nseq, chunk_size, varlen, op):
+    """The kernels launch one program row per chunk (and per sequence) on the grid's third axis: a call with more
+    chunk slots than that axis holds is a ValueError that says what to change (before any launch)."""
+    ncb = num_chunk_blocks(b, t, nseq, chunk_size, varlen)
+    if ncb > MAX_GRID_YZ:
+        docs = f", {nseq} documents" if varlen else ""
+        raise ValueError(f"{op}: {b} x {t} tokens{docs} at chunk_size {chunk_size} make {ncb} chunks in one call, more "
+                         f"than the GPU launch grid's {MAX_GRID_YZ}; use a larger chunk_size or fewer tokens per call "
+                         "(a smaller micro-batch or sequence length)")
 
 
 def table_layout(nseq, ncb):

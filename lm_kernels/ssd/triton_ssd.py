@@ -328,10 +328,11 @@ def ssd_scan_triton(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=N
         p, g, n = (int(v) for v in xbc_dims)
         xbc = x if x.stride(-1) == 1 else x.contiguous()
         x, B, C = split_xbc(xbc, dt.shape[-1], p, g, n)
-    check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
-                    values=not torch.compiler.is_compiling(), max_seqlen=max_seqlen)
+    b, t, *_, nseq = check_scan_args(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_limit,
+                                     values=not torch.compiler.is_compiling(), max_seqlen=max_seqlen)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"ssd (triton backend): chunk_size must be a power of two >= 16, got {chunk_size}")
+    ln.check_chunk_grid(b, t, nseq, chunk_size, cu_seqlens is not None, "ssd (triton backend)")
     for name, v in (("x", x), ("B", B), ("C", C)):
         if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"ssd (triton backend): `{name}` must be float32/bfloat16/float16, got {v.dtype}; "
