@@ -6,17 +6,15 @@ from .kernel_common import chunk_coords, softplus
 
 
 @triton.jit
-def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
-             offs_p, pmask, s_dy_t, HBT, pid_c, h, H,
-             L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NMB: tl.constexpr, DIAG: tl.constexpr,
+def _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
+             offs_p, pmask, s_dy_t, HBT,
+             L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
              DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
     """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k; and, with x_l . dy_m (xld = x_l),
-    the transposed tile M^T[l, m] = M[m, l] of M = Q_h * CB gives the intra-chunk d(dt*A) shares in their stable
-    form, dda_l = sum_{m >= l} sum_{s < l} M[m, s] (no difference of large row and column sums): on the diagonal
-    block (DIAG) directly; below it the column part (slot of block m, rows l; prefix sums of its column sums), the
-    row part (slot of block l, rows m; suffix sums of its row sums) and the tile total (tot[(chunk, head), k block,
-    l block]; dt_bwd adds it to the row blocks strictly between). So a token of row block j gets exactly one share
-    per row block of the chunk, in its own slot of dda ((L // BM, H, B*T)); no atomics."""
+    the transposed tile M^T[l, m] = M[m, l] of M = Q_h * CB: its sums over l are this row block's part of the row
+    sums R_m = sum_{s <= m} M[m, s], stored in the slot of row block l of dda ((L // BM + 1, H, B*T)); its sums
+    over m add to csum, the column sums C_l = sum_{m >= l} M[m, l] of the rows l (both sums from the same tile:
+    dt_bwd's difference R - C cancels only float32 rounding)."""
     rows_k = k + tl.arange(0, BK)
     kmask = rows_k < clen
     cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
@@ -40,31 +38,20 @@ def _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, cle
                        mask=kmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * ek[:, None]).to(DOT_DT)
     dxi = tl.dot(cbd.to(DOT_DT), dyk, dxi, input_precision=DOT_PREC)
     MT = tl.dot(xld, tl.trans(dyk), input_precision=DOT_PREC) * cbd * dt_l[:, None]  # [l, m] = M[m, l]
-    if DIAG:
-        pre = tl.cumsum(MT, axis=0) - MT  # [l, m] = sum_{s < l} M[m, s]
-        F = tl.sum(tl.where(rows_k[None, :] >= rows_l[:, None], pre, 0.0), 1)
-        tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_l, F, mask=lmask)
-    else:
-        col = tl.sum(MT, 1)  # per l: sum_m M[m, l]
-        row = tl.sum(MT, 0)  # per m: sum_l M[m, l]
-        total = tl.sum(col, 0)
-        tl.store(dda_ptr + (k // BK) * HBT + tok0 + rows_l, tl.cumsum(col, 0) - col, mask=lmask)
-        tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_k, total - tl.cumsum(row, 0) + row,
-                 mask=kmask)
-        tl.store(tot_ptr + ((pid_c.to(tl.int64) * H + h) * NMB + k // BK) * NMB + l0 // BM, total)
-    return dxi
+    tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_k, tl.sum(MT, 0), mask=kmask)
+    return dxi, csum + tl.sum(MT, 1)
 
 
 @triton.jit
 def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr,
-                  dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, tot_ptr, chunk_t0_ptr, chunk_len_ptr,
+                  dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_DT: tl.constexpr):
-    """Per (chunk, head, l-block): dx, the direct ddt, the per-row state terms q, dD partial sums and the
-    intra-chunk d(dt*A) shares (_dx_tile). Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a
+    """Per (chunk, head, l-block): dx, the direct ddt, the per-row state terms q, dD partial sums and, for the
+    intra-chunk d(dt*A), the row and column sums of M (_dx_tile; the column sums in the last slot of dda). Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a
     chunk's heads run together (dy tiles, dstates and the group's C.B / B rows come from L2). dx rows are s_dx_t
     apart (its batch stride T * s_dx_t): a (b, t, h, p) tensor or the x columns of a (b, t, x | B | C) gradient."""
     pid_m = tl.program_id(0)
@@ -91,23 +78,24 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
     dt_l = tl.load(dtp_ptr + tok0 + rows_l, mask=lmask, other=0.0)
     a = tl.load(cs_ptr + tok0 + clen - 1)
     dxi = tl.zeros((BM, BPF), dtype=tl.float32)
-    NMB: tl.constexpr = L // BM  # the d(dt*A) slots / tile totals
     HBT = H.to(tl.int64) * BT
     xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
                   mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
-    dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                   cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, True, dtype, DOT_PREC)
+    csum = tl.zeros((BM,), dtype=tl.float32)
+    dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                   cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, True, dtype, DOT_PREC)
     for k in range(l0 + BK, clen, BK):
-        dxi = _dx_tile(dxi, xld, cb_base, cs_ptr, dy_base, dda_ptr, tot_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
-                       cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, pid_c, h, H, L, BM, BK, NMB, False, dtype, DOT_PREC)
+        dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
+                       cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, False, dtype, DOT_PREC)
     Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
                  other=0.0).to(dtype)
     Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
     dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
     lp = lmask[:, None] & pmask[None, :]
-    xl = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :], mask=lp, other=0.0).to(tl.float32)
+    xl = xld.to(tl.float32)  # x's own dtype (or float32 under the interpreter): exact
     tl.store(q_ptr + tok0 + rows_l, tl.sum(xl * dxs, 1) * dt_l, mask=lmask)
+    tl.store(dda_ptr + (L // BM) * HBT + tok0 + rows_l, csum, mask=lmask)  # the column sums C_l of M
     t = dxs + dxi
     tl.store(ddt_ptr + tok0 + rows_l, tl.sum(xl * t, 1), mask=lmask)
     dx = dt_l[:, None] * t
@@ -128,15 +116,15 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
 
 
 @triton.jit
-def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, tot_ptr, q_ptr, passing_ptr,
+def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, q_ptr, passing_ptr,
                   ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, NC, BT, NPN, s_dt_b, s_dt_t, s_ddt_b, s_ddt_t, dt_lo, dt_hi,
                   L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
                   SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
                   NDCS: tl.constexpr):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c>
-    + the intra-chunk part from dx_bwd (its per-row-block slots and tile totals, row blocks of BMB rows; the dcs
-    partial sums of dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through
+    + the intra-chunk part from dx_bwd's row and column sums of M (row blocks of BMB rows; the dcs partial sums of
+    dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through
     clamp/softplus/bias. ddt_out is read through its own strides (a column block of a larger gradient)."""
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -153,15 +141,13 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     dcs = tl.load(dcs_ptr + off, mask=mask, other=0.0)
     for s in tl.static_range(1, NDCS):  # dbdc_bwd's partial sums per n block
         dcs += tl.load(dcs_ptr + s * HBT + off, mask=mask, other=0.0)
-    dda_intra = tl.zeros((L, BH), dtype=tl.float32)
-    for s in tl.static_range(NMB):  # slot s exists where the chunk has row block s (tile (s, j) ran)
-        dda_intra += tl.load(dda_ptr + s * HBT + off, mask=mask & (rows[:, None] * 0 + s * BMB < clen), other=0.0)
+    # intra-chunk: d(dt*A)_l = sum_{m >= l} sum_{s < l} M[m, s] = sum_{j >= l} (R_j - C_j) (the pairs with both
+    # ends at or after l cancel), R the row sums of M (slot s: row block s's part, at the rows of blocks >= s),
+    # C its column sums (slot NMB); all in float32 from the tiles
+    intra = -tl.load(dda_ptr + NMB * HBT + off, mask=mask, other=0.0)
     blk = rows // BMB
-    for mb in tl.static_range(2, NMB):  # tile (mb, kb)'s total reaches the row blocks strictly between
-        for kb in tl.static_range(0, mb - 1):
-            tot = tl.load(tot_ptr + ((pid_c.to(tl.int64) * H + heads) * NMB + mb) * NMB + kb,
-                          mask=hmask & (heads * 0 + mb * BMB < clen), other=0.0)
-            dda_intra += tl.where((blk[:, None] > kb) & (blk[:, None] < mb), tot[None, :], 0.0)
+    for s in tl.static_range(NMB):
+        intra += tl.load(dda_ptr + s * HBT + off, mask=mask & (blk[:, None] >= s), other=0.0)
     q = tl.load(q_ptr + off, mask=mask, other=0.0)
     ddt = tl.load(ddt_dir_ptr + off, mask=mask, other=0.0)
     dtp = tl.load(dtp_ptr + off, mask=mask, other=0.0)
@@ -170,7 +156,7 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
                   mask=hmask[:, None] & (offs_pn[None, :] < NPN), other=0.0)
     ddA = tl.sum(dcs, 0)[None, :] - tl.cumsum(dcs, axis=0) + dcs  # suffix sums of dy.y_off
     ddA += tl.cumsum(q, axis=0) - q + tl.sum(pas, 1)[None, :]  # state terms
-    ddA += dda_intra
+    ddA += tl.sum(intra, 0)[None, :] - tl.cumsum(intra, axis=0) + intra
     ddA = tl.where(mask, ddA, 0.0)
     A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
     ddt = ddt + A[None, :] * ddA

@@ -125,11 +125,10 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         pl.T, P, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
-    # dx, direct ddt, the state terms q and the intra-chunk d(dt*A) shares: every slot / total dt_bwd reads is
-    # written (it skips the slots of row blocks a chunk lacks), so no zeroing
+    # dx, direct ddt, the state terms q and the row / column sums of the intra-chunk d(dt*A) terms: every slot
+    # dt_bwd reads is written (it skips the rows a slot lacks), so no zeroing
     nm = cdiv(L, pl.BM)
-    dda = torch.empty(nm, H, pl.BT, dtype=torch.float32, device=dev)
-    tot = torch.empty(pl.NCB, H, nm, nm, dtype=torch.float32, device=dev)
+    dda = torch.empty(nm + 1, H, pl.BT, dtype=torch.float32, device=dev)
     if dxbc is not None:
         dx, dB, dC = split_xbc(dxbc, H, P, G, N)
     else:
@@ -142,7 +141,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
                if D is not None else None)
     ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
         dy, x, B, CB, dtp, cs, dstates, D if D is not None else cs,
-        dx, ddt_dir, qrow, dD_part if dD_part is not None else cs, dda, tot, pl.chunk_t0, pl.chunk_len,
+        dx, ddt_dir, qrow, dD_part if dD_part is not None else cs, dda, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2), dx.stride(1)),
@@ -163,7 +162,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     dA_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev)
     dbias_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev) if dt_bias is not None else None
     dt_bwd_kernel[(pl.NCB, cdiv(H, pl.BH))](
-        dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, tot, qrow, passing,
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, qrow, passing,
         ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
         pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), lo, hi,
         L=L, BH=pl.BH, NPN_B=p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,

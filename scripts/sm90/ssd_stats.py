@@ -56,12 +56,12 @@ def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False
         C = torch.randn(b, t, g, n).to(dtype)
         z = torch.randn(b, t, h, p).to(dtype) if gate else None
         A, D, bias = -torch.rand(h) - 0.5, torch.randn(h), torch.randn(h)
-        plan = ln.Plan(x, B, None, chunk)
-        y, _, aux = ts._forward(x, dt, A, B, C, D, z, bias, None, plan, True, (0.0, float("inf")), False,
-                                save=save or backward)
+        plan = ln.plan(x, B, None, chunk)
+        y, _, *aux = ts._forward(x, dt, A, B, C, D, z, bias, None, plan, True, (0.0, float("inf")), False,
+                                 save or backward)
         if backward:
             ts._backward(torch.randn(y.shape).to(dtype), None, x, dt, A, B, C, D, z, bias, None, plan, True,
-                         (0.0, float("inf")), aux)
+                         (0.0, float("inf")), *aux)
     finally:
         JITFunction.run, Autotuner._bench, Autotuner.check_disk_cache = orig_run, orig_bench, orig_disk
         for k, v in saved.items():
