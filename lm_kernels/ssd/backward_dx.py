@@ -46,7 +46,7 @@ def _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, 
 def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr,
                   dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
-                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t,
+                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t, s_part,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_DT: tl.constexpr):
@@ -107,10 +107,11 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
             Dv = tl.load(D_ptr + h).to(tl.float32)
         dx = dx + Dv * dyl
         if D_HP:
-            tl.store(dD_ptr + ((pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h) * P + offs_p,
+            tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * s_part + h * P + offs_p,
                      tl.sum(dyl * xl, 0), mask=pmask)
-        else:  # one D per head: one partial sum per program (a small reduction on the host side)
-            tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * H + h, tl.sum(tl.sum(dyl * xl, 0), 0))
+        else:  # one D per head: one partial sum per program (summed by sum_rows_kernel)
+            tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * s_part + h,
+                     tl.sum(tl.sum(dyl * xl, 0), 0))
     tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * s_dx_t + h * P + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
 
@@ -118,7 +119,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
 @triton.jit
 def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, q_ptr, passing_ptr,
                   ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
-                  T, H, NC, BT, NPN, s_dt_b, s_dt_t, s_ddt_b, s_ddt_t, dt_lo, dt_hi,
+                  T, H, NC, BT, NPN, s_dt_b, s_dt_t, s_ddt_b, s_ddt_t, s_part, dt_lo, dt_hi,
                   L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
                   SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
                   NDCS: tl.constexpr):
@@ -160,7 +161,7 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     ddA = tl.where(mask, ddA, 0.0)
     A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
     ddt = ddt + A[None, :] * ddA
-    tl.store(dA_part_ptr + pid_c * H + heads, tl.sum(dtp * ddA, 0), mask=hmask)
+    tl.store(dA_part_ptr + pid_c * s_part + heads, tl.sum(dtp * ddA, 0), mask=hmask)
     raw = tl.load(dt_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :], mask=mask,
                   other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -176,4 +177,22 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     tl.store(ddt_out_ptr + b * s_ddt_b + (t0 + rows[:, None]) * s_ddt_t + heads[None, :],
              ddt.to(ddt_out_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        tl.store(dbias_part_ptr + pid_c * H + heads, tl.sum(ddt, 0), mask=hmask)
+        tl.store(dbias_part_ptr + pid_c * s_part + heads, tl.sum(ddt, 0), mask=hmask)
+
+
+@triton.jit
+def sum_rows_kernel(part_ptr, out0_ptr, out1_ptr, out2_ptr, rows, c0, c1, c2, s_part,
+                    BR: tl.constexpr, BC: tl.constexpr):
+    """Column sums of the (rows, c0 + c1 + c2) float32 partials into three tensors of their own (dA, dt_bias's and
+    D's gradients; each in its dtype): one launch instead of one reduction per gradient."""
+    cols = tl.program_id(0) * BC + tl.arange(0, BC)
+    n = c0 + c1 + c2
+    acc = tl.zeros((BR, BC), dtype=tl.float32)
+    for r in range(0, rows, BR):
+        rr = r + tl.arange(0, BR)
+        acc += tl.load(part_ptr + rr[:, None].to(tl.int64) * s_part + cols[None, :],
+                       mask=(rr[:, None] < rows) & (cols[None, :] < n), other=0.0)
+    tot = tl.sum(acc, 0)
+    tl.store(out0_ptr + cols, tot, mask=cols < c0)
+    tl.store(out1_ptr + cols - c0, tot, mask=(cols >= c0) & (cols < c0 + c1))
+    tl.store(out2_ptr + cols - c0 - c1, tot, mask=(cols >= c0 + c1) & (cols < n))

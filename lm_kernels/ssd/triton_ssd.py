@@ -25,7 +25,7 @@ import torch
 from ..backend import CUSTOM_OP_TAGS, absent
 from . import launch as ln
 from .backward import gate_bwd_kernel
-from .backward_dx import dt_bwd_kernel
+from .backward_dx import dt_bwd_kernel, sum_rows_kernel
 from .common import check_scan_args, split_xbc
 from .launch import cdiv, dot_dt, dot_prec, limits, p2, tune_key
 
@@ -137,14 +137,19 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
     qrow = torch.empty_like(ddt_dir)
-    dD_part = (torch.zeros((pl.NCB * nm, H, P) if D.dim() == 2 else (pl.NCB * nm, H), dtype=torch.float32, device=dev)
-               if D is not None else None)
+    # the partial sums of dA, dt_bias's and D's gradients (per chunk; D's per chunk and row block) in one buffer,
+    # zeroed for the programs that return early (rows past a chunk's end, packed chunks cut short), summed by one
+    # launch of sum_rows_kernel
+    nbias = H if dt_bias is not None else 0
+    nD = (D.numel() if D is not None else 0)
+    part = torch.zeros(pl.NCB * nm, H + nbias + nD, dtype=torch.float32, device=dev)
+    dA_part, dbias_part, dD_part = part[:, :H], part[:, H:H + nbias], part[:, H + nbias:]
     ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
         dy, x, B, CB, dtp, cs, dstates, D if D is not None else cs,
-        dx, ddt_dir, qrow, dD_part if dD_part is not None else cs, dda, pl.chunk_t0, pl.chunk_len,
+        dx, ddt_dir, qrow, dD_part, dda, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2), dx.stride(1)),
+        B.stride(0), B.stride(1), B.stride(2), dx.stride(1), part.stride(0)),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
              D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     # dB, dC and each row's dcs = dy . y_off (a partial sum per n block)
@@ -159,17 +164,19 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     # dt, dA, dt_bias
     has_limit, lo, hi = limits(dt_limit)
     ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev) if ddt_out is None else ddt_out
-    dA_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev)
-    dbias_part = torch.zeros(pl.NCB, H, dtype=torch.float32, device=dev) if dt_bias is not None else None
     dt_bwd_kernel[(pl.NCB, cdiv(H, pl.BH))](
         dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, qrow, passing,
-        ddt, dA_part, dbias_part if dbias_part is not None else dA_part, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), lo, hi,
+        ddt, dA_part, dbias_part, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), part.stride(0),
+        lo, hi,
         L=L, BH=pl.BH, NPN_B=p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
-    dA = dA_part.sum(0).to(A.dtype)
-    ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else None
-    dD = dD_part.sum(0).to(D.dtype) if D is not None else None  # (H, P) or (H,)
+    dA = torch.empty(H, dtype=A.dtype, device=dev)
+    ddt_bias = torch.empty(H, dtype=dt_bias.dtype, device=dev) if dt_bias is not None else None
+    dD = torch.empty(D.shape, dtype=D.dtype, device=dev) if D is not None else None  # (H, P) or (H,)
+    sum_rows_kernel[(cdiv(part.shape[1], 32),)](part, dA, dA if ddt_bias is None else ddt_bias,
+                                                dA if dD is None else dD, part.shape[0], H, nbias, nD,
+                                                part.stride(0), BR=128, BC=32, num_warps=4)
     dinit = dinit.to(initial_state.dtype) if dinit is not None else None
     return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
 
