@@ -109,9 +109,9 @@ def rounded(d, dtype):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 5e-3)])
 def test_triton_several_tiles_fixed_and_packed(dtype, tol, monkeypatch):
     """16-row tiles in 64-row chunks (4 row blocks): float32 runs the row-block scan (chunk_scan_fwd2, decay on
-    the x rows below the diagonal), float16 the whole-chunk scan (chunk_scan_fwd4); the backward's d(dt*A) shares
-    in per-row-block slots plus per-tile totals over the blocks between (dx_bwd, summed by dt_bwd) with the decay
-    below the diagonal factorised; fixed-length with a partial chunk and packed documents (chunks cut short, so
+    the x rows below the diagonal), float16 the whole-chunk scan (chunk_scan_fwd4); the backward's intra-chunk
+    d(dt*A) from the row sums of the share tiles in per-row-block slots and their column sums (dx_bwd, combined by
+    dt_bwd) with the decay below the diagonal factorised; fixed-length with a partial chunk and packed documents (chunks cut short, so
     some row blocks and slots do not exist)."""
     import lm_kernels.ssd.launch as ln
     monkeypatch.setattr(ln, "TILE_ROWS", 16)
@@ -326,8 +326,9 @@ def _round_to_bf16(v):
 def test_triton_bf16_products_dA_accuracy(monkeypatch):
     """With the dot operands rounded to bf16 as on a GPU (the interpreter's own bf16 dot is wrong, so the
     kernels use float32 products there), dA and dt_bias stay accurate: they are sums over every token,
-    and a formulation with large cancelling terms (row sums minus column sums) loses them (seen on an
-    H100: 4.6e-2 against mamba_ssm's 4.9e-3; 1.9e-1 for dA in this emulation)."""
+    and a formulation whose cancelling terms carry different roundings (row sums from one product, column sums
+    from another, e.g. dx's bf16 one) loses them (seen on an H100: 4.6e-2 against mamba_ssm's 4.9e-3; 1.9e-1 for
+    dA in this emulation). The kernels take the row and the column sums from the same float32 tile."""
     import numpy as np
     from triton.runtime import interpreter as interp
 
