@@ -33,7 +33,7 @@ def _check_values(cs: list[int], seq_len: int, op: str) -> None:
         if i is None:
             return
         bad = f"cu_seqlens[{i}] = {cs[i]} < cu_seqlens[{i - 1}] = {cs[i - 1]}"
-    shown = str(cs) if len(cs) <= 12 else "[" + ", ".join(map(str, cs[:6])) + ", ..., " + ", ".join(map(str, cs[-6:])) + "]"
+    shown = str(cs) if len(cs) <= 12 else f"[{', '.join(map(str, cs[:6]))}, ..., {', '.join(map(str, cs[-6:]))}]"
     raise ValueError(f"{op}: cu_seqlens must be non-decreasing from 0 to seq_len ({seq_len}), got {shown} "
                      f"({len(cs)} offsets): {bad}")
 

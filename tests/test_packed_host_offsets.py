@@ -492,8 +492,8 @@ def test_compiled_fp_mamba_blocks_hold_no_document_lookup():
 
 
 def test_bad_offsets_error_names_the_first_bad_one_and_stays_short():
-    """A long cu_seqlens that decreases somewhere is refused with the offending pair and the list's ends only (not
-    tens of thousands of offsets in the message); a wrong first or last offset is named as such."""
+    """A long cu_seqlens that decreases somewhere is refused with the offending pair and the list's ends only
+    (not tens of thousands of offsets in the message); a wrong first or last offset is named as such."""
     from lm_kernels.varlen import check_cu_seqlens
 
     cu = torch.arange(0, 20001, dtype=torch.int64)

@@ -111,8 +111,8 @@ def test_triton_several_tiles_fixed_and_packed(dtype, tol, monkeypatch):
     """16-row tiles in 64-row chunks (4 row blocks): float32 runs the row-block scan (chunk_scan_fwd2, decay on
     the x rows below the diagonal), float16 the whole-chunk scan (chunk_scan_fwd4); the backward's intra-chunk
     d(dt*A) from the row sums of the share tiles in per-row-block slots and their column sums (dx_bwd, combined by
-    dt_bwd) with the decay below the diagonal factorised; fixed-length with a partial chunk and packed documents (chunks cut short, so
-    some row blocks and slots do not exist)."""
+    dt_bwd) with the decay below the diagonal factorised; fixed-length with a partial chunk and packed documents
+    (chunks cut short, so some row blocks and slots do not exist)."""
     import lm_kernels.ssd.launch as ln
     monkeypatch.setattr(ln, "TILE_ROWS", 16)
     monkeypatch.setattr(ln, "_PLANS", {})

@@ -51,9 +51,10 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_DT: tl.constexpr):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row state terms q, dD partial sums and, for the
-    intra-chunk d(dt*A), the row and column sums of M (_dx_tile; the column sums in the last slot of dda). Grid (l-block, head, chunk): a (chunk, head)'s row blocks and then a
-    chunk's heads run together (dy tiles, dstates and the group's C.B / B rows come from L2). dx rows are s_dx_t
-    apart (its batch stride T * s_dx_t): a (b, t, h, p) tensor or the x columns of a (b, t, x | B | C) gradient."""
+    intra-chunk d(dt*A), the row and column sums of M (_dx_tile; the column sums in the last slot of dda). Grid
+    (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy tiles, dstates
+    and the group's C.B / B rows come from L2). dx rows are s_dx_t apart (its batch stride T * s_dx_t): a (b, t, h,
+    p) tensor or the x columns of a (b, t, x | B | C) gradient."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -83,10 +84,10 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
                   mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
     csum = tl.zeros((BM,), dtype=tl.float32)
     dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                   cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, True, dtype, DOT_PREC)
+                         cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, True, dtype, DOT_PREC)
     for k in range(l0 + BK, clen, BK):
-        dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l, lmask,
-                       cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, False, dtype, DOT_PREC)
+        dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l,
+                             lmask, cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, False, dtype, DOT_PREC)
     Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
                  other=0.0).to(dtype)
     Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
