@@ -157,14 +157,20 @@ def test_triton_whole_chunk_scan_every_partial_chunk_and_fallback(monkeypatch):
     yr, fr, _ = run("reference", d, F64, grad=False, chunk_size=64, cu_seqlens=cu)
     assert counter.n == 1
     assert rel(y, yr) < 2e-3 and rel(f, fr) < 2e-3, (rel(y, yr), rel(f, fr))
-    y, f, _ = run("triton", d, torch.float16, grad=False, chunk_size=32, cu_seqlens=cu)  # 2 row blocks: fwd2
+    y, f, _ = run("triton", d, torch.float16, grad=False, chunk_size=32, cu_seqlens=cu)  # 2 row blocks: fwd4 too
     yr, fr, _ = run("reference", d, F64, grad=False, chunk_size=32, cu_seqlens=cu)
-    assert counter.n == 1
+    assert counter.n == 2
+    assert rel(y, yr) < 2e-3 and rel(f, fr) < 2e-3, (rel(y, yr), rel(f, fr))
+    y, f, _ = run("triton", d, torch.float16, grad=False, chunk_size=16, cu_seqlens=cu)  # 1 row block: fwd2
+    yr, fr, _ = run("reference", d, F64, grad=False, chunk_size=16, cu_seqlens=cu)
+    assert counter.n == 2
     assert rel(y, yr) < 2e-3 and rel(f, fr) < 2e-3, (rel(y, yr), rel(f, fr))
     compare(make(1, 80, 2, 16, 1, 16), torch.bfloat16, 3e-2, chunk_size=64)
-    assert counter.n == 2
+    assert counter.n == 3
+    compare(make(1, 80, 2, 16, 1, 16), torch.bfloat16, 3e-2, chunk_size=32)  # forward and backward, 2 row blocks
+    assert counter.n == 4
     compare(make(1, 80, 2, 16, 1, 16), torch.float32, 2e-5, chunk_size=64)  # float32: fwd2
-    assert counter.n == 2
+    assert counter.n == 4
 
 
 def test_triton_varlen_matches_reference_and_separate_runs():

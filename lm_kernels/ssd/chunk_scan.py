@@ -1,7 +1,7 @@
 """Forward: the outputs, y = e^{cs} C S^T + causal(C.B * decay * dt) x + D x, then the z gate (notation:
-kernel_common.py). chunk_scan_fwd4_kernel takes a whole chunk of four row blocks per program (chunk 256 with
-64-row tiles: the GPU default for 16-bit inputs); chunk_scan_fwd2_kernel one row block per program (other
-chunk sizes, float32)."""
+kernel_common.py). chunk_scan_fwd4_kernel takes a whole chunk of two or four row blocks per program (chunk 128 or
+256 with 64-row tiles: 16-bit inputs); chunk_scan_fwd2_kernel one row block per program (other chunk sizes,
+float32)."""
 import triton
 import triton.language as tl
 
@@ -213,8 +213,8 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
                            DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """The whole chunk (four row blocks, L == 4 * BM) per (p-block, head, chunk), grid (p-block, head,
-    chunk). Below the diagonal the decay goes to the x rows as in _scan_rows, but each k block's
+    """The whole chunk (two or four row blocks, L == 2 * BM or 4 * BM) per (p-block, head, chunk), grid (p-block,
+    head, chunk). Below the diagonal the decay goes to the x rows as in _scan_rows, but each k block's
         x~_k = x_k dt_k e^{cs_ref(k) - cs_k},   ref(k) = the k block's last row (factors <= 1),
     is built once (from the x tile its own diagonal step loaded) and kept (in shared memory) for the row
     blocks below it; row block m (r = ref(m-1) = m0 - 1) sums Horner-style with scalar factors <= 1:
@@ -255,6 +255,8 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     xm, cs_m, dt_m = _fwd4_block(acc, e0, 1, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
                                 tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
                                 L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+    if L == 2 * BM:  # two row blocks: the whole chunk is done
+        return
     if clen <= 2 * BM:
         return
     # row block 2: r = ref(1)

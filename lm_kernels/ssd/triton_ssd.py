@@ -3,8 +3,8 @@ lm::ssd_scan_bwd with their autograd formula (one node each in a torch.compile g
 
 Forward:  dtcb_fwd (dt bias / softplus / clamp with the in-chunk cumsum of dt*A, and C.B per chunk and group)
           -> state_fwd (every chunk's start state; the final state)
-          -> chunk_scan_fwd4 (y, whole chunks of four row blocks: 16-bit inputs at chunk 4 * TILE_ROWS) or
-             chunk_scan_fwd2 (one row block per program: float32 inputs, other chunk sizes).
+          -> chunk_scan_fwd4 (y, whole chunks of two or four row blocks: 16-bit inputs at chunk 2 or 4 * TILE_ROWS)
+             or chunk_scan_fwd2 (one row block per program: float32 inputs, other chunk sizes).
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate) -> dcb_bwd (per group Q = sum_heads dy.x^T *
           decay * dt) -> dx_bwd (dx, and the intra-chunk d(dt*A) shares) -> dbdc_bwd (dB, dC, the state part of
           d(dt*A)) -> dt_bwd (ddt, dA, ddt_bias).
@@ -73,7 +73,7 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
                  zz.stride(0), zz.stride(1), zz.stride(2))
     flags = dict(L=L, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2, HAS_Z=z is not None,
                  STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt)
-    if x.dtype != torch.float32 and L == 4 * pl.BM:
+    if x.dtype != torch.float32 and L in (2 * pl.BM, 4 * pl.BM):
         # (float32 operands compile for sm_90 with spills and twice the shared memory: chunk_scan_fwd2 there)
         ln.launch(ln._scan_fwd4, ("scan4", tk), lambda META: (cdiv(P, META["BP"]), H, pl.NCB), scan_args,
                   dict(BM=pl.BM, **flags))
