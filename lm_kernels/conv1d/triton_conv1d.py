@@ -51,11 +51,14 @@ def _configs(triples, interpret):
 _fwd = autotune(
     configs=_configs([(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)], (8, 16, 1)),
     key=_KEY)(K.conv_fwd_kernel)
-# the one-pass backward (per-row dweight partials, dx): 165-177 registers on sm_90 for W 4 with bias and SiLU, no
-# spills (ptxas of the triton 3.9 wheel; (16, 128, 4) takes 254); BT <= 16 divides every chunk (>= 16 rows), and
-# BT >= 8 holds the W-1 <= 7 rows of the next tile that dx needs in one slot
+# the one-pass backward (per-row dweight partials, dx). Registers on sm_90 for W 4 with bias and SiLU (ptxas of the
+# GPU image's triton 3.6): (8, 64, 4) 96, 5 programs per SM; (8, 128, 4) 208, 2 per SM. In the Mamba2-350M step
+# (8, 64, 4) takes 12.5 ms against 14.4 (BENCH.md, session 26); standalone it is also the faster one at C 2304, so
+# the tuner, which times the configs alone, picks it there. (16, 256, 8) was as fast alone, but the list with it did
+# not make the step faster (session 23). BT <= 16 divides every chunk (>= 16 rows), and BT >= 8 holds the W-1 <= 7
+# rows of the next tile that dx needs in one slot
 _bwd = autotune(
-    configs=_configs([(8, 128, 4), (16, 128, 8), (8, 256, 8), (16, 64, 4)], (8, 16, 1)),
+    configs=_configs([(8, 64, 4), (8, 128, 4)], (8, 16, 1)),
     key=_KEY + ["CHUNK", "STATE_GRAD"])(K.conv_bwd_kernel)
 _BWD_BT_MAX = max(cfg.kwargs["BT"] for cfg in _bwd.configs)
 
