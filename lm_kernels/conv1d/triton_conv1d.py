@@ -157,10 +157,18 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
         dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1),
         *(dstate.stride() if dstate is not None else (0, 0, 0)),
         part.stride(0), part.stride(1), part.stride(2), scratch.stride(0), scratch.stride(1)), flags)
-    # part (rows, c, w [+ 1]): weight columns 0..w-1, then the bias; reduced apart so that each gradient is a
-    # tensor of its own (not a strided view of one sum: an op's outputs may not alias)
-    dweight = part[..., :w].sum(0).to(weight.dtype)
-    dbias = part[..., w].sum(0).to(bias.dtype) if bias is not None else None
+    # part (rows, c, w [+ 1]): weight columns 0..w-1, then the bias; summed by one launch into two tensors of their
+    # own (not strided views of one sum: an op's outputs may not alias), in the partials' dtype (the parameters'
+    # dtype in training; others are rounded by torch, to nearest)
+    dweight = torch.empty(c, w, device=x.device, dtype=fdt)
+    dbias = torch.empty(c, device=x.device, dtype=fdt) if bias is not None else None
+    ncol = c * part.shape[2]
+    K.conv_wsum_kernel[(triton.cdiv(ncol, 128),)](part, dweight, dbias if dbias is not None else dweight,
+                                                   part.shape[0], ncol, part.stride(0), dweight.stride(0),
+                                                   dweight.stride(1), W=w, HAS_BIAS=bias is not None, BR=16, BJ=128,
+                                                   num_warps=4)
+    dweight = dweight.to(weight.dtype)
+    dbias = dbias.to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias, dstate
 
 
