@@ -36,20 +36,19 @@ def _dstate_rows(dy_base, C_base, cs_ptr, tok0, t0, clen, k, offs_p, offs_n, P, 
 
 
 @triton.jit
-def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr, dinit_ptr, passing_ptr,
-                      cu_ptr, chunk_first_ptr,
+def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, dfinal_ptr, dstates_ptr, dinit_ptr, cu_ptr, chunk_first_ptr,
                       T, H, P, N, NC, BT, R,
                       s_dy_b, s_dy_t, s_dy_h, s_B_b, s_B_t, s_B_g,
                       L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                       DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Per (p-block x n-block, head, sequence): walk the chunks backwards carrying G = dLoss/dS; store G_{c+1}
-    per chunk (dstates) and each program's part of <G_{c+1}, e^a S_c> (passing, for d(dt*A)). The programs that
-    read the same dy rows (one per n-block) are neighbours in the grid and share them through L2."""
+    per chunk (dstates). The programs that read the same dy rows (one per n-block) are neighbours in the grid and
+    share them through L2. (The chunk's <G_{c+1}, e^a S_c> for d(dt*A) is formed in dx_bwd, which holds G_{c+1}
+    anyway: read here, the chunk states would add a pass over them to this bandwidth-bound walk.)"""
     pid_pn = tl.program_id(0)
     h = tl.program_id(1)
     pid_s = tl.program_id(2)
-    n_pn = tl.num_programs(0)
     offs_p, offs_n, pn_mask, pn_off, b, t_begin, seqlen, c_begin, n_chunks, G, dy_base, C_base = state_walk_start(
         pid_s, pid_pn, h, dfinal_ptr, dy_ptr, C_ptr, cu_ptr, chunk_first_ptr, T, H, P, N, NC, R,
         s_dy_b, s_dy_h, s_B_b, s_B_g, BP, BN, HAS_DFINAL, IS_VARLEN)
@@ -64,8 +63,6 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, states_ptr, dfinal_ptr, dstates_ptr
         tok0 = h * BT + b * T + t0
         a = tl.load(cs_ptr + tok0 + clen - 1)
         ea = tl.exp(a)
-        S = tl.load(states_ptr + st_off, mask=pn_mask, other=0.0).to(tl.float32)
-        tl.store(passing_ptr + (c.to(tl.int64) * H + h) * n_pn + pid_pn, tl.sum(tl.sum(G * S, 1), 0) * ea)
         if BK >= L:
             acc = _dstate_rows(dy_base, C_base, cs_ptr, tok0, t0, clen, 0, offs_p, offs_n, P, N, s_dy_t, s_B_t,
                                BK, dtype, DOT_PREC)

@@ -43,15 +43,17 @@ def _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, 
 
 
 @triton.jit
-def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_ptr,
-                  dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, chunk_t0_ptr, chunk_len_ptr,
+def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, D_ptr,
+                  dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, passing_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t, s_part,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_DT: tl.constexpr):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row state terms q, dD partial sums and, for the
-    intra-chunk d(dt*A), the row and column sums of M (_dx_tile; the column sums in the last slot of dda). Grid
+    intra-chunk d(dt*A), the row and column sums of M (_dx_tile; the column sums in the last slot of dda); the
+    program with the chunk's last rows (the lightest row block of a full chunk) also forms the chunk's passing term
+    e^a <G_{c+1}, S_c> from the G_{c+1} tile it holds (one float32 per chunk and head in passing). Grid
     (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy tiles, dstates
     and the group's C.B / B rows come from L2). dx rows are s_dx_t apart (its batch stride T * s_dx_t): a (b, t, h,
     p) tensor or the x columns of a (b, t, x | B | C) gradient."""
@@ -88,10 +90,15 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
     for k in range(l0 + BK, clen, BK):
         dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l,
                              lmask, cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, False, dtype, DOT_PREC)
-    Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
-                 other=0.0).to(dtype)
     Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
+    if l0 + BM >= clen:
+        St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                     mask=pmask[None, :] & nmask[:, None], other=0.0)  # (BNF, BPF) = S^T
+        tl.store(passing_ptr + pid_c.to(tl.int64) * H + h,
+                 tl.sum(tl.sum(St.to(tl.float32) * Gd.to(tl.float32), 1), 0) * tl.exp(a))
+    Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
+                 other=0.0).to(dtype)
     dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
     lp = lmask[:, None] & pmask[None, :]
     xl = xld.to(tl.float32)  # x's own dtype (or float32 under the interpreter): exact
@@ -120,12 +127,12 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, dstates_ptr, D_
 @triton.jit
 def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_ptr, q_ptr, passing_ptr,
                   ddt_out_ptr, dA_part_ptr, dbias_part_ptr, chunk_t0_ptr, chunk_len_ptr,
-                  T, H, NC, BT, NPN, s_dt_b, s_dt_t, s_ddt_b, s_ddt_t, s_part, dt_lo, dt_hi,
-                  L: tl.constexpr, BH: tl.constexpr, NPN_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  T, H, NC, BT, s_dt_b, s_dt_t, s_ddt_b, s_ddt_t, s_part, dt_lo, dt_hi,
+                  L: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr,
                   SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
                   NDCS: tl.constexpr):
-    """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c>
-    + the intra-chunk part from dx_bwd's row and column sums of M (row blocks of BMB rows; the dcs partial sums of
+    """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c> (passing,
+    from dx_bwd) + the intra-chunk part from dx_bwd's row and column sums of M (row blocks of BMB rows; the dcs partial sums of
     dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through
     clamp/softplus/bias. ddt_out is read through its own strides (a column block of a larger gradient)."""
     pid_c = tl.program_id(0)
@@ -153,11 +160,9 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     q = tl.load(q_ptr + off, mask=mask, other=0.0)
     ddt = tl.load(ddt_dir_ptr + off, mask=mask, other=0.0)
     dtp = tl.load(dtp_ptr + off, mask=mask, other=0.0)
-    offs_pn = tl.arange(0, NPN_B)
-    pas = tl.load(passing_ptr + (pid_c.to(tl.int64) * H + heads[:, None]) * NPN + offs_pn[None, :],
-                  mask=hmask[:, None] & (offs_pn[None, :] < NPN), other=0.0)
+    pas = tl.load(passing_ptr + pid_c.to(tl.int64) * H + heads, mask=hmask, other=0.0)
     ddA = tl.sum(dcs, 0)[None, :] - tl.cumsum(dcs, axis=0) + dcs  # suffix sums of dy.y_off
-    ddA += tl.cumsum(q, axis=0) - q + tl.sum(pas, 1)[None, :]  # state terms
+    ddA += tl.cumsum(q, axis=0) - q + pas[None, :]  # state terms
     ddA += tl.sum(intra, 0)[None, :] - tl.cumsum(intra, axis=0) + intra
     ddA = tl.where(mask, ddA, 0.0)
     A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)

@@ -27,7 +27,7 @@ from . import launch as ln
 from .backward import gate_bwd_kernel
 from .backward_dx import dt_bwd_kernel, sum_rows_kernel
 from .common import check_scan_args, split_xbc
-from .launch import cdiv, dot_dt, dot_prec, limits, p2, tune_key
+from .launch import cdiv, dot_dt, dot_prec, limits, tune_key
 
 
 def state_dtype(dtype):
@@ -106,14 +106,13 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dy = dout
     # reverse state pass
     dstates = torch.empty_like(states)
-    passing = torch.zeros(pl.NCB, H, pl.npn, dtype=torch.float32, device=dev)
     dinit = torch.empty(pl.nseq, H, P, N, dtype=torch.float32, device=dev) if initial_state is not None else None
     if dfinal is not None:
         dfinal = dfinal.float().contiguous()
     tk = tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state) + (dy.dtype,)
     ln.launch(ln._dstate_bwd, ("dstate", tk), (pl.npn, H, pl.nseq), (
-        dy, C, cs, states, dfinal if dfinal is not None else cs, dstates, dinit if dinit is not None else cs,
-        passing, pl.cu, pl.chunk_first,
+        dy, C, cs, dfinal if dfinal is not None else cs, dstates, dinit if dinit is not None else cs,
+        pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, R,
         dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2)),
         dict(L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
@@ -136,6 +135,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
         dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
+    passing = torch.empty(pl.NCB, H, dtype=torch.float32, device=dev)  # <G_{c+1}, e^a S_c>: dx_bwd writes every chunk's
     qrow = torch.empty_like(ddt_dir)
     # the partial sums of dA, dt_bias's and D's gradients (per chunk; D's per chunk and row block) in one buffer,
     # zeroed for the programs that return early (rows past a chunk's end, packed chunks cut short), summed by one
@@ -145,8 +145,8 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     part = torch.zeros(pl.NCB * nm, H + nbias + nD, dtype=torch.float32, device=dev)
     dA_part, dbias_part, dD_part = part[:, :H], part[:, H:H + nbias], part[:, H + nbias:]
     ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
-        dy, x, B, CB, dtp, cs, dstates, D if D is not None else cs,
-        dx, ddt_dir, qrow, dD_part, dda, pl.chunk_t0, pl.chunk_len,
+        dy, x, B, CB, dtp, cs, states, dstates, D if D is not None else cs,
+        dx, ddt_dir, qrow, dD_part, dda, passing, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2), dx.stride(1), part.stride(0)),
@@ -167,9 +167,9 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     dt_bwd_kernel[(pl.NCB, cdiv(H, pl.BH))](
         dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, qrow, passing,
         ddt, dA_part, dbias_part, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, pl.NC, pl.BT, pl.npn, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), part.stride(0),
+        pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), part.stride(0),
         lo, hi,
-        L=L, BH=pl.BH, NPN_B=p2(pl.npn, 1), HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+        L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
     dA = torch.empty(H, dtype=A.dtype, device=dev)
     ddt_bias = torch.empty(H, dtype=dt_bias.dtype, device=dev) if dt_bias is not None else None
