@@ -90,11 +90,11 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dst
     for k in range(l0 + BK, clen, BK):
         dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l,
                              lmask, cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, False, dtype, DOT_PREC)
-    Gd = tl.load(dstates_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
-                 mask=pmask[None, :] & nmask[:, None], other=0.0).to(dtype)  # (BNF, BPF) = G^T
+    st_off = (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None]  # (n, p): transposed
+    st_mask = pmask[None, :] & nmask[:, None]
+    Gd = tl.load(dstates_ptr + st_off, mask=st_mask, other=0.0).to(dtype)  # (BNF, BPF) = G^T
     if l0 + BM >= clen:
-        St = tl.load(states_ptr + (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
-                     mask=pmask[None, :] & nmask[:, None], other=0.0)  # (BNF, BPF) = S^T
+        St = tl.load(states_ptr + st_off, mask=st_mask, other=0.0)  # (BNF, BPF) = S^T
         tl.store(passing_ptr + pid_c.to(tl.int64) * H + h,
                  tl.sum(tl.sum(St.to(tl.float32) * Gd.to(tl.float32), 1), 0) * tl.exp(a))
     Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
@@ -132,9 +132,8 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
                   SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
                   NDCS: tl.constexpr):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c> (passing,
-    from dx_bwd) + the intra-chunk part from dx_bwd's row and column sums of M (row blocks of BMB rows; the dcs partial sums of
-    dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through
-    clamp/softplus/bias. ddt_out is read through its own strides (a column block of a larger gradient)."""
+    from dx_bwd) + the intra-chunk part from dx_bwd's row and column sums of M (row blocks of BMB rows; the dcs
+    partial sums of dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias. ddt_out is read through its own strides (a column block of a larger gradient)."""
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)

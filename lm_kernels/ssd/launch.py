@@ -49,9 +49,9 @@ _dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(dtcb_fwd_kernel)
 # 32-row p blocks: more programs for long sequences. The state walks and dcb_bwd also get a 4-warp config capped at
 # 128 registers (4 programs per SM instead of 3 (state, dstate) or 2 (dcb); no spills in the state walks, 12 bytes in
 # dcb_bwd on sm_90): the Mamba2-350M step's tuner picks them (PERF.md, session 26)
-_CAP128 = triton.Config({}, num_warps=4, num_stages=2, maxnreg=128)
+_CAP128 = dict(num_warps=4, num_stages=2, maxnreg=128)
 _state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))]
-                   + [triton.Config(dict(BP=64), num_warps=4, num_stages=2, maxnreg=128)],
+                   + [triton.Config(dict(BP=64), **_CAP128)],
                    ["P", "N", "R", "BN", "NC"])(state_fwd_kernel)
 _scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_stages=st)
                    for bm, bk, bp, w, st in ((64, 64, 64, 4, 2), (64, 32, 64, 4, 2), (64, 32, 64, 4, 3),
@@ -71,8 +71,8 @@ _scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg
 _scan_fwd4 = autotune(
     configs=(_scan_fwd4_cfgs[:-1] if AUTOTUNE else _scan_fwd4_cfgs[-1:] if INTERPRET else _scan_fwd4_cfgs[:1]),
     key=["P", "N", "R", "L", "HAS_Z"])(chunk_scan_fwd4_kernel)
-_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)) + [_CAP128], ["P", "N", "R"])(dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)) + [_CAP128], ["P", "R"])(dcb_bwd_kernel)
+_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, **_CAP128)], ["P", "N", "R"])(dstate_bwd_kernel)
+_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)) + [triton.Config({}, **_CAP128)], ["P", "R"])(dcb_bwd_kernel)
 # (8, 4) is not first: float32 / float16 tiles need more shared memory than an H100 has at 4 stages (the
 # autotuner skips such configs; without autotuning the first one launches)
 _dbdc_bwd = _tune(_cfgs((8, 2), (8, 4), (4, 2), (8, 3)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
