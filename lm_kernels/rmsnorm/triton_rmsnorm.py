@@ -7,7 +7,9 @@ per-group rstd for the backward.
 Backward of the gated norm (`gated_rms_norm_bwd_launch`): one pass. A program takes a chunk of consecutive rows of one
 group (grid: (row chunks, groups)) and walks it BR rows at a time: it reads x, z (+ z_add) and dy, writes dx and dz,
 and keeps the weight gradient's sum over its rows in registers, stored once as a float32 partial (row chunk, group's
-channels). The caller sums the partials over the chunks: deterministic, no atomics. (Inductor's backward of the
+channels). Each step's rows are loaded during the step before, so that two steps' loads are in flight (at 2
+programs of 16 warps per SM, one step's alone left the pass latency-bound: 0.28 -> 0.245 ms per Mamba2-350M layer on
+an H100, lm/train/BENCH.md session 27). The caller sums the partials over the chunks: deterministic, no atomics. (Inductor's backward of the
 traced formula is two kernels: 0.47 ms per Mamba2-350M layer on an H100 at 16 x 2048 tokens, bf16, where this pass's
 bytes take ~0.22 ms.)
 
@@ -60,6 +62,22 @@ def _rmsnorm_fwd_kernel(x, z, za, w, y, r, s, rs, sx, sz, sza, sy, sr, ss, G, NG
 
 
 @triton.jit
+def _gated_bwd_rows(x, z, za, dy, rs, r0, end, cols, cm, sx, sz, sza, sdy, grp, NG, BR: tl.constexpr,
+                    HAS_ADD: tl.constexpr):
+    """x, z, z_add (z again without it), dy (in their dtypes) and rstd of rows r0 .. r0 + BR - 1 (< end)."""
+    rows = r0 + tl.arange(0, BR)
+    rm = rows < end
+    m = rm[:, None] & cm[None, :]
+    b_x = tl.load(x + rows[:, None] * sx + cols[None, :], mask=m, other=0.0)
+    b_z = tl.load(z + rows[:, None] * sz + cols[None, :], mask=m, other=0.0)
+    b_za = b_z
+    if HAS_ADD:
+        b_za = tl.load(za + rows[:, None] * sza + cols[None, :], mask=m, other=0.0)
+    b_dy = tl.load(dy + rows[:, None] * sdy + cols[None, :], mask=m, other=0.0)
+    return b_x, b_z, b_za, b_dy, tl.load(rs + rows * NG + grp, mask=rm, other=0.0)
+
+
+@triton.jit
 def _gated_rmsnorm_bwd_kernel(dy, x, z, za, w, rs, dx, dz, part, sdy, sx, sz, sza, sdx, sdz, sp, N, G, NG, CHUNK,
                               BG: tl.constexpr, BR: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr):
     """Rows [pid * CHUNK, min(N, (pid + 1) * CHUNK)) of group program_id(1); per row (all in float32, per group)
@@ -74,17 +92,21 @@ def _gated_rmsnorm_bwd_kernel(dy, x, z, za, w, rs, dx, dz, part, sdy, sx, sz, sz
     if HAS_W:
         b_w = tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
     acc = tl.zeros((BR, BG), dtype=tl.float32)  # dy * xhat of this program's rows, reduced once at the end
+    # the loop step's rows are fetched one step ahead (their DRAM latency overlaps the step before)
+    n_x, n_z, n_za, n_dy, n_rs = _gated_bwd_rows(x, z, za, dy, rs, start, end, cols, cm, sx, sz, sza, sdy, grp, NG, BR,
+                                                 HAS_ADD)
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
         rm = rows < end
         m = rm[:, None] & cm[None, :]
-        b_x = tl.load(x + rows[:, None] * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        b_z = tl.load(z + rows[:, None] * sz + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        b_x = n_x.to(tl.float32)
+        b_z = n_z.to(tl.float32)
         if HAS_ADD:  # as in the forward: the sum rounded to z's dtype
-            b_z = (b_z + tl.load(za + rows[:, None] * sza + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                   ).to(z.dtype.element_ty).to(tl.float32)
-        b_dy = tl.load(dy + rows[:, None] * sdy + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        rstd = tl.load(rs + rows * NG + grp, mask=rm, other=0.0)
+            b_z = (b_z + n_za.to(tl.float32)).to(z.dtype.element_ty).to(tl.float32)
+        b_dy = n_dy.to(tl.float32)
+        rstd = n_rs
+        n_x, n_z, n_za, n_dy, n_rs = _gated_bwd_rows(x, z, za, dy, rs, r0 + BR, end, cols, cm, sx, sz, sza, sdy, grp,
+                                                     NG, BR, HAS_ADD)
         sig = tl.sigmoid(b_z)
         gate = b_z * sig
         xhat = b_x * gate * rstd[:, None]
@@ -103,8 +125,9 @@ def _gated_rmsnorm_bwd_kernel(dy, x, z, za, w, rs, dx, dz, part, sdy, sx, sz, sz
 
 # (rows per loop step BR, warps). A config is kept for a group block of BG channels where each thread holds 2, 4 or 8
 # elements of a row block (BR * BG / (32 * warps)), 4 first: for sm_90 (bf16, z_add, weight; cuobjdump) 4 elements
-# compile to 58-74 registers, 8 to 128-140 (16 bytes of stack at 16 warps, whose threads get at most 128), 16 to 255
-# registers or 0.3-1.1 KB of stack (spills).
+# compile to 58-74 registers (64 for BG 2048 with the rows fetched ahead, triton 3.6: still 2 programs of 16 warps per
+# SM), 8 to 128-140 (16 bytes of stack at 16 warps, whose threads get at most 128), 16 to 255 registers or 0.3-1.1 KB
+# of stack (spills).
 _BWD_PAIRS = [(br, w) for br in (1, 2, 4, 8) for w in (4, 8, 16)]
 _EPT_PREFERENCE = (4, 8, 2)
 
