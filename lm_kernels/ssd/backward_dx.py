@@ -133,7 +133,8 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
                   NDCS: tl.constexpr):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c> (passing,
     from dx_bwd) + the intra-chunk part from dx_bwd's row and column sums of M (row blocks of BMB rows; the dcs
-    partial sums of dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias. ddt_out is read through its own strides (a column block of a larger gradient)."""
+    partial sums of dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias.
+    ddt_out is read through its own strides (a column block of a larger gradient)."""
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)

@@ -50,8 +50,8 @@ _dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(dtcb_fwd_kernel)
 # 128 registers (4 programs per SM instead of 3 (state, dstate) or 2 (dcb); no spills in the state walks, 12 bytes in
 # dcb_bwd on sm_90): the Mamba2-350M step's tuner picks them (PERF.md, session 26)
 _CAP128 = dict(num_warps=4, num_stages=2, maxnreg=128)
-_state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))]
-                   + [triton.Config(dict(BP=64), **_CAP128)],
+_state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2)
+                    for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))] + [triton.Config(dict(BP=64), **_CAP128)],
                    ["P", "N", "R", "BN", "NC"])(state_fwd_kernel)
 _scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_stages=st)
                    for bm, bk, bp, w, st in ((64, 64, 64, 4, 2), (64, 32, 64, 4, 2), (64, 32, 64, 4, 3),
