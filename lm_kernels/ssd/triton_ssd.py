@@ -135,7 +135,8 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
         dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
-    passing = torch.empty(pl.NCB, H, dtype=torch.float32, device=dev)  # <G_{c+1}, e^a S_c>: dx_bwd writes every chunk's
+    # e^a <G_{c+1}, S_c> per (chunk, head): dx_bwd's program with a chunk's last rows writes it, so no zeroing
+    passing = torch.empty(pl.NCB, H, dtype=torch.float32, device=dev)
     qrow = torch.empty_like(ddt_dir)
     # the partial sums of dA, dt_bias's and D's gradients (per chunk; D's per chunk and row block) in one buffer,
     # zeroed for the programs that return early (rows past a chunk's end, packed chunks cut short), summed by one
