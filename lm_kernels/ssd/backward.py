@@ -145,17 +145,13 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
                     T, H, P, N, NC, BT, R, G,
                     s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dB_t,
                     L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BN: tl.constexpr,
-                    FUSE_Q: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Per (chunk, group, m-block x n-block): dC = sum_h e^{cs} dy S + Q B, dB = sum_h w x G' + Q^T C; and each
     head's dcs_m = dy_m . y_off_m = sum_n C_mn (e^{cs_m} dy_m S)_n from the dC product it forms anyway, the part
     of the n block in its slot of dcs ((n blocks, H, B*T), summed by dt_bwd). dB and dC rows are s_dB_t apart (batch
     stride T * s_dB_t): (b, t, g, n) tensors or the B / C columns of a (b, t, x | B | C) gradient. Grid (m-block x
     n-block, group, chunk): the m-blocks of a chunk, which all read the chunk states S and their gradients of every
-    head of the group, are neighbours and share them through L2.
-    FUSE_Q (chunks of at most two row blocks, L <= 2 BM): Q's tiles are formed here, in the head loop that reads
-    each head's dy and x rows anyway, instead of read from dcb_bwd's Q: the diagonal tile Q[m, m] and the tile
-    below it Q[1, 0] (both m-blocks need it: dC_1 += Q[1, 0] B_0, dB_0 += Q[1, 0]^T C_0), summed over the heads
-    in float32 as dcb_bwd sums them; one pass over dy and x instead of two."""
+    head of the group, are neighbours and share them through L2."""
     pid_mn = tl.program_id(0)
     g = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -175,14 +171,6 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
     acc_dB = tl.zeros((BM, BN), dtype=tl.float32)
     Cm = tl.load(C_ptr + b * s_B_b + g * s_B_g + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :],
                  mask=mmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-    if FUSE_Q:
-        qd = tl.zeros((BM, BM), dtype=tl.float32)  # Q[m, m]
-        qo = tl.zeros((BM, BM), dtype=tl.float32)  # Q[1, 0] (rows BM.., columns ..BM - 1)
-        causal = (rows_m[:, None] >= rows_m[None, :]) & mmask[:, None] & mmask[None, :]
-        rows_0 = tl.arange(0, BM)
-        rows_1 = BM + rows_0
-        mask_0 = rows_0 < clen
-        mask_1 = rows_1 < clen
     for hh in range(0, R):
         h = g * R + hh
         tok0 = h * BT + b * T + t0
@@ -190,29 +178,10 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
         dt_m = tl.load(dtp_ptr + tok0 + rows_m, mask=mmask, other=0.0)
         a = tl.load(cs_ptr + tok0 + clen - 1)
         pm = mmask[:, None] & pmask[None, :]
-        dym_in = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_m[:, None]) * s_dy_t + offs_p[None, :],
-                         mask=pm, other=0.0)
-        xm_in = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :],
-                        mask=pm, other=0.0)
-        dym = dym_in.to(tl.float32)
-        xm = xm_in.to(tl.float32)
-        if FUSE_Q:
-            qq = tl.dot(dym_in.to(dtype), tl.trans(xm_in.to(dtype)), input_precision=DOT_PREC)
-            qd += qq * tl.exp(tl.where(causal, cs_m[:, None] - cs_m[None, :], float("-inf"))) * dt_m[None, :]
-            if L > BM:
-                # Q[1, 0] of this head; the decay factorises through row BM - 1 (both exponents <= 0). Each
-                # m-block program holds one operand already: the other comes from L2 (its sibling reads it)
-                dy1 = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_1[:, None]) * s_dy_t + offs_p[None, :],
-                              mask=mask_1[:, None] & pmask[None, :], other=0.0).to(dtype)
-                x0 = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_0[:, None]) * s_x_t + offs_p[None, :],
-                             mask=mask_0[:, None] & pmask[None, :], other=0.0).to(dtype)
-                cs_r = tl.load(cs_ptr + tok0 + tl.minimum(clen, BM) - 1)  # (a chunk of one block: Q[1, 0] is 0)
-                cs_1 = tl.load(cs_ptr + tok0 + rows_1, mask=mask_1, other=0.0)
-                cs_0 = tl.load(cs_ptr + tok0 + rows_0, mask=mask_0, other=0.0)
-                dt_0 = tl.load(dtp_ptr + tok0 + rows_0, mask=mask_0, other=0.0)
-                f1 = tl.where(mask_1, tl.exp(cs_1 - cs_r), 0.0)
-                f0 = tl.where(mask_0, tl.exp(cs_r - cs_0) * dt_0, 0.0)
-                qo += tl.dot(dy1, tl.trans(x0), input_precision=DOT_PREC) * f1[:, None] * f0[None, :]
+        dym = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_m[:, None]) * s_dy_t + offs_p[None, :],
+                      mask=pm, other=0.0).to(tl.float32)
+        xm = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :],
+                     mask=pm, other=0.0).to(tl.float32)
         st_off = (pid_c.to(tl.int64) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :]
         pn = pmask[:, None] & nmask[None, :]
         S = tl.load(states_ptr + st_off, mask=pn, other=0.0).to(dtype)
@@ -223,43 +192,26 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
         acc_dC += tC
         tl.store(dcs_ptr + (pid_mn % n_nb) * (H.to(tl.int64) * BT) + tok0 + rows_m, tl.sum(tC * Cm, 1), mask=mmask)
         acc_dB = tl.dot((xm * w_m[:, None]).to(dtype), Gd, acc_dB, input_precision=DOT_PREC)
+    q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     B_base = B_ptr + b * s_B_b + g * s_B_g
     C_base = C_ptr + b * s_B_b + g * s_B_g
-    if FUSE_Q:
-        Bm = tl.load(B_base + (t0 + rows_m[:, None]) * s_B_t + offs_n[None, :], mask=mmask[:, None] & nmask[None, :],
+    k_end = tl.minimum(m0 + BM, clen)
+    for k in range(0, k_end, BK):  # dC_m += sum_{l <= m} Q[m, l] B_l
+        rows_k = k + tl.arange(0, BK)
+        kmask = rows_k < clen
+        # Q's diagonal tiles hold zeros above the diagonal (dcb_bwd): no causal mask, so the loads vectorise
+        q = tl.load(q_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        Bk = tl.load(B_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
                      other=0.0).to(dtype)
-        acc_dC = tl.dot(qd.to(dtype), Bm, acc_dC, input_precision=DOT_PREC)  # dC_m += Q[m, m] B_m
-        acc_dB = tl.dot(tl.trans(qd).to(dtype), Cm.to(dtype), acc_dB, input_precision=DOT_PREC)  # dB_m += Q[m, m]^T C_m
-        if L > BM:
-            if m0 == 0:  # dB_0 += Q[1, 0]^T C_1
-                C1 = tl.load(C_base + (t0 + rows_1[:, None]) * s_B_t + offs_n[None, :],
-                             mask=mask_1[:, None] & nmask[None, :], other=0.0).to(dtype)
-                acc_dB = tl.dot(tl.trans(qo).to(dtype), C1, acc_dB, input_precision=DOT_PREC)
-            else:  # dC_1 += Q[1, 0] B_0
-                B0 = tl.load(B_base + (t0 + rows_0[:, None]) * s_B_t + offs_n[None, :],
-                             mask=mask_0[:, None] & nmask[None, :], other=0.0).to(dtype)
-                acc_dC = tl.dot(qo.to(dtype), B0, acc_dC, input_precision=DOT_PREC)
-    else:
-        q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
-        k_end = tl.minimum(m0 + BM, clen)
-        for k in range(0, k_end, BK):  # dC_m += sum_{l <= m} Q[m, l] B_l
-            rows_k = k + tl.arange(0, BK)
-            kmask = rows_k < clen
-            # Q's diagonal tiles hold zeros above the diagonal (dcb_bwd): no causal mask, so the loads vectorise
-            q = tl.load(q_base + rows_m[:, None] * L + rows_k[None, :], mask=mmask[:, None] & kmask[None, :],
-                        other=0.0)
-            Bk = tl.load(B_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :],
-                         mask=kmask[:, None] & nmask[None, :], other=0.0).to(dtype)
-            acc_dC = tl.dot(q.to(dtype), Bk, acc_dC, input_precision=DOT_PREC)
-        k_begin = (m0 // BK) * BK
-        for k in range(k_begin, clen, BK):  # dB_l += sum_{m >= l} Q[m, l] C_m  (here l = rows_m)
-            rows_k = k + tl.arange(0, BK)
-            kmask = rows_k < clen
-            qT = tl.load(q_base + rows_k[None, :] * L + rows_m[:, None], mask=mmask[:, None] & kmask[None, :],
-                         other=0.0)
-            Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :],
-                         mask=kmask[:, None] & nmask[None, :], other=0.0).to(dtype)
-            acc_dB = tl.dot(qT.to(dtype), Ck, acc_dB, input_precision=DOT_PREC)
+        acc_dC = tl.dot(q.to(dtype), Bk, acc_dC, input_precision=DOT_PREC)
+    k_begin = (m0 // BK) * BK
+    for k in range(k_begin, clen, BK):  # dB_l += sum_{m >= l} Q[m, l] C_m  (here l = rows_m)
+        rows_k = k + tl.arange(0, BK)
+        kmask = rows_k < clen
+        qT = tl.load(q_base + rows_k[None, :] * L + rows_m[:, None], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
+                     other=0.0).to(dtype)
+        acc_dB = tl.dot(qT.to(dtype), Ck, acc_dB, input_precision=DOT_PREC)
     out_off = (b * T + t0 + rows_m[:, None]) * s_dB_t + g * N + offs_n[None, :]
     mn = mmask[:, None] & nmask[None, :]
     tl.store(dB_ptr + out_off, acc_dB.to(dB_ptr.dtype.element_ty), mask=mn)

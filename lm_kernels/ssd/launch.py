@@ -78,7 +78,7 @@ _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)) + [triton.Config({}, **_CAP128)], ["P", "
 # (8, 4) is not first: float32 / float16 tiles need more shared memory than an H100 has at 4 stages (the
 # autotuner skips such configs; without autotuning the first one launches)
 _dbdc_bwd = _tune(_cfgs((8, 2), (8, 4), (4, 2), (8, 3)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
-                  ["P", "N", "R", "BN", "FUSE_Q"])(dbdc_bwd_kernel)
+                  ["P", "N", "R", "BN"])(dbdc_bwd_kernel)
 _dx_bwd = _tune([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _cfgs((4, 1)), ["P", "N", "R"])(
     dx_bwd_kernel)
 

@@ -117,17 +117,13 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2)),
         dict(L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
              IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
-    # per-group dy.x^T (decayed), for dB and dC: formed inside dbdc_bwd for chunks of at most two row blocks
-    fuse_q = L <= 2 * pl.BM
-    if fuse_q:
-        Q = cs
-    else:
-        Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
-        ln.launch(ln._dcb_bwd, ("dcb", tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
-            dy, x, dtp, cs, Q, pl.chunk_t0, pl.chunk_len,
-            pl.T, P, pl.NC, pl.BT, R, G,
-            dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
-            dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
+    # per-group dy.x^T (decayed), for dB and dC
+    Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
+    ln.launch(ln._dcb_bwd, ("dcb", tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
+        dy, x, dtp, cs, Q, pl.chunk_t0, pl.chunk_len,
+        pl.T, P, pl.NC, pl.BT, R, G,
+        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
+        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     # dx, direct ddt, the state terms q and the row / column sums of the intra-chunk d(dt*A) terms: every slot
     # dt_bwd reads is written (it skips the rows a slot lacks), so no zeroing
     nm = cdiv(L, pl.BM)
@@ -165,8 +161,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2), dB.stride(1)),
-        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_DBDC, FUSE_Q=fuse_q, IS_VARLEN=pl.varlen, DOT_PREC=prec,
-             DOT_DT=ddt_))
+        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_DBDC, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     # dt, dA, dt_bias
     has_limit, lo, hi = limits(dt_limit)
     ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev) if ddt_out is None else ddt_out
