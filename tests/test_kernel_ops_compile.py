@@ -166,8 +166,8 @@ def test_opcheck():
                 0.0, INF, True, True, [])
         opcheck(ops.ssd_scan_fwd.default, args, **(dict(test_utils=no_aot) if lens else {}))
         plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        y, fin, dtcs, states, CB, ypre, table = ops.ssd_scan_fwd(*plain)
-        opcheck(ops.ssd_scan_bwd.default, (torch.randn_like(y), torch.randn_like(fin), *plain[:10], dtcs, states, CB,
+        y, fin, dtcs, states, ypre, table = ops.ssd_scan_fwd(*plain)
+        opcheck(ops.ssd_scan_bwd.default, (torch.randn_like(y), torch.randn_like(fin), *plain[:10], dtcs, states,
                                            ypre, table if lens else None, 16, True, 0.0, INF, []))
         c = conv_inputs(1, 20, 24, 4)
         opcheck(ops.causal_conv1d_fwd.default, (c["x"].requires_grad_(), c["weight"][:, :4].detach().requires_grad_(),

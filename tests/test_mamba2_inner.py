@@ -213,7 +213,7 @@ def test_opcheck():
         y, ncs, fin = out[:3]
         saved = list(out[3:])
         if cu is None:
-            saved[5] = None  # the chunk table: only with packed documents
+            saved[4] = None  # the chunk table: only with packed documents
         opcheck(ops.mamba2_inner_bwd.default,
                 (torch.randn_like(y), torch.randn_like(ncs), torch.randn_like(fin), *plain, cu, *saved,
                  [di, p, g, n, ng], chunk, 0.0, 2.0, states), **kw)

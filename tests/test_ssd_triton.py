@@ -307,7 +307,7 @@ def test_ssd_xbc_opcheck():
     opcheck(torch.ops.lm.ssd_scan_fwd.default, args)
     out = torch.ops.lm.ssd_scan_fwd(*args)
     opcheck(torch.ops.lm.ssd_scan_bwd.default, (torch.randn(1, 20, h, p), None, xbc.detach(), dt.detach(), d["A"],
-                                                None, None, d["D"], None, d["dt_bias"], None, None, *out[2:5], None,
+                                                None, None, d["D"], None, d["dt_bias"], None, None, *out[2:4], None,
                                                 None, 16, True, 0.0, float("inf"), [p, g, n]))
 
 

@@ -33,7 +33,7 @@ from ..ssd.common import check_scan_args, split_xbc
 from ..ssd.triton_ssd import _backward as ssd_backward
 from ..ssd.triton_ssd import _forward as ssd_forward
 from ..ssd.triton_ssd import _prep as ssd_prep
-from ..ssd.triton_ssd import cb_dtype, state_dtype
+from ..ssd.triton_ssd import state_dtype
 
 
 # The operators read zxbcdt (and the injection parts) through their row strides, so inductor may hand them any row
@@ -71,23 +71,23 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, add: Optional[torch.Tensor], conv_wei
                      norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dims: list[int],
                      chunk_size: int, dt_lo: float, dt_hi: float, eps: float, return_final_state: bool, save: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                                torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (b, t, d_inner) in the projection's dtype, new conv state (b, conv_dim, w-1), final SSD state (empty unless
     return_final_state), and what the backward reads: the conv output x | B | C, the SSD output, its dt / cumsum,
-    chunk start states, C.B and chunk table (ssd_scan_fwd's), the norm's rstd)."""
+    chunk start states and chunk table (ssd_scan_fwd's), the norm's rstd)."""
     d_inner, group = dims[0], dims[4]
     zxbcdt, add = (_channels_contiguous(v) for v in (zxbcdt, add))
     z, xbc_in, dt = _split(zxbcdt, dims)
     z_add, x_add, dt_add = _adds(add, dims)
     xbc, new_conv_state = conv1d_fwd(xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True, x_add)
     x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size)
-    ys, final, dtcs, states, CB, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
+    ys, final, dtcs, states, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
                                                  (dt_lo, dt_hi), return_final_state, save)
     b, t = zxbcdt.shape[:2]
     ys = ys.view(b, t, d_inner)
     y, _, rstd = norm_fwd_launch(ys, norm_weight, eps, group, z=z, z_add=z_add, write_rstd=True)
     return (y.view(b, t, d_inner), new_conv_state, final if final is not None else absent(x, torch.float32), xbc, ys,
-            dtcs, states, CB, pl.table if pl.table is not None else absent(x, torch.int32),
+            dtcs, states, pl.table if pl.table is not None else absent(x, torch.int32),
             rstd.view(b, t, d_inner // group))
 
 
@@ -105,7 +105,6 @@ def _(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_st
             zxbcdt.new_empty(nseq, h, p, n, dtype=f32) if return_final_state else absent(zxbcdt, f32),
             zxbcdt.new_empty(b, t, conv_dim), zxbcdt.new_empty(b, t, d_inner), zxbcdt.new_empty(2, h, b * t, dtype=f32),
             zxbcdt.new_empty(ncb, h, p, n, dtype=state_dtype(zxbcdt.dtype)),
-            zxbcdt.new_empty(ncb, g, chunk_size, chunk_size, dtype=cb_dtype(zxbcdt.dtype)),
             zxbcdt.new_empty(ln.table_layout(nseq, ncb)[1], dtype=torch.int32) if varlen
             else absent(zxbcdt, torch.int32),
             zxbcdt.new_empty(b, t, d_inner // group, dtype=f32))
@@ -118,7 +117,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
                      conv_bias: Optional[torch.Tensor], conv_state: Optional[torch.Tensor], A: torch.Tensor,
                      D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                      norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], xbc: torch.Tensor,
-                     ys: torch.Tensor, dtcs: torch.Tensor, states: torch.Tensor, CB: torch.Tensor,
+                     ys: torch.Tensor, dtcs: torch.Tensor, states: torch.Tensor,
                      table: Optional[torch.Tensor], rstd: torch.Tensor, dims: list[int], chunk_size: int,
                      dt_lo: float, dt_hi: float, state_grad: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -144,7 +143,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
     dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
     _, _, dA, _, _, dD, _, ddt_bias, dinit = ssd_backward(
         dys.view(b, t, d_inner // p, p), dfinal, x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-        (dt_lo, dt_hi), dtcs, states, CB, None, dxbc=dxbc, ddt_out=ddt)
+        (dt_lo, dt_hi), dtcs, states, None, dxbc=dxbc, ddt_out=ddt)
     # conv: dx into the xBC block
     _, dweight, dbias, dstate = conv1d_bwd(dxbc, xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True,
                                            state_grad, x_add, dx_out=dxbc_in)
@@ -156,7 +155,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
 
 @mamba2_inner_bwd.register_fake
 def _(dy, dnew_conv_state, dfinal, zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
-      initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, CB, table, rstd, dims, chunk_size, dt_lo, dt_hi,
+      initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, table, rstd, dims, chunk_size, dt_lo, dt_hi,
       state_grad):
     def like(v):
         return v.new_empty(v.shape) if v is not None else absent(zxbcdt)
@@ -172,11 +171,11 @@ _N_ARGS = 18  # mamba2_inner_fwd's inputs
 def _setup_context(ctx, inputs, output):
     (zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
      cu_seqlens, dims, chunk_size, dt_lo, dt_hi, _eps, return_final_state, _save) = inputs
-    _y, _ncs, _final, xbc, ys, dtcs, states, CB, table, rstd = output
-    ctx.mark_non_differentiable(xbc, ys, dtcs, states, CB, table, rstd)
+    _y, _ncs, _final, xbc, ys, dtcs, states, table, rstd = output
+    ctx.mark_non_differentiable(xbc, ys, dtcs, states, table, rstd)
     ctx.set_materialize_grads(False)  # an unused output (the states) gets None, not a zero-filled gradient
     ctx.save_for_backward(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
-                          initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, CB,
+                          initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states,
                           table if cu_seqlens is not None else None, rstd)
     ctx.args = (list(dims), chunk_size, dt_lo, dt_hi)
     ctx.return_final_state = return_final_state

@@ -6,8 +6,8 @@ from .kernel_common import chunk_coords, softplus
 
 
 @triton.jit
-def _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
-             offs_p, pmask, s_dy_t, HBT,
+def _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
+             offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT,
              L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
              DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
     """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k; and, with x_l . dy_m (xld = x_l),
@@ -18,10 +18,12 @@ def _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, 
     rows_k = k + tl.arange(0, BK)
     kmask = rows_k < clen
     cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
-    # [l, m] = C_m . B_l; the diagonal tile is stored whole by dtcb_fwd (finite where the decay is 0): no causal
-    # mask on the load, so it vectorises
-    cbT = tl.load(cb_base + rows_k[None, :] * L + rows_l[:, None], mask=kmask[None, :] & lmask[:, None],
-                  other=0.0).to(tl.float32)
+    # [l, m] = C_m . B_l as a product (float32, in the products' register layout, where the share tile M^T is
+    # formed): loading the forward's C.B instead made the compiler build the decayed tile twice, once per layout
+    # (lm_kernels/ssd/PERF.md, session 29)
+    Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
+                 other=0.0).to(DOT_DT)
+    cbT = tl.dot(Bl, tl.trans(Ck), input_precision=DOT_PREC)
     if DIAG:
         causal = (rows_k[None, :] >= rows_l[:, None]) & kmask[None, :]
         decay = tl.exp(tl.where(causal, cs_k[None, :] - cs_l[:, None], float("-inf")))
@@ -43,7 +45,7 @@ def _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, 
 
 
 @triton.jit
-def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, D_ptr,
+def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, D_ptr,
                   dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, passing_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R, G,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t, s_part,
@@ -55,7 +57,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dst
     program with the chunk's last rows (the lightest row block of a full chunk) also forms the chunk's passing term
     e^a <G_{c+1}, S_c> from the G_{c+1} tile it holds (one float32 per chunk and head in passing). Grid
     (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy tiles, dstates
-    and the group's C.B / B rows come from L2). dx rows are s_dx_t apart (its batch stride T * s_dx_t): a (b, t, h,
+    and the group's B / C rows come from L2). dx rows are s_dx_t apart (its batch stride T * s_dx_t): a (b, t, h,
     p) tensor or the x columns of a (b, t, x | B | C) gradient."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -74,7 +76,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dst
     offs_n = tl.arange(0, BNF)
     nmask = offs_n < N
     B_base = B_ptr + b * s_B_b + g * s_B_g
-    cb_base = CB_ptr + (pid_c.to(tl.int64) * G + g) * L * L
+    C_base = C_ptr + b * s_B_b + g * s_B_g
     dy_base = dy_ptr + b * s_dy_b + h * s_dy_h
     x_base = x_ptr + b * s_x_b + h * s_x_h
     cs_l = tl.load(cs_ptr + tok0 + rows_l, mask=lmask, other=0.0)
@@ -85,11 +87,14 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dst
     xld = tl.load(x_base + (t0 + rows_l[:, None]) * s_x_t + offs_p[None, :],
                   mask=lmask[:, None] & pmask[None, :], other=0.0).to(dtype)
     csum = tl.zeros((BM,), dtype=tl.float32)
-    dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                         cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, True, dtype, DOT_PREC)
+    Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
+                 other=0.0).to(dtype)
+    dxi, csum = _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
+                         cs_l, dt_l, offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT, L, BM, BK, True, dtype, DOT_PREC)
     for k in range(l0 + BK, clen, BK):
-        dxi, csum = _dx_tile(dxi, csum, xld, cb_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l,
-                             lmask, cs_l, dt_l, offs_p, pmask, s_dy_t, HBT, L, BM, BK, False, dtype, DOT_PREC)
+        dxi, csum = _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l,
+                             lmask, cs_l, dt_l, offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT, L, BM, BK, False,
+                             dtype, DOT_PREC)
     st_off = (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None]  # (n, p): transposed
     st_mask = pmask[None, :] & nmask[:, None]
     Gd = tl.load(dstates_ptr + st_off, mask=st_mask, other=0.0).to(dtype)  # (BNF, BPF) = G^T
@@ -97,8 +102,6 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, CB_ptr, dtp_ptr, cs_ptr, states_ptr, dst
         St = tl.load(states_ptr + st_off, mask=st_mask, other=0.0)  # (BNF, BPF) = S^T
         tl.store(passing_ptr + pid_c.to(tl.int64) * H + h,
                  tl.sum(tl.sum(St.to(tl.float32) * Gd.to(tl.float32), 1), 0) * tl.exp(a))
-    Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
-                 other=0.0).to(dtype)
     dxs = tl.dot(Bl, Gd, input_precision=DOT_PREC) * tl.where(lmask, tl.exp(a - cs_l), 0.0)[:, None]
     lp = lmask[:, None] & pmask[None, :]
     xl = xld.to(tl.float32)  # x's own dtype (or float32 under the interpreter): exact

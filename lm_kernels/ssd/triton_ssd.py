@@ -6,14 +6,15 @@ Forward:  dtcb_fwd (dt bias / softplus / clamp with the in-chunk cumsum of dt*A,
           -> chunk_scan_fwd4 (y, whole chunks of two or four row blocks: 16-bit inputs at chunk 2 or 4 * TILE_ROWS)
              or chunk_scan_fwd2 (one row block per program: float32 inputs, other chunk sizes).
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate) -> dcb_bwd (per group Q = sum_heads dy.x^T *
-          decay * dt) -> dx_bwd (dx, and the intra-chunk d(dt*A) shares) -> dbdc_bwd (dB, dC, the state part of
-          d(dt*A)) -> dt_bwd (ddt, dA, ddt_bias).
+          decay * dt) -> dx_bwd (dx, and the intra-chunk d(dt*A) shares; its C.B tiles formed again from B and C)
+          -> dbdc_bwd (dB, dC, the state part of d(dt*A)) -> dt_bwd (ddt, dA, ddt_bias).
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs outside
 autograd: nothing is saved and the pre-gate output is not stored. With grad, the backward reads the inputs and the
-forward's dt / cumsum, chunk start states, C.B, pre-gate output (with z) and the chunk table (packed documents).
+forward's dt / cumsum, chunk start states, pre-gate output (with z) and the chunk table (packed documents).
 The chunk size must be a power of two >= 16.
 Accumulation is float32; chunk start states are kept in bfloat16 for bfloat16 inputs (they enter the
-tensor-core products in that dtype anyway), else in float32; so is C.B (per chunk and group, read by every head).
+tensor-core products in that dtype anyway), else in float32; so is the forward's C.B (per chunk and group, read by
+every head of chunk_scan_fwd*; the backward's dx_bwd forms its tiles in float32 from B and C instead of reading it).
 float32 inputs use tf32 products unless torch.get_float32_matmul_precision() == "highest".
 """
 from __future__ import annotations
@@ -80,10 +81,10 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
     else:
         ln.launch(ln._scan_fwd2, ("scan2", tk), lambda META: (cdiv(L, META["BM"]) * cdiv(P, META["BP"]), H, pl.NCB),
                   scan_args, flags)
-    return y, final, dtcs, states, CB, ypre
+    return y, final, dtcs, states, ypre
 
 
-def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states, CB,
+def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states,
               ypre, dxbc=None, ddt_out=None):
     """The gradients; dxbc: a (b, t, H*P + 2*G*N) tensor that dx, dB and dC are written into (their views are
     returned), else they are separate tensors; ddt_out: dt's gradient is written there (dt's shape and dtype, heads
@@ -146,7 +147,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     part = torch.zeros(pl.NCB * nm, H + nbias + nD, dtype=torch.float32, device=dev)
     dA_part, dbias_part, dD_part = part[:, :H], part[:, H:H + nbias], part[:, H + nbias:]
     ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
-        dy, x, B, CB, dtp, cs, states, dstates, D if D is not None else cs,
+        dy, x, B, C, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, qrow, dD_part, dda, passing, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R, G,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
@@ -198,18 +199,17 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: Optional
                  dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                  cu_seqlens: Optional[torch.Tensor], chunk_size: int, dt_softplus: bool, dt_lo: float, dt_hi: float,
                  return_final_state: bool, save: bool, xbc_dims: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, final state (empty unless return_final_state), and what the backward reads: dt and cumsum (2, H, b*t)
-    float32, the chunk start states, C.B, the pre-gate output (empty unless `save` and z), the chunk table of
+    float32, the chunk start states, the pre-gate output (empty unless `save` and z), the chunk table of
     packed documents (int32, empty without cu_seqlens)). Arguments as ssd_scan_triton's, checked there."""
     x, dt, B, C, z = _prep(x, dt, B, C, z, xbc_dims)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     pl = ln.plan(x, B, cu_seqlens, chunk_size)
-    y, final, dtcs, states, CB, ypre = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus,
+    y, final, dtcs, states, ypre = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus,
                                                 (dt_lo, dt_hi), return_final_state, save)
-    return (y, final if final is not None else absent(x, torch.float32), dtcs, states, CB,
+    return (y, final if final is not None else absent(x, torch.float32), dtcs, states,
             ypre if ypre is not None else absent(x), pl.table if pl.table is not None else absent(x, torch.int32))
 
 
@@ -233,7 +233,6 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_s
             x.new_empty(nseq, h, p, n, dtype=f32) if return_final_state else absent(x, f32),
             x.new_empty(2, h, b * t, dtype=f32),
             x.new_empty(ncb, h, p, n, dtype=state_dtype(x.dtype)),
-            x.new_empty(ncb, g, chunk_size, chunk_size, dtype=cb_dtype(x.dtype)),
             x.new_empty(b, t, h, p) if save and z is not None else absent(x),
             x.new_empty(ln.table_layout(nseq, ncb)[1], dtype=torch.int32) if varlen else absent(x, torch.int32))
 
@@ -242,7 +241,7 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_s
 def ssd_scan_bwd(dy: Optional[torch.Tensor], dfinal: Optional[torch.Tensor], x: torch.Tensor, dt: torch.Tensor,
                  A: torch.Tensor, B: Optional[torch.Tensor], C: Optional[torch.Tensor], D: Optional[torch.Tensor],
                  z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
-                 cu_seqlens: Optional[torch.Tensor], dtcs: torch.Tensor, states: torch.Tensor, CB: torch.Tensor,
+                 cu_seqlens: Optional[torch.Tensor], dtcs: torch.Tensor, states: torch.Tensor,
                  ypre: Optional[torch.Tensor], table: Optional[torch.Tensor], chunk_size: int, dt_softplus: bool,
                  dt_lo: float, dt_hi: float, xbc_dims: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -261,14 +260,14 @@ def ssd_scan_bwd(dy: Optional[torch.Tensor], dfinal: Optional[torch.Tensor], x: 
         dy = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device) if xbc is not None else None
     grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, (dt_lo, dt_hi),
-                      dtcs, states, CB, ypre, dxbc)
+                      dtcs, states, ypre, dxbc)
     if dxbc is not None:  # the gradient of x | B | C in the first slot, dB and dC absent
         grads = (dxbc, *grads[1:3], None, None, *grads[5:])
     return tuple(v if v is not None else absent(x) for v in grads)
 
 
 @ssd_scan_bwd.register_fake
-def _(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB, ypre, table, chunk_size,
+def _(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, ypre, table, chunk_size,
       dt_softplus, dt_lo, dt_hi, xbc_dims):
     def like(v):
         return v.new_empty(v.shape) if v is not None else absent(x)
@@ -280,19 +279,19 @@ def _(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs
 def _ssd_setup_context(ctx, inputs, output):
     (x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, chunk_size, dt_softplus, dt_lo, dt_hi,
      return_final_state, _save, xbc_dims) = inputs
-    _y, _final, dtcs, states, CB, ypre, table = output
-    ctx.mark_non_differentiable(dtcs, states, CB, ypre, table)
+    _y, _final, dtcs, states, ypre, table = output
+    ctx.mark_non_differentiable(dtcs, states, ypre, table)
     ctx.set_materialize_grads(False)  # an unused output gets None, not a zero-filled gradient
-    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB,
+    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states,
                           ypre if z is not None else None, table if cu_seqlens is not None else None)
     ctx.args = (chunk_size, dt_softplus, dt_lo, dt_hi, list(xbc_dims))
     ctx.return_final_state = return_final_state
 
 
 def _ssd_backward(ctx, dy, dfinal, *_aux):
-    x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, CB, ypre, table = ctx.saved_tensors
+    x, dt, A, B, C, D, z, dt_bias, initial_state, cu_seqlens, dtcs, states, ypre, table = ctx.saved_tensors
     grads = torch.ops.lm.ssd_scan_bwd(dy, dfinal if ctx.return_final_state else None, x, dt, A, B, C, D, z, dt_bias,
-                                      initial_state, cu_seqlens, dtcs, states, CB, ypre, table, *ctx.args)
+                                      initial_state, cu_seqlens, dtcs, states, ypre, table, *ctx.args)
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
     return (dx, ddt, dA, dB if B is not None else None, dC if C is not None else None, dD if D is not None else None,
             dz if z is not None else None, ddt_bias if dt_bias is not None else None,
