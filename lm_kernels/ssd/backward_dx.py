@@ -6,9 +6,9 @@ from .kernel_common import chunk_coords, softplus
 
 
 @triton.jit
-def _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l, dt_l,
-             offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT,
-             L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
+def _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l, lmask, cs_l,
+             dt_l, offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT,
+             BM: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
              DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
     """One k block (rows m) of dx_bwd for the rows l: dxi += (CB^T * decay) dy_k; and, with x_l . dy_m (xld = x_l),
     the transposed tile M^T[l, m] = M[m, l] of M = Q_h * CB: its sums over l are this row block's part of the row
@@ -47,7 +47,7 @@ def _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, cle
 @triton.jit
 def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, D_ptr,
                   dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, passing_ptr, chunk_t0_ptr, chunk_len_ptr,
-                  T, H, P, N, NC, BT, R, G,
+                  T, H, P, N, NC, BT, R,
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t, s_part,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -90,10 +90,10 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dsta
     Bl = tl.load(B_base + (t0 + rows_l[:, None]) * s_B_t + offs_n[None, :], mask=lmask[:, None] & nmask[None, :],
                  other=0.0).to(dtype)
     dxi, csum = _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, l0, rows_l, lmask,
-                         cs_l, dt_l, offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT, L, BM, BK, True, dtype, DOT_PREC)
+                         cs_l, dt_l, offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT, BM, BK, True, dtype, DOT_PREC)
     for k in range(l0 + BK, clen, BK):
         dxi, csum = _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, clen, l0, k, rows_l,
-                             lmask, cs_l, dt_l, offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT, L, BM, BK, False,
+                             lmask, cs_l, dt_l, offs_p, pmask, offs_n, nmask, s_dy_t, s_B_t, HBT, BM, BK, False,
                              dtype, DOT_PREC)
     st_off = (pid_c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None]  # (n, p): transposed
     st_mask = pmask[None, :] & nmask[:, None]

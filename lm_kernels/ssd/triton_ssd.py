@@ -149,7 +149,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
         dy, x, B, C, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, qrow, dD_part, dda, passing, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, P, N, pl.NC, pl.BT, R, G,
+        pl.T, H, P, N, pl.NC, pl.BT, R,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2), dx.stride(1), part.stride(0)),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
@@ -208,7 +208,7 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: Optional
         initial_state = initial_state.contiguous()
     pl = ln.plan(x, B, cu_seqlens, chunk_size)
     y, final, dtcs, states, ypre = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus,
-                                                (dt_lo, dt_hi), return_final_state, save)
+                                            (dt_lo, dt_hi), return_final_state, save)
     return (y, final if final is not None else absent(x, torch.float32), dtcs, states,
             ypre if ypre is not None else absent(x), pl.table if pl.table is not None else absent(x, torch.int32))
 
