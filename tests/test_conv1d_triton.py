@@ -2,9 +2,9 @@
 PyTorch reference and a float64 per-token loop, forward and every gradient (x, weight, bias, conv_state,
 and through the returned conv state), at shapes crossing the interpreter's 8-row / 16-channel tiles and
 16-row backward chunks; packed documents shorter than the width; non-contiguous x; bf16 and fp32;
-the second input x_add (conv of x + x_add, gradients of both); the one-pass backward across tile and chunk
-borders (packed documents whose borders fall inside and at tile borders, the conv state's gradient, a scratch
-that is never read before written); backend dispatch and argument errors."""
+the second input x_add (conv of x + x_add, gradients of both); the one-pass backward across its 4-row loop steps
+and its chunks (packed documents whose borders fall inside and at step / chunk borders, the conv state's gradient,
+chunks that end inside a step); backend dispatch and argument errors."""
 from __future__ import annotations
 
 import pytest
@@ -425,10 +425,10 @@ def test_x_add_opcheck():
                                             True, True, a))
 
 
-# --- the one-pass backward across tile and chunk borders ------------------------------------------------------------
-# The interpreter's config: 8-row tiles, 16-row chunks (two tiles per program); a program walks its tiles forwards,
-# one step past its last (the next chunk's first w-1 rows), and takes the g of the next tile from its ring of three
-# slots. 40-row chunks (five tiles) also wrap around the ring (tile k in slot k % 3).
+# --- the one-pass backward across its loop steps and chunks ---------------------------------------------------------
+# The interpreter's config: 16-row chunks (four 4-row loop steps per program); a program walks its rows forwards and
+# W-1 past its last (the next chunk's first rows, whose g completes its last rows' dx). 40-row chunks span ten steps;
+# 18-row chunks end inside a step (and so do the next chunk's first rows).
 BORDER_CASES = [  # (t, w, state, cu_seqlens, x_add, activation)
     (53, 4, True, None, True, "silu"),                          # 4 chunks, the last partial; the state's gradient
     (48, 3, True, None, False, None),                           # t a multiple of the chunk
@@ -436,22 +436,20 @@ BORDER_CASES = [  # (t, w, state, cu_seqlens, x_add, activation)
     (57, 4, False, [0, 8, 16, 19, 32, 45, 46, 57], False, "silu"),  # borders at tile / chunk starts, inside tiles
     (50, 3, False, [0, 7, 15, 17, 31, 33, 50], True, "silu"),   # borders one row before tile / chunk starts
     (40, 4, True, [0, 1, 2, 3, 24, 40], False, None),           # documents shorter than the width at the start
-    (45, 8, True, None, True, "silu"),                          # the widest tap: 7 rows of the next tile (a whole slot)
+    (45, 8, True, None, True, "silu"),                          # the widest tap: 7 rows past the chunk
 ]
 
 
-@pytest.mark.parametrize("chunk", [16, 40])
+@pytest.mark.parametrize("chunk", [16, 18, 40])
 @pytest.mark.parametrize("t,w,state,cu,add,act", BORDER_CASES,
                          ids=[f"t{s[0]}w{s[1]}" + ("-state" if s[2] else "") + ("-packed" if s[3] else "")
                               + ("-add" if s[4] else "") + f"-{s[5]}" for s in BORDER_CASES])
 def test_one_pass_backward_crosses_tiles_and_chunks(t, w, state, cu, add, act, chunk, monkeypatch):
     """float64 through the one-pass backward equals the float64 loop to rounding, every gradient, at lengths of
-    several chunks; the scratch is filled with NaN first, so a row read before it was written would show."""
+    several chunks."""
     from lm_kernels.conv1d import triton_conv1d as T
 
     monkeypatch.setattr(T, "_bwd_chunk", lambda *a: chunk)
-    monkeypatch.setattr(T, "_bwd_scratch", lambda programs, c, device, dtype: torch.full(
-        (programs, 3 * T._BWD_BT_MAX, c), float("nan"), device=device, dtype=dtype))
     c = 20
     proj, w3, bi, st = make_inputs(1, t, c, w, state=state, dtype=torch.float64)
     kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32) if cu else None, activation=act)

@@ -2,9 +2,9 @@
 partials and the conv state's gradient, plus the sums of the partials) and the custom operators
 lm::causal_conv1d_fwd / lm::causal_conv1d_bwd with their autograd formula (one node each in a torch.compile graph).
 
-The backward is one pass (triton_kernels.py): g = dy * act'(z) stays on chip (a small per-program scratch ring
-for the row shifts of dx) instead of going to DRAM in float32 between two kernels, whose round trip made the
-two-pass backward ~3.4x the bytes that must move on an H100 (0.51 vs ~0.15 ms at B16 T2048 C2304 W4 bf16).
+The backward is one pass (triton_kernels.py): each program walks its rows one at a time, so g = dy * act'(z) and
+the row shifts of dx stay in registers instead of going to DRAM in float32 between two kernels (whose round trip
+made the two-pass backward ~3.4x the bytes that must move on an H100: 0.51 vs ~0.15 ms at B16 T2048 C2304 W4 bf16).
 An optional second input x_add makes the conv run on x + x_add (added on load, in x's dtype as PyTorch adds)
 without the sum being materialised: the implicit models add an injection to the conv input at every
 fixed-point iteration. Its gradient is x's.
@@ -15,8 +15,8 @@ inputs are saved: the backward recomputes the pre-activation. Accumulation is fl
 float64 inputs); y, dx and the new conv state come out in x's dtype, dweight / dbias / dconv_state in
 the dtype of their input. Tile sizes are autotuned on the GPU (key: channels, width, flags, dtypes)
 among configs that compile without spills on sm_90 for W = 4 (cuobjdump, forward: 72-150 registers);
-under TRITON_INTERPRET=1 one small config (8 x 16 tiles, 16-row backward chunks) so that CPU tests at
-tiny shapes cross tile and chunk borders.
+under TRITON_INTERPRET=1 one small config (8 x 16 tiles, 16 channels and 16-row chunks in the backward) so that
+CPU tests at tiny shapes cross tile, channel-block and chunk borders.
 """
 from __future__ import annotations
 
@@ -51,16 +51,13 @@ def _configs(triples, interpret):
 _fwd = autotune(
     configs=_configs([(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)], (8, 16, 1)),
     key=_KEY)(K.conv_fwd_kernel)
-# the one-pass backward (per-row dweight partials, dx). Registers on sm_90 for W 4 with bias and SiLU (ptxas of the
-# GPU image's triton 3.6): (8, 64, 4) 96, 5 programs per SM; (8, 128, 4) 208, 2 per SM. In the Mamba2-350M step
-# (8, 64, 4) takes 12.5 ms against 14.4 (BENCH.md, session 26); standalone it is also the faster one at C 2304, so
-# the tuner, which times the configs alone, picks it there. (16, 256, 8) was as fast alone, but the list with it did
-# not make the step faster (session 23). BT <= 16 divides every chunk (>= 16 rows), and BT >= 8 holds the W-1 <= 7
-# rows of the next tile that dx needs in one slot
+# the backward walks its rows one at a time with the channels across the threads, BC channels per program (4 per
+# thread: 8-byte bf16 loads; 134 registers on sm_90). The tuner took (128, 1 warp) at Mamba2-350M's shape, fixed and
+# packed (lm_kernels/conv1d/BENCH.md, session 30); (256, 2 warps) is the other candidate
 _bwd = autotune(
-    configs=_configs([(8, 64, 4), (8, 128, 4)], (8, 16, 1)),
+    configs=[triton.Config(dict(BC=bc), num_warps=w, num_stages=1)
+             for bc, w in ([(16, 1)] if _INTERPRET else [(128, 1), (256, 2)][:2 if _AUTOTUNE else 1])],
     key=_KEY + ["CHUNK", "STATE_GRAD"])(K.conv_bwd_kernel)
-_BWD_BT_MAX = max(cfg.kwargs["BT"] for cfg in _bwd.configs)
 
 _ACC = {torch.float64: tl.float64}
 
@@ -78,12 +75,12 @@ def _log_n(cu_seqlens):
 
 
 def _bwd_chunk(t: int, b: int, c: int, device) -> int:
-    """Rows per backward program: enough programs to fill the GPU ~8x over with 128-channel tiles,
-    few enough that the dweight partials (one (C, W+1) row per program) stay small."""
+    """Rows per backward program: ~8 programs per SM or more with 256-channel blocks (16 or more with the tuned
+    128-channel ones), few enough that the dweight partials (one (C, W+1) row per program) stay small."""
     if _INTERPRET:
         return 16
     sms = num_sms(device)
-    per_chunk = b * triton.cdiv(c, 128)
+    per_chunk = b * triton.cdiv(c, 256)
     want = max(1, triton.cdiv(8 * sms, per_chunk))
     return min(1024, max(64, _pow2(triton.cdiv(t, want))))
 
@@ -118,13 +115,6 @@ def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool, x_add=None):
     return y, new_state
 
 
-def _bwd_scratch(programs: int, c: int, device, dtype):
-    """The backward's g scratch: per (batch row, chunk) program a ring of 3 BT-row slots x c channels, rows for the
-    largest BT of the tuning list (the config is picked at launch). g stays float32 (rounded to bf16 it doubled dx's
-    error against float64, a CPU test). Every row a program reads it has written first (tests fill it with NaN)."""
-    return torch.empty(programs, 3 * _BWD_BT_MAX, c, device=device, dtype=dtype)
-
-
 def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_grad: bool, x_add=None, dx_out=None):
     """(dx (b, t, c) in x's dtype, dweight (c, w), dbias (c,) or None, dconv_state (b, c, w-1) or None); dx is
     also the gradient of x_add (the input is x + x_add). dx_out: dx is written there (x's shape and dtype, channels
@@ -136,27 +126,24 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     dx = torch.empty(b, t, c, device=x.device, dtype=x.dtype) if dx_out is None else dx_out
     dstate = torch.empty(b, c, w - 1, device=x.device, dtype=conv_state.dtype) if state_grad else None
     chunk = _bwd_chunk(t, b, c, x.device)
-    assert chunk % _BWD_BT_MAX == 0, (chunk, _BWD_BT_MAX)  # a program's tiles never cross its chunk's end
     n_chunks = triton.cdiv(t, chunk)
     acc = _ACC.get(x.dtype, tl.float32)
     fdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     part = torch.empty(b * n_chunks, c, w + (bias is not None), device=x.device, dtype=fdt)
-    scratch = _bwd_scratch(b * n_chunks, c, x.device, fdt)
     n_seq, log_n = _log_n(cu_seqlens)
     dummy = x
     grid = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
-    flags = dict(W=w, WP=_pow2(w), BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None,
-                 HAS_BIAS=bias is not None, HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu,
-                 STATE_GRAD=state_grad, ACC=acc)
+    flags = dict(W=w, HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None, HAS_ADD=x_add is not None,
+                 VARLEN=cu_seqlens is not None, SILU=silu, STATE_GRAD=state_grad, ACC=acc)
     launch(_bwd, ("bwd", c, chunk, x.dtype, dy.dtype, weight.dtype, *flags.values()), grid, (
         x, x_add if x_add is not None else dummy, conv_state if conv_state is not None else dummy, weight,
         bias if bias is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, dy, dx,
-        dstate if dstate is not None else dummy, part, scratch,
+        dstate if dstate is not None else dummy, part,
         t, c, n_seq, log_n, chunk,
         x.stride(0), x.stride(1), *_add_strides(x_add), *_state_strides(conv_state), *weight.stride(),
         dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1),
         *(dstate.stride() if dstate is not None else (0, 0, 0)),
-        part.stride(0), part.stride(1), part.stride(2), scratch.stride(0), scratch.stride(1)), flags)
+        part.stride(0), part.stride(1), part.stride(2)), flags)
     # part (rows, c, w [+ 1]): weight columns 0..w-1, then the bias; summed by one launch into two tensors of their
     # own (not strided views of one sum: an op's outputs may not alias), in the partials' dtype (the parameters'
     # dtype in training; others are rounded by torch, to nearest)

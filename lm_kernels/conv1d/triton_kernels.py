@@ -4,35 +4,32 @@ Layout: x (B, T, C) read through its batch and time strides (a split view of a l
 stride_t != C) with contiguous channels (the wrapper ensures stride_c == 1), so that a row of a tile is
 one vectorised load. The optional x_add (same shape, its own strides, channels contiguous) is added to x
 on load, in float32 (float64 for float64 x) and rounded to x's dtype, so the kernels see exactly PyTorch's
-x + x_add without the sum being written. A program owns tiles of BT time steps x BC channels; tap j (0 <= j < W)
-multiplies the input j steps back by weight[:, W-1-j]. "Input at position p" means x[p] (+ x_add[p]) for
-p >= 0 and conv_state[:, W-1+p] for -(W-1) <= p < 0 (zero without a state); only tiles that start before
+x + x_add without the sum being written. A forward program owns a tile of BT time steps x BC channels; tap j
+(0 <= j < W) multiplies the input j steps back by weight[:, W-1-j]. "Input at position p" means x[p] (+ x_add[p]) for
+p >= 0 and conv_state[:, W-1+p] for -(W-1) <= p < 0 (zero without a state); only tiles (or rows) before
 row 0 read the state (a scalar branch). With packed documents (VARLEN) tap j is masked at rows whose
 position inside their document is < j; the document of a row is found by a binary search of cu_seqlens
-(LOG_N steps). Shifted tiles are L1/L2 hits: DRAM sees each row about once.
+(LOG_N steps; the backward searches once per program and then follows the document starts as its rows advance).
+Shifted tiles are L1/L2 hits: DRAM sees each row about once.
 
 Forward (conv_fwd_kernel): y = act(bias + sum_j w_j in[p - j]) in float32 (float64 for float64 x),
 stored in x's dtype; the program holding the last row also writes the new conv state (the last W-1
 inputs). Weight, bias and conv state are rounded to x's dtype first, as the PyTorch reference does.
 
 Backward (conv_bwd_kernel), one pass: a program owns CHUNK rows x BC channels of one batch row and walks
-its BT-row tiles from the first to the last. Per tile it recomputes z from the inputs, forms
-g = dy * act'(z) in float32 (g = dy without an activation), adds g * input[p - j] to per-row dweight
-partials (and g to the dbias ones), and gathers the previous tile's dx[p] = sum_s w[:, W-1-s] g[p + s] over
-the taps s unmasked at row p + s (p + s < T, inside p's document). g never goes to DRAM: the earlier two-pass
-backward wrote it in float32 and read it back, and on an H100 (B16 T2048 C2304 W4 bf16) its two kernels
-took 0.354 + 0.160 ms against ~0.15 ms for the bytes that must move (x and dy read, dx written).
-Rows p + s lie in this tile or the next one; a register tile cannot be shifted by s rows, so g goes through a
-per-program float32 scratch in global memory (L1/L2 resident, a few MB in all): a ring of three BT-row slots,
-tile k in slot k % 3, and the dx of tile k - 1 takes tap 0 from that tile's g (kept in registers) and taps
-s >= 1 from slot rows base + s .. base + s + BT - 1, wrapping into tile k's slot. One step past the chunk's last
-tile forms the g of the next chunk's first rows (zero past T) for the last tile's dx. One CTA barrier per step,
-between the store of g and the shifted loads, orders everything: slot k % 3 was last read at step k - 2 (the dx
-of tile k - 3), before the barrier of step k - 1. Each step fetches the next tile's own rows (x at tap 0 and dy)
-by hand, so that their DRAM latency overlaps the step's work; the shifted taps then mostly hit L1. The dweight /
-dbias partials are stored as one (C, W+1) float32 slice per program that the caller sums (deterministic, no
-atomics); programs of the first chunk also form the conv state's gradient (inputs at rows -(W-1)..-1) from tile
-0's g, in slot 0 after step 0's barrier.
+its rows one at a time, the channels across its threads (4 per thread). Per row p it recomputes z[p] from the
+inputs, forms g[p] = dy[p] * act'(z[p]) in float32 (g = dy without an activation), adds g[p] * input[p - j] to
+the dweight sums of tap j (and g[p] to dbias), and scatters g[p] into the dx of the rows p - k it reaches
+(dx[p - k] += w[:, W-1-k] g[p], where p - k lies in p's document); row p - (W-1) is then complete and is stored.
+The last W-1 inputs and the W-1 open dx rows are kept in registers, so a row shift is a renaming, not a memory
+round trip: g never leaves the registers. Each loop step takes 4 rows and fetches the next step's 4 rows of x
+and dy, so that their DRAM latency overlaps the step's work. A program forms its chunk's rows and then W-1 more
+(their g completes the dx of its last rows; they are not added to its dweight sums). The dweight / dbias sums
+are stored as one (C, W+1) float32 slice per program that the caller sums (deterministic, no atomics); in the
+first chunk the dx rows -(W-1)..-1 that the scatter completes first are the conv state's gradient.
+On an H100 (B16 T2048 C2304 W4 bf16, lm_kernels/conv1d/BENCH.md) this takes 0.223 ms against 0.260 for the
+tile-wise kernel it replaced, which staged g in a scratch ring in global memory for the row shifts (one CTA
+barrier per tile); the earlier two-pass backward (g written to DRAM in float32 and read back) took 0.354 + 0.160.
 """
 from __future__ import annotations
 
@@ -205,36 +202,79 @@ def conv_fwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
 
 
 @triton.jit
-def _rows_in(x_ptr, xa_ptr, rows, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
-    """x (+ x_add, summed in ACC and rounded to x's dtype) at rows 0 <= rows < T, zero elsewhere, in x's dtype: the
-    tile the backward fetches one step ahead (exactly _load_in's value, kept in half the registers)."""
+def _in_row(x_ptr, xa_ptr, s_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
+            W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
+    """The input at the one position r (a scalar) for a block of channels, in ACC: x (+ x_add, rounded to x's dtype)
+    for 0 <= r < T, the conv state (rounded to x's dtype) for -(W-1) <= r < 0, zero elsewhere (_load_in for a row)."""
     XDT: tl.constexpr = x_ptr.dtype.element_ty
-    m = ((rows >= 0) & (rows < T))[:, None] & mask_c[None, :]
-    r64 = rows[:, None].to(tl.int64)
-    v = tl.load(x_ptr + r64 * stride_xt + offs_c[None, :], mask=m, other=0.0)
+    rv = offs_c * 0 + r  # the row as a vector: masks of the channels' shape
+    m = mask_c & (rv >= 0) & (rv < T)
+    v = tl.load(x_ptr + r.to(tl.int64) * stride_xt + offs_c, mask=m, other=0.0)
     if HAS_ADD:
-        a = tl.load(xa_ptr + r64 * stride_at + offs_c[None, :], mask=m, other=0.0)
-        v = (v.to(ACC) + a.to(ACC)).to(XDT)
+        v = (v.to(ACC) + tl.load(xa_ptr + r.to(tl.int64) * stride_at + offs_c, mask=m, other=0.0).to(ACC)).to(XDT)
+    v = v.to(ACC)
+    if HAS_STATE:
+        if r < 0:
+            sv = tl.load(s_ptr + (r + W - 1) * stride_sk + offs_c * stride_sc, mask=mask_c & (rv >= 1 - W), other=0.0)
+            v += sv.to(XDT).to(ACC)
     return v
 
 
 @triton.jit
-def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, ds_ptr, part_ptr, scr_ptr,
+def _x_row(x_ptr, xa_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
+    """x (+ x_add, summed in ACC and rounded to x's dtype) at the row r (0 <= r < T, else zero), in x's dtype: what
+    the backward fetches one block of rows ahead."""
+    XDT: tl.constexpr = x_ptr.dtype.element_ty
+    m = mask_c & (offs_c * 0 + r < T)
+    v = tl.load(x_ptr + r.to(tl.int64) * stride_xt + offs_c, mask=m, other=0.0)
+    if HAS_ADD:
+        v = (v.to(ACC) + tl.load(xa_ptr + r.to(tl.int64) * stride_at + offs_c, mask=m, other=0.0).to(ACC)).to(XDT)
+    return v
+
+
+@triton.jit
+def _dy_row(dy_ptr, r, offs_c, mask_c, T, stride_dt):
+    """dy at the row r (0 <= r < T, else zero), in its dtype."""
+    return tl.load(dy_ptr + r.to(tl.int64) * stride_dt + offs_c, mask=mask_c & (offs_c * 0 + r < T), other=0.0)
+
+
+@triton.jit
+def _wcol(w_ptr, j: tl.constexpr, offs_c, mask_c, stride_wc, stride_wk, W: tl.constexpr, XDT: tl.constexpr,
+          ACC: tl.constexpr, BC: tl.constexpr):
+    """Tap j's multiplier weight[:, W-1-j] for a block of channels, rounded to x's dtype, in ACC (zero for j >= W)."""
+    if j < W:
+        w = tl.load(w_ptr + offs_c * stride_wc + (W - 1 - j) * stride_wk, mask=mask_c, other=0.0).to(XDT).to(ACC)
+    else:
+        w = tl.zeros((BC,), dtype=ACC)
+    return w
+
+
+@triton.jit
+def _pick4(u: tl.constexpr, v0, v1, v2, v3):
+    """v_u for a compile-time u < 4 (a loop step's rows)."""
+    if u == 0:
+        v = v0
+    elif u == 1:
+        v = v1
+    elif u == 2:
+        v = v2
+    else:
+        v = v3
+    return v
+
+
+@triton.jit
+def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, ds_ptr, part_ptr,
                     T, C, N_SEQ, LOG_N, CHUNK,
                     stride_xb, stride_xt, stride_ab, stride_at, stride_sb, stride_sc, stride_sk, stride_wc,
                     stride_wk, stride_db, stride_dt, stride_dxb, stride_dxt, stride_ob, stride_oc, stride_ok,
-                    stride_pb, stride_pc, stride_pk, stride_rb, stride_rt,
-                    W: tl.constexpr, WP: tl.constexpr, BS: tl.constexpr, HAS_STATE: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr,
-                    STATE_GRAD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """The whole backward of CHUNK rows x BC channels (module docstring): dx, the per-program dweight / dbias
-    partial sums, and (first chunk, STATE_GRAD) the conv state's gradient. The partials are kept per row,
-    one (BT, BC) accumulator per tap (W <= 8; the unused ones are dead code), and summed over the rows once
-    after the loop: no cross-row reduction per step and tap (H100: 0.19 vs 0.52 ms at B8 T2048 C2304 W4,
-    lm_kernels/conv1d/BENCH.md). One (W, BT, BC) accumulator fed by a 3-D load instead gave wrong dweight on
-    the H100 at W = 3 with a conv state (right in the interpreter), so the taps are unrolled by hand.
-    scr_ptr: this launch's float32 scratch, (programs along t and b) x (>= 3 BT rows) x C."""
-    tl.static_assert(BS <= BT)  # the state's gradient reads g at rows 0..W-2, all in tile 0
+                    stride_pb, stride_pc, stride_pk,
+                    W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+                    VARLEN: tl.constexpr, SILU: tl.constexpr, STATE_GRAD: tl.constexpr, ACC: tl.constexpr,
+                    BC: tl.constexpr):
+    """The whole backward of CHUNK rows x BC channels (module docstring), one row at a time: dx, the per-program
+    dweight / dbias partial sums and (first chunk, STATE_GRAD) the conv state's gradient."""
+    U: tl.constexpr = 4  # rows per loop step; the next step's rows are fetched during this one
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
@@ -244,132 +284,245 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
     dx_ptr += pid_b * stride_dxb
     offs_c = pid_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
-    scr = scr_ptr + (pid_b * tl.num_programs(0) + pid_t) * stride_rb + offs_c[None, :]  # + slot row * stride_rt
-    RING: tl.constexpr = 3 * BT
-    w0, w1, w2, w3, w4, w5, w6, w7, bias = _weights(w_ptr, b_ptr, offs_c, mask_c, stride_wc, stride_wk, W, HAS_BIAS,
-                                                    XDT, ACC, BC)
-    kidx = tl.arange(0, WP)  # weight column k = tap W-1-k
-    i = tl.arange(0, BT)
-    a0 = tl.zeros((BT, BC), dtype=ACC)
-    a1 = tl.zeros((BT, BC), dtype=ACC)
-    a2 = tl.zeros((BT, BC), dtype=ACC)
-    a3 = tl.zeros((BT, BC), dtype=ACC)
-    a4 = tl.zeros((BT, BC), dtype=ACC)
-    a5 = tl.zeros((BT, BC), dtype=ACC)
-    a6 = tl.zeros((BT, BC), dtype=ACC)
-    a7 = tl.zeros((BT, BC), dtype=ACC)
-    db2 = tl.zeros((BT, BC), dtype=ACC)
+    w0 = _wcol(w_ptr, 0, offs_c, mask_c, stride_wc, stride_wk, W, XDT, ACC, BC)
+    w1 = _wcol(w_ptr, 1, offs_c, mask_c, stride_wc, stride_wk, W, XDT, ACC, BC)
+    w2 = _wcol(w_ptr, 2, offs_c, mask_c, stride_wc, stride_wk, W, XDT, ACC, BC)
+    w3 = _wcol(w_ptr, 3, offs_c, mask_c, stride_wc, stride_wk, W, XDT, ACC, BC)
+    w4 = _wcol(w_ptr, 4, offs_c, mask_c, stride_wc, stride_wk, W, XDT, ACC, BC)
+    w5 = _wcol(w_ptr, 5, offs_c, mask_c, stride_wc, stride_wk, W, XDT, ACC, BC)
+    w6 = _wcol(w_ptr, 6, offs_c, mask_c, stride_wc, stride_wk, W, XDT, ACC, BC)
+    w7 = _wcol(w_ptr, 7, offs_c, mask_c, stride_wc, stride_wk, W, XDT, ACC, BC)
+    bias = tl.zeros((BC,), dtype=ACC)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(XDT).to(ACC)
+    zero = tl.zeros((BC,), dtype=ACC)
     t_start = pid_t * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
-    n_tiles = tl.cdiv(t_end - t_start, BT)
-    # tile 0's own rows (tap 0 and dy), fetched ahead like every later tile's
-    xn = _rows_in(x_ptr, xa_ptr, t_start + i, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-    dyn = tl.load(dy_ptr + (t_start + i)[:, None].to(tl.int64) * stride_dt + offs_c[None, :],
-                  mask=((t_start + i) < T)[:, None] & mask_c[None, :], other=0.0)
-    nxt_p = tl.zeros_like(i) + T
-    g_p = tl.zeros((BT, BC), dtype=ACC)  # the previous tile's g
-    # The tiles from the chunk's first to its last, then one more (the next chunk's first rows: the g the last tile's
-    # dx needs). Step `it` forms tile it's g and the dx of tile it - 1 (rows p need g[p + s], s < W, from the next
-    # tile). num_stages=1: no software pipelining, which could hoist the scratch loads above the barrier; the next
-    # tile's own rows are fetched by hand instead, one step ahead, so that their DRAM latency overlaps this step.
-    for it in tl.range(0, n_tiles + 1, num_stages=1):
-        t0 = t_start + it * BT
-        rows = t0 + i
-        pos = rows
-        nxt = tl.zeros_like(rows) + T
-        if VARLEN:
-            d = _doc_index(cu_ptr, rows, N_SEQ, LOG_N)
-            pos = rows - tl.load(cu_ptr + d).to(tl.int32)
-            nxt = tl.load(cu_ptr + d + 1).to(tl.int32)  # the next document's start (T for the last one)
-        xc = xn.to(ACC)
-        live = (rows < T)[:, None] & mask_c[None, :]
-        g = dyn.to(ACC)
-        xn = _rows_in(x_ptr, xa_ptr, rows + BT, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-        dyn = tl.load(dy_ptr + (rows + BT)[:, None].to(tl.int64) * stride_dt + offs_c[None, :],
-                      mask=((rows + BT) < T)[:, None] & mask_c[None, :], other=0.0)
-        if SILU:  # z = sum_j w_j input[p - j] (+ bias): tap 0 is the fetched tile, taps j >= 1 mostly L1 hits
-            z = w0 * xc
-            for j in tl.static_range(1, W):
-                z += _pick(j, w0, w1, w2, w3, w4, w5, w6, w7) * _tap_in(
-                    x_ptr, xa_ptr, s_ptr, rows, t0, pos, j, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                    stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-            if HAS_BIAS:
-                z += bias
-            sig = 1.0 / (1.0 + tl.exp(-z))
-            g = tl.where(live, g * sig * (1.0 + z * (1.0 - sig)), 0.0)  # (an inf z past T would give 0 * nan)
-        gm = tl.where((rows < t_end)[:, None], g, 0.0)  # the chunk's own rows only: the last step's belong to the next
-        a0 += gm * xc
-        for j in tl.static_range(1, W):  # a_j[p] += g[p] * input[p - j]: per-row partials, summed after the loop
-            v = _tap_in(x_ptr, xa_ptr, s_ptr, rows, t0, pos, j, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                        stride_sk, W, HAS_STATE, HAS_ADD, VARLEN, ACC)
-            if j == 1:
-                a1 += gm * v
-            elif j == 2:
-                a2 += gm * v
-            elif j == 3:
-                a3 += gm * v
-            elif j == 4:
-                a4 += gm * v
-            elif j == 5:
-                a5 += gm * v
-            elif j == 6:
-                a6 += gm * v
-            else:
-                a7 += gm * v
-        if HAS_BIAS:
-            db2 += gm
-        base = (it % 3) * BT
-        tl.store(scr + (base + i)[:, None] * stride_rt, g, mask=mask_c[None, :])
-        # the one barrier per step: makes this store visible to the loads below; the slot it overwrote was last read
-        # two steps ago (the dx of tile it - 3), before the previous step's barrier
-        tl.debug_barrier()
-        if it > 0:  # dx[p] = sum_s w_s g[p + s] for the previous tile's rows p, w_s = weight[:, W-1-s]
-            rows_p = rows - BT
-            base_p = ((it - 1) % 3) * BT
-            dx = w0 * g_p  # tap 0 from the registers, taps s >= 1 from the ring
-            for s in tl.static_range(1, W):
-                r = base_p + s + i
-                r = tl.where(r >= RING, r - RING, r)
-                ok = (rows_p + s < nxt_p) & (rows_p + s < T)
-                gs = tl.load(scr + r[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
-                dx += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
-            tl.store(dx_ptr + rows_p[:, None].to(tl.int64) * stride_dxt + offs_c[None, :],
-                     dx.to(dx_ptr.dtype.element_ty), mask=(rows_p < T)[:, None] & mask_c[None, :])
-        if STATE_GRAD:
-            if (it == 0) & (pid_t == 0):  # inputs at rows -(W-1)+kc: sum_s w[:, W-1-s] g[q], q = row + s in 0..W-2
-                kc = tl.arange(0, BS)
-                ds = tl.zeros((BS, BC), dtype=ACC)
-                for s in tl.static_range(1, W):
-                    q = kc - (W - 1) + s
-                    ok = (q >= 0) & (q < T)
-                    if VARLEN:
-                        ok = ok & (q - _doc_start(cu_ptr, q, N_SEQ, LOG_N) >= s)
-                    gs = tl.load(scr + q[:, None] * stride_rt, mask=ok[:, None] & mask_c[None, :], other=0.0)
-                    ds += _pick(s, w0, w1, w2, w3, w4, w5, w6, w7) * gs
-                tl.store(ds_ptr + pid_b * stride_ob + kc[:, None] * stride_ok + offs_c[None, :] * stride_oc,
-                         ds.to(ds_ptr.dtype.element_ty), mask=(kc < W - 1)[:, None] & mask_c[None, :])
-        nxt_p = nxt
-        g_p = g
-    dw = tl.zeros((WP, BC), dtype=ACC)  # weight column k = tap W-1-k
-    dw = tl.where((kidx == W - 1)[:, None], tl.sum(a0, axis=0)[None, :], dw)
+    # the inputs before the first row (x, the conv state or zero): i_j = input[p - j] for the row p being formed
+    i1 = zero
+    i2 = zero
+    i3 = zero
+    i4 = zero
+    i5 = zero
+    i6 = zero
+    i7 = zero
     if W > 1:
-        dw = tl.where((kidx == W - 2)[:, None], tl.sum(a1, axis=0)[None, :], dw)
+        i1 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 1, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
     if W > 2:
-        dw = tl.where((kidx == W - 3)[:, None], tl.sum(a2, axis=0)[None, :], dw)
+        i2 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 2, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
     if W > 3:
-        dw = tl.where((kidx == W - 4)[:, None], tl.sum(a3, axis=0)[None, :], dw)
+        i3 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 3, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
     if W > 4:
-        dw = tl.where((kidx == W - 5)[:, None], tl.sum(a4, axis=0)[None, :], dw)
+        i4 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 4, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
     if W > 5:
-        dw = tl.where((kidx == W - 6)[:, None], tl.sum(a5, axis=0)[None, :], dw)
+        i5 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 5, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
     if W > 6:
-        dw = tl.where((kidx == W - 7)[:, None], tl.sum(a6, axis=0)[None, :], dw)
+        i6 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 6, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
     if W > 7:
-        dw = tl.where((kidx == W - 8)[:, None], tl.sum(a7, axis=0)[None, :], dw)
+        i7 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 7, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
+    # e_k: the dx of row p - k summed over the g of rows <= p (k < W - 1); row p - (W-1) is then complete
+    e0 = zero
+    e1 = zero
+    e2 = zero
+    e3 = zero
+    e4 = zero
+    e5 = zero
+    e6 = zero
+    # per-tap dweight sums a_j = sum_p g[p] input[p - j] over the chunk's rows, and dbias
+    a0 = zero
+    a1 = zero
+    a2 = zero
+    a3 = zero
+    a4 = zero
+    a5 = zero
+    a6 = zero
+    a7 = zero
+    db = zero
+    d_start = t_start  # the start of the document holding the row (packed sequences), and the next one's
+    d_next = T
+    if VARLEN:
+        d = _doc_index(cu_ptr, t_start, N_SEQ, LOG_N)
+        d_start = tl.load(cu_ptr + d).to(tl.int32)
+        d_next = tl.load(cu_ptr + d + 1).to(tl.int32)
+    # rows t_start .. t_end - 1 and then W - 1 more (their g completes the dx of the chunk's last rows)
+    n_steps = tl.cdiv(t_end - t_start + W - 1, U)
+    nx0 = _x_row(x_ptr, xa_ptr, t_start, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    nx1 = _x_row(x_ptr, xa_ptr, t_start + 1, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    nx2 = _x_row(x_ptr, xa_ptr, t_start + 2, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    nx3 = _x_row(x_ptr, xa_ptr, t_start + 3, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    nd0 = _dy_row(dy_ptr, t_start, offs_c, mask_c, T, stride_dt)
+    nd1 = _dy_row(dy_ptr, t_start + 1, offs_c, mask_c, T, stride_dt)
+    nd2 = _dy_row(dy_ptr, t_start + 2, offs_c, mask_c, T, stride_dt)
+    nd3 = _dy_row(dy_ptr, t_start + 3, offs_c, mask_c, T, stride_dt)
+    for step in range(0, n_steps):
+        p0 = t_start + step * U
+        cx0, cx1, cx2, cx3 = nx0, nx1, nx2, nx3
+        cd0, cd1, cd2, cd3 = nd0, nd1, nd2, nd3
+        q = p0 + U
+        nx0 = _x_row(x_ptr, xa_ptr, q, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        nx1 = _x_row(x_ptr, xa_ptr, q + 1, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        nx2 = _x_row(x_ptr, xa_ptr, q + 2, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        nx3 = _x_row(x_ptr, xa_ptr, q + 3, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        nd0 = _dy_row(dy_ptr, q, offs_c, mask_c, T, stride_dt)
+        nd1 = _dy_row(dy_ptr, q + 1, offs_c, mask_c, T, stride_dt)
+        nd2 = _dy_row(dy_ptr, q + 2, offs_c, mask_c, T, stride_dt)
+        nd3 = _dy_row(dy_ptr, q + 3, offs_c, mask_c, T, stride_dt)
+        for u in tl.static_range(U):
+            p = p0 + u
+            xr = _pick4(u, cx0, cx1, cx2, cx3).to(ACC)
+            g = _pick4(u, cd0, cd1, cd2, cd3).to(ACC)
+            pos = p  # the row's position in its document: tap j reaches back into it only if pos >= j
+            if VARLEN:
+                while (p >= d_next) & (d < N_SEQ - 1):  # rows past T stay in the last document
+                    d += 1
+                    d_start = d_next
+                    d_next = tl.load(cu_ptr + d + 1).to(tl.int32)
+                pos = p - d_start
+            # tap j's input masked where it crosses a document start
+            v1 = i1
+            v2 = i2
+            v3 = i3
+            v4 = i4
+            v5 = i5
+            v6 = i6
+            v7 = i7
+            if VARLEN:
+                v1 = tl.where(pos >= 1, i1, 0.0)
+                v2 = tl.where(pos >= 2, i2, 0.0)
+                v3 = tl.where(pos >= 3, i3, 0.0)
+                v4 = tl.where(pos >= 4, i4, 0.0)
+                v5 = tl.where(pos >= 5, i5, 0.0)
+                v6 = tl.where(pos >= 6, i6, 0.0)
+                v7 = tl.where(pos >= 7, i7, 0.0)
+            if SILU:
+                z = w0 * xr + bias
+                if W > 1:
+                    z += w1 * v1
+                if W > 2:
+                    z += w2 * v2
+                if W > 3:
+                    z += w3 * v3
+                if W > 4:
+                    z += w4 * v4
+                if W > 5:
+                    z += w5 * v5
+                if W > 6:
+                    z += w6 * v6
+                if W > 7:
+                    z += w7 * v7
+                sig = 1.0 / (1.0 + tl.exp(-z))
+                g = g * sig * (1.0 + z * (1.0 - sig))  # rows past T have dy = 0 and a finite z: g = 0
+            # dweight / dbias from the chunk's own rows only (the rows after it belong to the next program)
+            gm = tl.where(p < t_end, g, 0.0)
+            a0 += gm * xr
+            if W > 1:
+                a1 += gm * v1
+            if W > 2:
+                a2 += gm * v2
+            if W > 3:
+                a3 += gm * v3
+            if W > 4:
+                a4 += gm * v4
+            if W > 5:
+                a5 += gm * v5
+            if W > 6:
+                a6 += gm * v6
+            if W > 7:
+                a7 += gm * v7
+            if HAS_BIAS:
+                db += gm
+            # g[p] reaches dx[p - k] through tap k when p - k lies in p's document (pos >= k)
+            gk1 = g
+            gk2 = g
+            gk3 = g
+            gk4 = g
+            gk5 = g
+            gk6 = g
+            gk7 = g
+            if VARLEN:
+                gk1 = tl.where(pos >= 1, g, 0.0)
+                gk2 = tl.where(pos >= 2, g, 0.0)
+                gk3 = tl.where(pos >= 3, g, 0.0)
+                gk4 = tl.where(pos >= 4, g, 0.0)
+                gk5 = tl.where(pos >= 5, g, 0.0)
+                gk6 = tl.where(pos >= 6, g, 0.0)
+                gk7 = tl.where(pos >= 7, g, 0.0)
+            if W == 1:
+                done = w0 * g
+            elif W == 2:
+                done = e0 + w1 * gk1
+            elif W == 3:
+                done = e1 + w2 * gk2
+            elif W == 4:
+                done = e2 + w3 * gk3
+            elif W == 5:
+                done = e3 + w4 * gk4
+            elif W == 6:
+                done = e4 + w5 * gk5
+            elif W == 7:
+                done = e5 + w6 * gk6
+            else:
+                done = e6 + w7 * gk7
+            if W > 7:
+                e6 = e5 + w6 * gk6
+            if W > 6:
+                e5 = e4 + w5 * gk5
+            if W > 5:
+                e4 = e3 + w4 * gk4
+            if W > 4:
+                e3 = e2 + w3 * gk3
+            if W > 3:
+                e2 = e1 + w2 * gk2
+            if W > 2:
+                e1 = e0 + w1 * gk1
+            if W > 1:
+                e0 = w0 * g
+            r = p - (W - 1)  # the completed row: this chunk's dx, or (first chunk) the conv state's gradient
+            tl.store(dx_ptr + r.to(tl.int64) * stride_dxt + offs_c, done.to(dx_ptr.dtype.element_ty),
+                     mask=mask_c & (offs_c * 0 + r >= t_start) & (offs_c * 0 + r < t_end))
+            if STATE_GRAD:
+                if r < 0:
+                    tl.store(ds_ptr + pid_b * stride_ob + (r + W - 1) * stride_ok + offs_c * stride_oc,
+                             done.to(ds_ptr.dtype.element_ty), mask=mask_c)
+            if W > 7:
+                i7 = i6
+            if W > 6:
+                i6 = i5
+            if W > 5:
+                i5 = i4
+            if W > 4:
+                i4 = i3
+            if W > 3:
+                i3 = i2
+            if W > 2:
+                i2 = i1
+            if W > 1:
+                i1 = xr
     part = part_ptr + (pid_b * tl.num_programs(0) + pid_t) * stride_pb + offs_c * stride_pc
-    tl.store(part[None, :] + kidx[:, None] * stride_pk, dw, mask=(kidx < W)[:, None] & mask_c[None, :])
+    tl.store(part + (W - 1) * stride_pk, a0, mask=mask_c)  # weight column W-1-j: tap j
+    if W > 1:
+        tl.store(part + (W - 2) * stride_pk, a1, mask=mask_c)
+    if W > 2:
+        tl.store(part + (W - 3) * stride_pk, a2, mask=mask_c)
+    if W > 3:
+        tl.store(part + (W - 4) * stride_pk, a3, mask=mask_c)
+    if W > 4:
+        tl.store(part + (W - 5) * stride_pk, a4, mask=mask_c)
+    if W > 5:
+        tl.store(part + (W - 6) * stride_pk, a5, mask=mask_c)
+    if W > 6:
+        tl.store(part + (W - 7) * stride_pk, a6, mask=mask_c)
+    if W > 7:
+        tl.store(part + (W - 8) * stride_pk, a7, mask=mask_c)
     if HAS_BIAS:
-        tl.store(part + W * stride_pk, tl.sum(db2, axis=0), mask=mask_c)
+        tl.store(part + W * stride_pk, db, mask=mask_c)
 
 
 @triton.jit
