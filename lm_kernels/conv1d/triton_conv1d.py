@@ -2,9 +2,9 @@
 partials and the conv state's gradient, plus the sums of the partials) and the custom operators
 lm::causal_conv1d_fwd / lm::causal_conv1d_bwd with their autograd formula (one node each in a torch.compile graph).
 
-The backward is one pass (triton_kernels.py): g = dy * act'(z) stays on chip (a small per-program scratch ring
-for the row shifts of dx) instead of going to DRAM in float32 between two kernels, whose round trip made the
-two-pass backward ~3.4x the bytes that must move on an H100 (0.51 vs ~0.15 ms at B16 T2048 C2304 W4 bf16).
+The backward is one pass (triton_kernels.py): each program walks its rows one at a time, so g = dy * act'(z) and
+the row shifts of dx stay in registers instead of going to DRAM in float32 between two kernels (whose round trip
+made the two-pass backward ~3.4x the bytes that must move on an H100: 0.51 vs ~0.15 ms at B16 T2048 C2304 W4 bf16).
 An optional second input x_add makes the conv run on x + x_add (added on load, in x's dtype as PyTorch adds)
 without the sum being materialised: the implicit models add an injection to the conv input at every
 fixed-point iteration. Its gradient is x's.
@@ -15,8 +15,8 @@ inputs are saved: the backward recomputes the pre-activation. Accumulation is fl
 float64 inputs); y, dx and the new conv state come out in x's dtype, dweight / dbias / dconv_state in
 the dtype of their input. Tile sizes are autotuned on the GPU (key: channels, width, flags, dtypes)
 among configs that compile without spills on sm_90 for W = 4 (cuobjdump, forward: 72-150 registers);
-under TRITON_INTERPRET=1 one small config (8 x 16 tiles, 16-row backward chunks) so that CPU tests at
-tiny shapes cross tile and chunk borders.
+under TRITON_INTERPRET=1 one small config (8 x 16 tiles, 16 channels and 16-row chunks in the backward) so that
+CPU tests at tiny shapes cross tile, channel-block and chunk borders.
 """
 from __future__ import annotations
 
@@ -51,12 +51,12 @@ def _configs(triples, interpret):
 _fwd = autotune(
     configs=_configs([(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)], (8, 16, 1)),
     key=_KEY)(K.conv_fwd_kernel)
-# the backward walks its rows one at a time with channels across the threads; BC channels per program, 4 - 8 per
-# thread (8- or 16-byte loads for bf16)
-_BWD_CONFIGS = [(128, 1, 4), (128, 1, 8), (256, 2, 4), (256, 2, 8), (256, 1, 4)]  # (BC, warps, U)
+# the backward walks its rows one at a time with the channels across the threads, BC channels per program (4 per
+# thread: 8-byte bf16 loads; 134 registers on sm_90). The tuner took (128, 1 warp) at Mamba2-350M's shape, fixed and
+# packed (lm_kernels/conv1d/BENCH.md, session 30); (256, 2 warps) is the other candidate
 _bwd = autotune(
-    configs=[triton.Config(dict(BC=bc, U=u), num_warps=w, num_stages=1)
-             for bc, w, u in ([(16, 1, 4)] if _INTERPRET else _BWD_CONFIGS if _AUTOTUNE else _BWD_CONFIGS[:1])],
+    configs=[triton.Config(dict(BC=bc), num_warps=w, num_stages=1)
+             for bc, w in ([(16, 1)] if _INTERPRET else [(128, 1), (256, 2)][:2 if _AUTOTUNE else 1])],
     key=_KEY + ["CHUNK", "STATE_GRAD"])(K.conv_bwd_kernel)
 
 _ACC = {torch.float64: tl.float64}
@@ -75,8 +75,8 @@ def _log_n(cu_seqlens):
 
 
 def _bwd_chunk(t: int, b: int, c: int, device) -> int:
-    """Rows per backward program: enough programs to fill the GPU ~8x over with 256-channel blocks, few enough that
-    the dweight partials (one (C, W+1) row per program) stay small."""
+    """Rows per backward program: ~8 programs per SM or more with 256-channel blocks (16 or more with the tuned
+    128-channel ones), few enough that the dweight partials (one (C, W+1) row per program) stay small."""
     if _INTERPRET:
         return 16
     sms = num_sms(device)

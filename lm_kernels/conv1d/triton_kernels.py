@@ -4,35 +4,32 @@ Layout: x (B, T, C) read through its batch and time strides (a split view of a l
 stride_t != C) with contiguous channels (the wrapper ensures stride_c == 1), so that a row of a tile is
 one vectorised load. The optional x_add (same shape, its own strides, channels contiguous) is added to x
 on load, in float32 (float64 for float64 x) and rounded to x's dtype, so the kernels see exactly PyTorch's
-x + x_add without the sum being written. A program owns tiles of BT time steps x BC channels; tap j (0 <= j < W)
-multiplies the input j steps back by weight[:, W-1-j]. "Input at position p" means x[p] (+ x_add[p]) for
-p >= 0 and conv_state[:, W-1+p] for -(W-1) <= p < 0 (zero without a state); only tiles that start before
+x + x_add without the sum being written. A forward program owns a tile of BT time steps x BC channels; tap j
+(0 <= j < W) multiplies the input j steps back by weight[:, W-1-j]. "Input at position p" means x[p] (+ x_add[p]) for
+p >= 0 and conv_state[:, W-1+p] for -(W-1) <= p < 0 (zero without a state); only tiles (or rows) before
 row 0 read the state (a scalar branch). With packed documents (VARLEN) tap j is masked at rows whose
 position inside their document is < j; the document of a row is found by a binary search of cu_seqlens
-(LOG_N steps). Shifted tiles are L1/L2 hits: DRAM sees each row about once.
+(LOG_N steps; the backward searches once per program and then follows the document starts as its rows advance).
+Shifted tiles are L1/L2 hits: DRAM sees each row about once.
 
 Forward (conv_fwd_kernel): y = act(bias + sum_j w_j in[p - j]) in float32 (float64 for float64 x),
 stored in x's dtype; the program holding the last row also writes the new conv state (the last W-1
 inputs). Weight, bias and conv state are rounded to x's dtype first, as the PyTorch reference does.
 
 Backward (conv_bwd_kernel), one pass: a program owns CHUNK rows x BC channels of one batch row and walks
-its BT-row tiles from the first to the last. Per tile it recomputes z from the inputs, forms
-g = dy * act'(z) in float32 (g = dy without an activation), adds g * input[p - j] to per-row dweight
-partials (and g to the dbias ones), and gathers the previous tile's dx[p] = sum_s w[:, W-1-s] g[p + s] over
-the taps s unmasked at row p + s (p + s < T, inside p's document). g never goes to DRAM: the earlier two-pass
-backward wrote it in float32 and read it back, and on an H100 (B16 T2048 C2304 W4 bf16) its two kernels
-took 0.354 + 0.160 ms against ~0.15 ms for the bytes that must move (x and dy read, dx written).
-Rows p + s lie in this tile or the next one; a register tile cannot be shifted by s rows, so g goes through a
-per-program float32 scratch in global memory (L1/L2 resident, a few MB in all): a ring of three BT-row slots,
-tile k in slot k % 3, and the dx of tile k - 1 takes tap 0 from that tile's g (kept in registers) and taps
-s >= 1 from slot rows base + s .. base + s + BT - 1, wrapping into tile k's slot. One step past the chunk's last
-tile forms the g of the next chunk's first rows (zero past T) for the last tile's dx. One CTA barrier per step,
-between the store of g and the shifted loads, orders everything: slot k % 3 was last read at step k - 2 (the dx
-of tile k - 3), before the barrier of step k - 1. Each step fetches the next tile's own rows (x at tap 0 and dy)
-by hand, so that their DRAM latency overlaps the step's work; the shifted taps then mostly hit L1. The dweight /
-dbias partials are stored as one (C, W+1) float32 slice per program that the caller sums (deterministic, no
-atomics); programs of the first chunk also form the conv state's gradient (inputs at rows -(W-1)..-1) from tile
-0's g, in slot 0 after step 0's barrier.
+its rows one at a time, the channels across its threads (4 per thread). Per row p it recomputes z[p] from the
+inputs, forms g[p] = dy[p] * act'(z[p]) in float32 (g = dy without an activation), adds g[p] * input[p - j] to
+the dweight sums of tap j (and g[p] to dbias), and scatters g[p] into the dx of the rows p - k it reaches
+(dx[p - k] += w[:, W-1-k] g[p], where p - k lies in p's document); row p - (W-1) is then complete and is stored.
+The last W-1 inputs and the W-1 open dx rows are kept in registers, so a row shift is a renaming, not a memory
+round trip: g never leaves the registers. Each loop step takes 4 rows and fetches the next step's 4 rows of x
+and dy, so that their DRAM latency overlaps the step's work. A program forms its chunk's rows and then W-1 more
+(their g completes the dx of its last rows; they are not added to its dweight sums). The dweight / dbias sums
+are stored as one (C, W+1) float32 slice per program that the caller sums (deterministic, no atomics); in the
+first chunk the dx rows -(W-1)..-1 that the scatter completes first are the conv state's gradient.
+On an H100 (B16 T2048 C2304 W4 bf16, lm_kernels/conv1d/BENCH.md) this takes 0.223 ms against 0.260 for the
+tile-wise kernel it replaced, which staged g in a scratch ring in global memory for the row shifts (one CTA
+barrier per tile); the earlier two-pass backward (g written to DRAM in float32 and read back) took 0.354 + 0.160.
 """
 from __future__ import annotations
 
@@ -253,36 +250,17 @@ def _wcol(w_ptr, j: tl.constexpr, offs_c, mask_c, stride_wc, stride_wk, W: tl.co
 
 
 @triton.jit
-def _fetch(x_ptr, xa_ptr, dy_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, stride_dt, HAS_ADD: tl.constexpr,
-           ACC: tl.constexpr, U: tl.constexpr):
-    """The inputs (x's dtype) and dy of the U rows r .. r + U - 1 (U = 4 or 8; the last four zero when U = 4)."""
-    x0 = _x_row(x_ptr, xa_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-    x1 = _x_row(x_ptr, xa_ptr, r + 1, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-    x2 = _x_row(x_ptr, xa_ptr, r + 2, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-    x3 = _x_row(x_ptr, xa_ptr, r + 3, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-    d0 = _dy_row(dy_ptr, r, offs_c, mask_c, T, stride_dt)
-    d1 = _dy_row(dy_ptr, r + 1, offs_c, mask_c, T, stride_dt)
-    d2 = _dy_row(dy_ptr, r + 2, offs_c, mask_c, T, stride_dt)
-    d3 = _dy_row(dy_ptr, r + 3, offs_c, mask_c, T, stride_dt)
-    if U > 4:
-        x4 = _x_row(x_ptr, xa_ptr, r + 4, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-        x5 = _x_row(x_ptr, xa_ptr, r + 5, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-        x6 = _x_row(x_ptr, xa_ptr, r + 6, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-        x7 = _x_row(x_ptr, xa_ptr, r + 7, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
-        d4 = _dy_row(dy_ptr, r + 4, offs_c, mask_c, T, stride_dt)
-        d5 = _dy_row(dy_ptr, r + 5, offs_c, mask_c, T, stride_dt)
-        d6 = _dy_row(dy_ptr, r + 6, offs_c, mask_c, T, stride_dt)
-        d7 = _dy_row(dy_ptr, r + 7, offs_c, mask_c, T, stride_dt)
+def _pick4(u: tl.constexpr, v0, v1, v2, v3):
+    """v_u for a compile-time u < 4 (a loop step's rows)."""
+    if u == 0:
+        v = v0
+    elif u == 1:
+        v = v1
+    elif u == 2:
+        v = v2
     else:
-        x4 = tl.zeros_like(x0)
-        x5 = x4
-        x6 = x4
-        x7 = x4
-        d4 = tl.zeros_like(d0)
-        d5 = d4
-        d6 = d4
-        d7 = d4
-    return x0, x1, x2, x3, x4, x5, x6, x7, d0, d1, d2, d3, d4, d5, d6, d7
+        v = v3
+    return v
 
 
 @triton.jit
@@ -293,10 +271,10 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
                     stride_pb, stride_pc, stride_pk,
                     W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                     VARLEN: tl.constexpr, SILU: tl.constexpr, STATE_GRAD: tl.constexpr, ACC: tl.constexpr,
-                    BC: tl.constexpr, U: tl.constexpr):
+                    BC: tl.constexpr):
     """The whole backward of CHUNK rows x BC channels (module docstring), one row at a time: dx, the per-program
     dweight / dbias partial sums and (first chunk, STATE_GRAD) the conv state's gradient."""
-    tl.static_assert((U == 4) | (U == 8))  # rows per loop step; the next step's U rows are fetched during this one
+    U: tl.constexpr = 4  # rows per loop step; the next step's rows are fetched during this one
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
@@ -375,18 +353,31 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
         d_next = tl.load(cu_ptr + d + 1).to(tl.int32)
     # rows t_start .. t_end - 1 and then W - 1 more (their g completes the dx of the chunk's last rows)
     n_steps = tl.cdiv(t_end - t_start + W - 1, U)
-    nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, nd0, nd1, nd2, nd3, nd4, nd5, nd6, nd7 = _fetch(
-        x_ptr, xa_ptr, dy_ptr, t_start, offs_c, mask_c, T, stride_xt, stride_at, stride_dt, HAS_ADD, ACC, U)
+    nx0 = _x_row(x_ptr, xa_ptr, t_start, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    nx1 = _x_row(x_ptr, xa_ptr, t_start + 1, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    nx2 = _x_row(x_ptr, xa_ptr, t_start + 2, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    nx3 = _x_row(x_ptr, xa_ptr, t_start + 3, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+    nd0 = _dy_row(dy_ptr, t_start, offs_c, mask_c, T, stride_dt)
+    nd1 = _dy_row(dy_ptr, t_start + 1, offs_c, mask_c, T, stride_dt)
+    nd2 = _dy_row(dy_ptr, t_start + 2, offs_c, mask_c, T, stride_dt)
+    nd3 = _dy_row(dy_ptr, t_start + 3, offs_c, mask_c, T, stride_dt)
     for step in range(0, n_steps):
         p0 = t_start + step * U
-        cx0, cx1, cx2, cx3, cx4, cx5, cx6, cx7 = nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7
-        cd0, cd1, cd2, cd3, cd4, cd5, cd6, cd7 = nd0, nd1, nd2, nd3, nd4, nd5, nd6, nd7
-        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, nd0, nd1, nd2, nd3, nd4, nd5, nd6, nd7 = _fetch(
-            x_ptr, xa_ptr, dy_ptr, p0 + U, offs_c, mask_c, T, stride_xt, stride_at, stride_dt, HAS_ADD, ACC, U)
+        cx0, cx1, cx2, cx3 = nx0, nx1, nx2, nx3
+        cd0, cd1, cd2, cd3 = nd0, nd1, nd2, nd3
+        q = p0 + U
+        nx0 = _x_row(x_ptr, xa_ptr, q, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        nx1 = _x_row(x_ptr, xa_ptr, q + 1, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        nx2 = _x_row(x_ptr, xa_ptr, q + 2, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        nx3 = _x_row(x_ptr, xa_ptr, q + 3, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD, ACC)
+        nd0 = _dy_row(dy_ptr, q, offs_c, mask_c, T, stride_dt)
+        nd1 = _dy_row(dy_ptr, q + 1, offs_c, mask_c, T, stride_dt)
+        nd2 = _dy_row(dy_ptr, q + 2, offs_c, mask_c, T, stride_dt)
+        nd3 = _dy_row(dy_ptr, q + 3, offs_c, mask_c, T, stride_dt)
         for u in tl.static_range(U):
             p = p0 + u
-            xr = _pick(u, cx0, cx1, cx2, cx3, cx4, cx5, cx6, cx7).to(ACC)
-            g = _pick(u, cd0, cd1, cd2, cd3, cd4, cd5, cd6, cd7).to(ACC)
+            xr = _pick4(u, cx0, cx1, cx2, cx3).to(ACC)
+            g = _pick4(u, cd0, cd1, cd2, cd3).to(ACC)
             pos = p  # the row's position in its document: tap j reaches back into it only if pos >= j
             if VARLEN:
                 while (p >= d_next) & (d < N_SEQ - 1):  # rows past T stay in the last document
