@@ -179,21 +179,19 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
         a = tl.load(cs_ptr + tok0 + clen - 1)
         pm = mmask[:, None] & pmask[None, :]
         dym = tl.load(dy_ptr + b * s_dy_b + h * s_dy_h + (t0 + rows_m[:, None]) * s_dy_t + offs_p[None, :],
-                      mask=pm, other=0.0).to(dtype)
+                      mask=pm, other=0.0).to(tl.float32)
         xm = tl.load(x_ptr + b * s_x_b + h * s_x_h + (t0 + rows_m[:, None]) * s_x_t + offs_p[None, :],
-                     mask=pm, other=0.0).to(dtype)
+                     mask=pm, other=0.0).to(tl.float32)
         st_off = (pid_c.to(tl.int64) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :]
         pn = pmask[:, None] & nmask[None, :]
         S = tl.load(states_ptr + st_off, mask=pn, other=0.0).to(dtype)
         Gd = tl.load(dstates_ptr + st_off, mask=pn, other=0.0).to(dtype)
         e_m = tl.where(mmask, tl.exp(cs_m), 0.0)
         w_m = tl.where(mmask, tl.exp(a - cs_m) * dt_m, 0.0)
-        # the row factors go on the products' rows, not on dy / x: the operands then reach the tensor cores
-        # straight from the pipeline's shared-memory buffers, without a round trip through registers
-        tC = tl.dot(dym, S, input_precision=DOT_PREC) * e_m[:, None]
+        tC = tl.dot((dym * e_m[:, None]).to(dtype), S, input_precision=DOT_PREC)
         acc_dC += tC
         tl.store(dcs_ptr + (pid_mn % n_nb) * (H.to(tl.int64) * BT) + tok0 + rows_m, tl.sum(tC * Cm, 1), mask=mmask)
-        acc_dB += tl.dot(xm, Gd, input_precision=DOT_PREC) * w_m[:, None]
+        acc_dB = tl.dot((xm * w_m[:, None]).to(dtype), Gd, acc_dB, input_precision=DOT_PREC)
     q_base = Q_ptr + (pid_c.to(tl.int64) * G + g) * L * L
     B_base = B_ptr + b * s_B_b + g * s_B_g
     C_base = C_ptr + b * s_B_b + g * s_B_g

@@ -32,13 +32,12 @@ def _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, cle
         cbd = cbT * decay
     else:
         # below the diagonal every l precedes every m: e^{cs_m - cs_l} = e^{cs_m - c} e^{c - cs_l} through the row c
-        # before the k block (both exponents <= 0), as row and column factors of the C.B tile: no exponential per
-        # element, and the dy tile goes to both products as loaded
+        # before the k block (both exponents <= 0), on the dy rows and the C.B columns: no exponential per element
         c = tl.load(cs_ptr + tok0 + k - 1)
         ek = tl.where(kmask, tl.exp(cs_k - c), 0.0)
-        cbd = cbT * tl.exp(c - cs_l)[:, None] * ek[None, :]
-        dyk = tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :],
-                      mask=kmask[:, None] & pmask[None, :], other=0.0).to(DOT_DT)
+        cbd = cbT * tl.exp(c - cs_l)[:, None]
+        dyk = (tl.load(dy_base + (t0 + rows_k[:, None]) * s_dy_t + offs_p[None, :],
+                       mask=kmask[:, None] & pmask[None, :], other=0.0).to(tl.float32) * ek[:, None]).to(DOT_DT)
     dxi = tl.dot(cbd.to(DOT_DT), dyk, dxi, input_precision=DOT_PREC)
     MT = tl.dot(xld, tl.trans(dyk), input_precision=DOT_PREC) * cbd * dt_l[:, None]  # [l, m] = M[m, l]
     tl.store(dda_ptr + (l0 // BM).to(tl.int64) * HBT + tok0 + rows_k, tl.sum(MT, 0), mask=kmask)
