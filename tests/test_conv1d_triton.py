@@ -1,7 +1,7 @@
 """lm_kernels.conv1d: the Triton depthwise causal conv1d (under TRITON_INTERPRET=1 on CPU) against the
 PyTorch reference and a float64 per-token loop, forward and every gradient (x, weight, bias, conv_state,
-and through the returned conv state), at shapes crossing the interpreter's 8-row / 16-channel tiles and
-16-row backward chunks; packed documents shorter than the width; non-contiguous x; bf16 and fp32;
+and through the returned conv state), at shapes crossing the interpreter's 8-row / 16-channel forward tiles
+and its backward's 32-channel blocks and 16-row chunks; packed documents shorter than the width; non-contiguous x; bf16 and fp32;
 the second input x_add (conv of x + x_add, gradients of both); the one-pass backward across its 4-row loop steps
 and its chunks (packed documents whose borders fall inside and at step / chunk borders, the conv state's gradient,
 chunks that end inside a step); backend dispatch and argument errors."""

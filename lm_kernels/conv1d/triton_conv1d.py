@@ -15,7 +15,7 @@ inputs are saved: the backward recomputes the pre-activation. Accumulation is fl
 float64 inputs); y, dx and the new conv state come out in x's dtype, dweight / dbias / dconv_state in
 the dtype of their input. Tile sizes are autotuned on the GPU (key: channels, width, flags, dtypes)
 among configs that compile without spills on sm_90 for W = 4 (cuobjdump, forward: 72-150 registers);
-under TRITON_INTERPRET=1 one small config (8 x 16 tiles, 16 channels and 16-row chunks in the backward) so that
+under TRITON_INTERPRET=1 one small config (8 x 16 tiles; 32 channels and 16-row chunks in the backward) so that
 CPU tests at tiny shapes cross tile, channel-block and chunk borders.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ _fwd = autotune(
 # packed (lm_kernels/conv1d/BENCH.md, session 30); (256, 2 warps) is the other candidate
 _bwd = autotune(
     configs=[triton.Config(dict(BC=bc), num_warps=w, num_stages=1)
-             for bc, w in ([(16, 1)] if _INTERPRET else [(128, 1), (256, 2)][:2 if _AUTOTUNE else 1])],
+             for bc, w in ([(32, 1)] if _INTERPRET else [(128, 1), (256, 2)][:2 if _AUTOTUNE else 1])],
     key=_KEY + ["CHUNK", "STATE_GRAD"])(K.conv_bwd_kernel)
 
 _ACC = {torch.float64: tl.float64}
