@@ -202,33 +202,29 @@ def conv_fwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
 
 
 @triton.jit
+def _x_row(x_ptr, xa_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
+    """x (+ x_add, summed in ACC and rounded to x's dtype) at the row r (r < T, else zero; mask_c also masks rows
+    before 0 where r may be negative), in x's dtype: what the backward fetches one loop step ahead."""
+    XDT: tl.constexpr = x_ptr.dtype.element_ty
+    m = mask_c & (offs_c * 0 + r < T)  # the row as a vector: masks of the channels' shape
+    v = tl.load(x_ptr + r.to(tl.int64) * stride_xt + offs_c, mask=m, other=0.0)
+    if HAS_ADD:
+        v = (v.to(ACC) + tl.load(xa_ptr + r.to(tl.int64) * stride_at + offs_c, mask=m, other=0.0).to(ACC)).to(XDT)
+    return v
+
+
+@triton.jit
 def _in_row(x_ptr, xa_ptr, s_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
             W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
     """The input at the one position r (a scalar) for a block of channels, in ACC: x (+ x_add, rounded to x's dtype)
     for 0 <= r < T, the conv state (rounded to x's dtype) for -(W-1) <= r < 0, zero elsewhere (_load_in for a row)."""
     XDT: tl.constexpr = x_ptr.dtype.element_ty
-    rv = offs_c * 0 + r  # the row as a vector: masks of the channels' shape
-    m = mask_c & (rv >= 0) & (rv < T)
-    v = tl.load(x_ptr + r.to(tl.int64) * stride_xt + offs_c, mask=m, other=0.0)
-    if HAS_ADD:
-        v = (v.to(ACC) + tl.load(xa_ptr + r.to(tl.int64) * stride_at + offs_c, mask=m, other=0.0).to(ACC)).to(XDT)
-    v = v.to(ACC)
+    rv = offs_c * 0 + r
+    v = _x_row(x_ptr, xa_ptr, r, offs_c, mask_c & (rv >= 0), T, stride_xt, stride_at, HAS_ADD, ACC).to(ACC)
     if HAS_STATE:
         if r < 0:
             sv = tl.load(s_ptr + (r + W - 1) * stride_sk + offs_c * stride_sc, mask=mask_c & (rv >= 1 - W), other=0.0)
             v += sv.to(XDT).to(ACC)
-    return v
-
-
-@triton.jit
-def _x_row(x_ptr, xa_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
-    """x (+ x_add, summed in ACC and rounded to x's dtype) at the row r (0 <= r < T, else zero), in x's dtype: what
-    the backward fetches one block of rows ahead."""
-    XDT: tl.constexpr = x_ptr.dtype.element_ty
-    m = mask_c & (offs_c * 0 + r < T)
-    v = tl.load(x_ptr + r.to(tl.int64) * stride_xt + offs_c, mask=m, other=0.0)
-    if HAS_ADD:
-        v = (v.to(ACC) + tl.load(xa_ptr + r.to(tl.int64) * stride_at + offs_c, mask=m, other=0.0).to(ACC)).to(XDT)
     return v
 
 
@@ -247,20 +243,6 @@ def _wcol(w_ptr, j: tl.constexpr, offs_c, mask_c, stride_wc, stride_wk, W: tl.co
     else:
         w = tl.zeros((BC,), dtype=ACC)
     return w
-
-
-@triton.jit
-def _pick4(u: tl.constexpr, v0, v1, v2, v3):
-    """v_u for a compile-time u < 4 (a loop step's rows)."""
-    if u == 0:
-        v = v0
-    elif u == 1:
-        v = v1
-    elif u == 2:
-        v = v2
-    else:
-        v = v3
-    return v
 
 
 @triton.jit
@@ -376,8 +358,8 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
         nd3 = _dy_row(dy_ptr, q + 3, offs_c, mask_c, T, stride_dt)
         for u in tl.static_range(U):
             p = p0 + u
-            xr = _pick4(u, cx0, cx1, cx2, cx3).to(ACC)
-            g = _pick4(u, cd0, cd1, cd2, cd3).to(ACC)
+            xr = _pick(u, cx0, cx1, cx2, cx3, cx3, cx3, cx3, cx3).to(ACC)  # u < U = 4
+            g = _pick(u, cd0, cd1, cd2, cd3, cd3, cd3, cd3, cd3).to(ACC)
             pos = p  # the row's position in its document: tap j reaches back into it only if pos >= j
             if VARLEN:
                 while (p >= d_next) & (d < N_SEQ - 1):  # rows past T stay in the last document
