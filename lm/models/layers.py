@@ -17,7 +17,7 @@ import torch.nn.functional as F
 # CPU (LM_CONV1D_BACKEND=reference|triton overrides); the models import it from here
 from lm_kernels.backend import resolve_backend
 from lm_kernels.conv1d import causal_conv1d  # noqa: F401
-from lm_kernels.rmsnorm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
+from lm_kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton
 from lm_kernels.swiglu import silu_mul_triton
 from lm_kernels.varlen import position_in_document  # noqa: F401  (the models import it from here)
 
@@ -138,31 +138,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, h: torch.Tensor, out_dtype: torch.dtype | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, self(x + h)): see `add_rms_norm`."""
-        return add_rms_norm(x, h, self.weight, self.eps, out_dtype=out_dtype)
+        return add_rms_norm(x, h, self.weight, self.eps)
 
 
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, rms_norm(s)) with s = x + h in x's dtype, the norm in out_dtype (default x's). With autograd on the
-    "rmsnorm" backend triton (CUDA), eager and under torch.compile: lm::add_rms_norm_fwd / _bwd (one kernel each
-    way; the backward writes s's gradient and, where h has another dtype, h's in h's dtype in the same pass: inductor's
-    backward of the formula writes the float32 gradient and then casts it in a pass of its own, 3.1 ms per step of a
-    350M model at 16 x 2048 tokens on an H100, lm/train/BENCH.md session 31). Without autograd the one-kernel forward
-    (rms_norm_triton, h in x's dtype) where `rms_norm` runs it; else the add and the norm's formula (under
-    torch.compile inductor fuses them into one pass)."""
-    if (h.shape == x.shape and x.dtype != torch.float64 and torch.is_grad_enabled()
-            and any(t.requires_grad for t in (x, h, weight))
-            and resolve_backend("rmsnorm", None, x.device) == "triton"):
-        return add_rms_norm_triton(x, h, weight, eps, out_dtype=out_dtype)
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + h: a residual add and the norm that reads its sum, as one Triton kernel where
+    `rms_norm` runs one (the sum rounded to x's dtype before it is normed, as the separate add rounds it) and in one
+    graph under torch.compile, where inductor fuses them (one pass writing s and its norm)."""
     if h.shape == x.shape and h.dtype == x.dtype and _kernel_forward("rmsnorm", x, h, weight):
         y, s = rms_norm_triton(x, weight, eps, residual=h)
-    else:
-        s = x + h
-        y = rms_norm(s, weight, eps)
-    return s, y if out_dtype is None else y.to(out_dtype)
+        return s, y
+    x = x + h
+    return x, rms_norm(x, weight, eps)
 
 
 class GatedRMSNorm(nn.Module):

@@ -104,17 +104,19 @@ class Block(nn.Module):
         mixer reads its input once: Mixer.reads_input_once)."""
         h = self.mixer(self.norm(x) if u is None else u, injection=injection, cache=cache, cu_seqlens=cu_seqlens,
                        **shared)
-        # a norm read only through a product (the MLP's, the next block's input projection) is written in the
-        # autocast dtype, which autocast would cast it to: half the bytes, no cast pass in the next graph, and its
-        # gradient comes back in this dtype for the norm's backward to read as it is
-        low = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         if self.mlp is not None:
-            x, v = self.mlp_norm.add_forward(x, h, out_dtype=low)  # x + h and its norm, one kernel (add_rms_norm)
+            x, v = self.mlp_norm.add_forward(x, h)  # x + h and its norm (one kernel without autograd on CUDA)
             h = self.mlp(v)
         if next_norm is None:
             return x + h
         weight, eps, for_block = next_norm
-        return add_rms_norm(x, h, weight, eps, out_dtype=low if for_block else None)
+        x, u = add_rms_norm(x, h, weight, eps)
+        if for_block and torch.is_autocast_enabled(u.device.type):
+            # the next block reads u only through its input projection, which autocast would cast: cast it here,
+            # where the norm writes it (half the bytes, no cast pass in the next graph; with autograd the gradient
+            # comes back in this dtype and the norm's backward reads it as it is, no cast pass either)
+            u = u.to(torch.get_autocast_dtype(u.device.type))
+        return x, u
 
 
 class Injection(nn.Module):

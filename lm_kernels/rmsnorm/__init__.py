@@ -10,11 +10,6 @@ math in float32, y in x's dtype. The PyTorch formula of a norm is ~8 kernels (ca
 the forward here is one: what a one-token decode step, which is launch bound, needs; with `residual` it also does a
 pre-norm block's residual add before its second norm (`lm.models.layers.RMSNorm.add_forward`).
 
-`add_rms_norm_triton(x, h, weight, eps, out_dtype=None)` is a pre-norm block's residual add and the norm of its sum
-with autograd (lm::add_rms_norm_fwd / _bwd: (s = x + h in x's dtype, y in out_dtype); h may have another dtype than x,
-as a bf16 product's output added to a float32 residual stream; the backward writes the sum's gradient in x's dtype and
-h's gradient in h's in one pass, with the weight's partial sums).
-
 `gated_rms_norm_triton` is lm::gated_rms_norm_fwd / lm::gated_rms_norm_bwd (triton_rmsnorm.py) with their autograd
 formula: the gate's input is z + z_add (z_add optional, z's shape and dtype; the sum rounded to z's dtype as the
 PyTorch add rounds it, never written out), the forward saves x, z, z_add, weight and the float32 per-group rstd, and
@@ -26,7 +21,7 @@ kernels run under TRITON_INTERPRET=1 (tests).
 """
 from __future__ import annotations
 
-__all__ = ["rms_norm_triton", "gated_rms_norm_triton", "add_rms_norm_triton"]
+__all__ = ["rms_norm_triton", "gated_rms_norm_triton"]
 
 
 def rms_norm_triton(x, weight, eps, z=None, group_size=None, residual=None):
@@ -37,8 +32,3 @@ def rms_norm_triton(x, weight, eps, z=None, group_size=None, residual=None):
 def gated_rms_norm_triton(x, z, weight, eps, group_size=None, z_add=None):
     from .triton_rmsnorm import gated_rms_norm  # noqa: PLC0415 (lazy: triton is optional; registers the ops)
     return gated_rms_norm(x, z, weight, eps, group_size=group_size, z_add=z_add)
-
-
-def add_rms_norm_triton(x, h, weight, eps, out_dtype=None):
-    from .triton_rmsnorm import add_rms_norm  # noqa: PLC0415 (lazy: triton is optional; registers the ops)
-    return add_rms_norm(x, h, weight, eps, out_dtype=out_dtype)

@@ -123,56 +123,6 @@ def _gated_rmsnorm_bwd_kernel(dy, x, z, za, w, rs, dx, dz, part, sdy, sx, sz, sz
         tl.store(part + tl.program_id(0).to(tl.int64) * sp + cols, tl.sum(acc, 0), mask=cm)
 
 
-@triton.jit
-def _add_bwd_rows(dy, s, ds, rs, r0, end, cols, cm, sdy, ss, sds, BR: tl.constexpr, HAS_DS: tl.constexpr):
-    """dy, s, ds (s again without it; in their dtypes) and rstd of rows r0 .. r0 + BR - 1 (< end)."""
-    rows = r0 + tl.arange(0, BR)
-    rm = rows < end
-    m = rm[:, None] & cm[None, :]
-    b_dy = tl.load(dy + rows[:, None] * sdy + cols[None, :], mask=m, other=0.0)
-    b_s = tl.load(s + rows[:, None] * ss + cols[None, :], mask=m, other=0.0)
-    b_ds = b_s
-    if HAS_DS:
-        b_ds = tl.load(ds + rows[:, None] * sds + cols[None, :], mask=m, other=0.0)
-    return b_dy, b_s, b_ds, tl.load(rs + rows, mask=rm, other=0.0)
-
-
-@triton.jit
-def _add_rmsnorm_bwd_kernel(dy, s, ds, w, rs, dx, dh, part, sdy, ss, sds, sdx, sdh, sp, N, D, CHUNK,
-                            BG: tl.constexpr, BR: tl.constexpr, HAS_DS: tl.constexpr, WRITE_DH: tl.constexpr):
-    """Rows [pid * CHUNK, min(N, (pid + 1) * CHUNK)) of the backward of s = x + h, y = s * rstd * w: per row (in
-    float32) xhat = s * rstd, g = dy * w, dx = rstd * (g - xhat * mean(g * xhat)) + ds, with ds the gradient that
-    reaches s directly (the residual stream's); dx is written in x's dtype and, with WRITE_DH, once more in h's (h's
-    gradient where h has another dtype: the copy that the product before the add reads, no cast pass after);
-    dweight += dy * xhat, stored once per program as a float32 partial. BR rows per loop step, each step's rows
-    fetched during the step before (as in the gated norm's backward)."""
-    start = tl.program_id(0).to(tl.int64) * CHUNK
-    end = tl.minimum(start + CHUNK, N)
-    cols = tl.arange(0, BG)
-    cm = cols < D
-    b_w = tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
-    acc = tl.zeros((BR, BG), dtype=tl.float32)
-    n_dy, n_s, n_ds, n_rs = _add_bwd_rows(dy, s, ds, rs, start, end, cols, cm, sdy, ss, sds, BR, HAS_DS)
-    for r0 in range(start, end, BR):
-        rows = r0 + tl.arange(0, BR)
-        m = (rows < end)[:, None] & cm[None, :]
-        b_dy = n_dy.to(tl.float32)
-        rstd = n_rs
-        xhat = n_s.to(tl.float32) * rstd[:, None]
-        b_ds = n_ds.to(tl.float32)
-        n_dy, n_s, n_ds, n_rs = _add_bwd_rows(dy, s, ds, rs, r0 + BR, end, cols, cm, sdy, ss, sds, BR, HAS_DS)
-        acc += b_dy * xhat
-        g = b_dy * b_w[None, :]
-        c = tl.sum(g * xhat, 1) / D
-        d = rstd[:, None] * (g - xhat * c[:, None])
-        if HAS_DS:
-            d += b_ds
-        tl.store(dx + rows[:, None] * sdx + cols[None, :], d.to(dx.dtype.element_ty), mask=m)
-        if WRITE_DH:
-            tl.store(dh + rows[:, None] * sdh + cols[None, :], d.to(dh.dtype.element_ty), mask=m)
-    tl.store(part + tl.program_id(0).to(tl.int64) * sp + cols, tl.sum(acc, 0), mask=cm)
-
-
 # (rows per loop step BR, warps). A config is kept for a group block of BG channels where each thread holds 2, 4 or 8
 # elements of a row block (BR * BG / (32 * warps)), 4 first: for sm_90 (bf16, z_add, weight; cuobjdump) 4 elements
 # compile to 58-74 registers (64 for BG 2048 with the rows fetched ahead, triton 3.6: still 2 programs of 16 warps per
@@ -182,10 +132,11 @@ _BWD_PAIRS = [(br, w) for br in (1, 2, 4, 8) for w in (4, 8, 16)]
 _EPT_PREFERENCE = (4, 8, 2)
 
 
-def _bwd_configs(BG: int) -> list:
-    """The backward configs that suit a row block of BG channels; the fewest elements per thread if none does
-    (BG > 4096). Interpreter: one small config (BR = 128 / BG rows, at most 8) so that tiny test rows take several
-    rows per step."""
+@functools.lru_cache(maxsize=None)
+def _bwd_kernel(BG: int):
+    """The backward kernel autotuned (key: group, z_add, weight, and the tensors' dtypes) over the configs that suit a
+    group block of BG channels; the fewest elements per thread if none does (BG > 4096). Interpreter: one small
+    config (BR = 128 / BG rows, at most 8) so that tiny test groups take several rows per step."""
     if _INTERPRET:
         pairs = [(max(1, min(8, 128 // BG)), 1)]
     else:
@@ -194,19 +145,8 @@ def _bwd_configs(BG: int) -> list:
         pairs = sorted(pairs, key=lambda p: _EPT_PREFERENCE.index(ept[p])) or [(1, 16)]
         if not _AUTOTUNE:
             pairs = pairs[:1]
-    return [triton.Config(dict(BR=br), num_warps=w) for br, w in pairs]
-
-
-@functools.lru_cache(maxsize=None)
-def _bwd_kernel(BG: int):
-    """The gated backward kernel autotuned over `_bwd_configs(BG)` (key: group, z_add, weight, the tensors' dtypes)."""
-    return autotune(configs=_bwd_configs(BG), key=["G", "HAS_ADD", "HAS_W"])(_gated_rmsnorm_bwd_kernel)
-
-
-@functools.lru_cache(maxsize=None)
-def _add_bwd_kernel(BG: int):
-    """The add + norm backward kernel autotuned over `_bwd_configs(BG)` (key: width, ds, dh, the tensors' dtypes)."""
-    return autotune(configs=_bwd_configs(BG), key=["D", "HAS_DS", "WRITE_DH"])(_add_rmsnorm_bwd_kernel)
+    configs = [triton.Config(dict(BR=br), num_warps=w) for br, w in pairs]
+    return autotune(configs=configs, key=["G", "HAS_ADD", "HAS_W"])(_gated_rmsnorm_bwd_kernel)
 
 
 def _bwd_rows(n_rows: int, n_groups: int, device) -> int:
@@ -244,15 +184,14 @@ def _check(x, weight, group, z=None, z_add=None, residual=None):
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},)")
 
 
-def _fwd_launch(x, weight, eps, group, z=None, z_add=None, residual=None, write_rstd=False, y_dtype=None):
-    """(y, residual sum or None, rstd (rows, groups) float32 or None): the sum (rows, d) in x's dtype, y in y_dtype
-    (default x's)."""
+def _fwd_launch(x, weight, eps, group, z=None, z_add=None, residual=None, write_rstd=False):
+    """(y, residual sum or None, rstd (rows, groups) float32 or None), y and the sum (rows, d) in x's dtype."""
     d = x.shape[-1]
     x2 = _rows(x, d)
     z2 = _rows(z, d) if z is not None else x2
     za2 = _rows(z_add, d) if z_add is not None else x2
     r2 = _rows(residual, d) if residual is not None else x2
-    y = torch.empty(x2.shape, dtype=y_dtype or x.dtype, device=x.device)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(x2.shape[0], d // group, dtype=torch.float32, device=x.device) if write_rstd else None
     if x2.numel():
@@ -359,90 +298,3 @@ def gated_rms_norm(x, z, weight, eps, group_size=None, z_add=None):
     group = group_size or x.shape[-1]
     _check(x, weight, group, z=z, z_add=z_add)
     return torch.ops.lm.gated_rms_norm_fwd(x, z, z_add, weight, group, float(eps))[0]
-
-
-# --- the residual add + norm, with autograd -------------------------------------------------------------------------
-def add_rms_norm_bwd_launch(ds, dy, s, weight, rstd, h_dtype):
-    """(dx in s's dtype, dh in h_dtype or None where that is s's dtype (then dx is h's gradient too), dweight in
-    weight's dtype): one kernel pass over the rows and the sum of its per-program weight partials. ds: the gradient
-    that reaches the sum s directly, or None."""
-    d = s.shape[-1]
-    s2, dy2 = _rows(s, d), _rows(dy, d)
-    ds2 = _rows(ds, d) if ds is not None else s2
-    n = s2.shape[0]
-    dx = torch.empty(s2.shape, dtype=s.dtype, device=s.device)
-    dh = torch.empty(s2.shape, dtype=h_dtype, device=s.device) if h_dtype != s.dtype else None
-    chunk = _bwd_rows(n, 1, s.device)
-    n_chunks = triton.cdiv(n, chunk)
-    part = torch.empty(n_chunks, d, dtype=torch.float32, device=s.device)
-    if n:
-        bg = triton.next_power_of_2(d)
-        flags = dict(BG=bg, HAS_DS=ds is not None, WRITE_DH=dh is not None)
-        out_h = dh if dh is not None else dx
-        launch(_add_bwd_kernel(bg), ("add", d, dy.dtype, s.dtype, out_h.dtype, *flags.values()), (n_chunks,), (
-            dy2, s2, ds2, weight.contiguous(), rstd.contiguous(), dx, out_h, part, dy2.stride(0), s2.stride(0),
-            ds2.stride(0), dx.stride(0), out_h.stride(0), d, n, d, chunk), flags)
-    dweight = part.sum(0).to(weight.dtype) if n else torch.zeros_like(weight)
-    return dx.view(s.shape), dh.view(s.shape) if dh is not None else None, dweight
-
-
-@torch.library.custom_op("lm::add_rms_norm_fwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
-def add_rms_norm_fwd(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(s = x + h in x's dtype, y = s * rstd * weight in out_dtype, rstd (..., 1) float32): one kernel."""
-    y, s, rstd = _fwd_launch(x, weight, eps, x.shape[-1], residual=h, write_rstd=True, y_dtype=out_dtype)
-    return s.view(x.shape), y.view(x.shape), rstd.view(*x.shape[:-1], 1)
-
-
-@add_rms_norm_fwd.register_fake
-def _(x, h, weight, eps, out_dtype):
-    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=out_dtype), x.new_empty(*x.shape[:-1], 1,
-                                                                                      dtype=torch.float32)
-
-
-@torch.library.custom_op("lm::add_rms_norm_bwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
-def add_rms_norm_bwd(ds: Optional[torch.Tensor], dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
-                     rstd: torch.Tensor, h_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dh (empty where h has s's dtype: dx is its gradient too), dweight); rstd: the forward's."""
-    dx, dh, dweight = add_rms_norm_bwd_launch(ds, dy, s, weight, rstd, h_dtype)
-    return dx, dh if dh is not None else absent(s), dweight
-
-
-@add_rms_norm_bwd.register_fake
-def _(ds, dy, s, weight, rstd, h_dtype):
-    return s.new_empty(s.shape), s.new_empty(s.shape, dtype=h_dtype) if h_dtype != s.dtype else absent(s), \
-        weight.new_empty(weight.shape)
-
-
-def _add_setup_context(ctx, inputs, output):
-    x, h, weight, eps, out_dtype = inputs
-    s, _, rstd = output
-    ctx.save_for_backward(s, weight, rstd)  # the sum in x's dtype and the float32 rstd: x and h are not kept
-    ctx.mark_non_differentiable(rstd)
-    ctx.h_dtype = h.dtype
-
-
-def _add_backward(ctx, ds, dy, _drstd):
-    s, weight, rstd = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(s)
-    dx, dh, dweight = torch.ops.lm.add_rms_norm_bwd(ds, dy, s, weight, rstd, ctx.h_dtype)
-    need = ctx.needs_input_grad
-    return (dx if need[0] else None, (dh if ctx.h_dtype != s.dtype else dx) if need[1] else None,
-            dweight if need[2] else None, None, None)
-
-
-add_rms_norm_fwd.register_autograd(_add_backward, setup_context=_add_setup_context)
-
-
-def add_rms_norm(x, h, weight, eps, out_dtype=None):
-    """(s, y): s = x + h in x's dtype (h of x's shape, any float dtype), y = rms_norm(s) * weight in out_dtype
-    (default x's), as lm::add_rms_norm_fwd with its autograd formula: one kernel forward, one pass backward that also
-    writes h's gradient in h's dtype."""
-    d = x.shape[-1]
-    if h.shape != x.shape:
-        raise ValueError(f"add_rms_norm: h has shape {tuple(h.shape)}, expected x's {tuple(x.shape)}")
-    if weight.shape != (d,):
-        raise ValueError(f"add_rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},)")
-    s, y, _ = torch.ops.lm.add_rms_norm_fwd(x, h, weight, float(eps), out_dtype or x.dtype)
-    return s, y
