@@ -1,9 +1,9 @@
-"""lm_kernels.conv1d: the Triton depthwise causal conv1d (under TRITON_INTERPRET=1 on CPU) against the
-PyTorch reference and a float64 per-token loop, forward and every gradient (x, weight, bias, conv_state,
-and through the returned conv state), at shapes crossing the interpreter's 8-row / 16-channel forward tiles
-and its backward's 32-channel blocks and 16-row chunks; packed documents shorter than the width; non-contiguous x; bf16 and fp32;
-the second input x_add (conv of x + x_add, gradients of both); the one-pass backward across its 4-row loop steps
-and its chunks (packed documents whose borders fall inside and at step / chunk borders, the conv state's gradient,
+"""lm_kernels.conv1d: the Triton depthwise causal conv1d (under TRITON_INTERPRET=1 on CPU) against the PyTorch
+reference and a float64 per-token loop, forward and every gradient (x, weight, bias, conv_state, and through the
+returned conv state), at shapes crossing the interpreter's 8-row / 16-channel forward tiles and its backward's
+32-channel blocks and 16-row chunks; packed documents shorter than the width; non-contiguous x; bf16 and fp32; the
+second input x_add (conv of x + x_add, gradients of both); the one-pass backward across its 4-row loop steps and
+its chunks (packed documents whose borders fall inside and at step / chunk borders, the conv state's gradient,
 chunks that end inside a step); backend dispatch and argument errors."""
 from __future__ import annotations
 
@@ -444,7 +444,7 @@ BORDER_CASES = [  # (t, w, state, cu_seqlens, x_add, activation)
 @pytest.mark.parametrize("t,w,state,cu,add,act", BORDER_CASES,
                          ids=[f"t{s[0]}w{s[1]}" + ("-state" if s[2] else "") + ("-packed" if s[3] else "")
                               + ("-add" if s[4] else "") + f"-{s[5]}" for s in BORDER_CASES])
-def test_one_pass_backward_crosses_tiles_and_chunks(t, w, state, cu, add, act, chunk, monkeypatch):
+def test_one_pass_backward_crosses_steps_and_chunks(t, w, state, cu, add, act, chunk, monkeypatch):
     """float64 through the one-pass backward equals the float64 loop to rounding, every gradient, at lengths of
     several chunks."""
     from lm_kernels.conv1d import triton_conv1d as T

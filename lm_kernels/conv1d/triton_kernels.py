@@ -214,17 +214,24 @@ def _x_row(x_ptr, xa_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, HAS_ADD: t
 
 
 @triton.jit
-def _in_row(x_ptr, xa_ptr, s_ptr, r, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
-            W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_ADD: tl.constexpr, ACC: tl.constexpr):
-    """The input at the one position r (a scalar) for a block of channels, in ACC: x (+ x_add, rounded to x's dtype)
-    for 0 <= r < T, the conv state (rounded to x's dtype) for -(W-1) <= r < 0, zero elsewhere (_load_in for a row)."""
-    XDT: tl.constexpr = x_ptr.dtype.element_ty
-    rv = offs_c * 0 + r
-    v = _x_row(x_ptr, xa_ptr, r, offs_c, mask_c & (rv >= 0), T, stride_xt, stride_at, HAS_ADD, ACC).to(ACC)
-    if HAS_STATE:
-        if r < 0:
-            sv = tl.load(s_ptr + (r + W - 1) * stride_sk + offs_c * stride_sc, mask=mask_c & (rv >= 1 - W), other=0.0)
-            v += sv.to(XDT).to(ACC)
+def _in_before(x_ptr, xa_ptr, s_ptr, r0, j: tl.constexpr, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
+               stride_sk, W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_ADD: tl.constexpr, ACC: tl.constexpr,
+               BC: tl.constexpr):
+    """Tap j's input for the row r0 (a scalar), the input at the one position r = r0 - j for a block of channels,
+    in ACC: x (+ x_add, rounded to x's dtype) for 0 <= r < T, the conv state (rounded to x's dtype) for
+    -(W-1) <= r < 0, zero elsewhere (_load_in for a row) and for taps j >= W."""
+    if j < W:
+        XDT: tl.constexpr = x_ptr.dtype.element_ty
+        r = r0 - j
+        rv = offs_c * 0 + r
+        v = _x_row(x_ptr, xa_ptr, r, offs_c, mask_c & (rv >= 0), T, stride_xt, stride_at, HAS_ADD, ACC).to(ACC)
+        if HAS_STATE:
+            if r < 0:
+                sv = tl.load(s_ptr + (r + W - 1) * stride_sk + offs_c * stride_sc, mask=mask_c & (rv >= 1 - W),
+                             other=0.0)
+                v += sv.to(XDT).to(ACC)
+    else:
+        v = tl.zeros((BC,), dtype=ACC)
     return v
 
 
@@ -281,34 +288,20 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
     t_start = pid_t * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
     # the inputs before the first row (x, the conv state or zero): i_j = input[p - j] for the row p being formed
-    i1 = zero
-    i2 = zero
-    i3 = zero
-    i4 = zero
-    i5 = zero
-    i6 = zero
-    i7 = zero
-    if W > 1:
-        i1 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 1, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-    if W > 2:
-        i2 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 2, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-    if W > 3:
-        i3 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 3, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-    if W > 4:
-        i4 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 4, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-    if W > 5:
-        i5 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 5, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-    if W > 6:
-        i6 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 6, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
-    if W > 7:
-        i7 = _in_row(x_ptr, xa_ptr, s_ptr, t_start - 7, offs_c, mask_c, T, stride_xt, stride_at, stride_sc,
-                     stride_sk, W, HAS_STATE, HAS_ADD, ACC)
+    i1 = _in_before(x_ptr, xa_ptr, s_ptr, t_start, 1, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
+                    W, HAS_STATE, HAS_ADD, ACC, BC)
+    i2 = _in_before(x_ptr, xa_ptr, s_ptr, t_start, 2, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
+                    W, HAS_STATE, HAS_ADD, ACC, BC)
+    i3 = _in_before(x_ptr, xa_ptr, s_ptr, t_start, 3, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
+                    W, HAS_STATE, HAS_ADD, ACC, BC)
+    i4 = _in_before(x_ptr, xa_ptr, s_ptr, t_start, 4, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
+                    W, HAS_STATE, HAS_ADD, ACC, BC)
+    i5 = _in_before(x_ptr, xa_ptr, s_ptr, t_start, 5, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
+                    W, HAS_STATE, HAS_ADD, ACC, BC)
+    i6 = _in_before(x_ptr, xa_ptr, s_ptr, t_start, 6, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
+                    W, HAS_STATE, HAS_ADD, ACC, BC)
+    i7 = _in_before(x_ptr, xa_ptr, s_ptr, t_start, 7, offs_c, mask_c, T, stride_xt, stride_at, stride_sc, stride_sk,
+                    W, HAS_STATE, HAS_ADD, ACC, BC)
     # e_k: the dx of row p - k summed over the g of rows <= p (k < W - 1); row p - (W-1) is then complete
     e0 = zero
     e1 = zero
