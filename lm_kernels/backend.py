@@ -7,6 +7,7 @@ more backends than the two (DeltaProduct: "fla").
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -71,3 +72,53 @@ CUSTOM_OP_TAGS = (getattr(torch.Tag, "needs_exact_strides", torch.Tag.needs_fixe
 def absent(like: torch.Tensor, dtype=None) -> torch.Tensor:
     """A custom operator's absent optional output (it cannot return None): 0 elements, on `like`'s device."""
     return like.new_empty(0, dtype=dtype)
+
+
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device):
+    """A second CUDA stream of `device` (one per device, made once), for kernels that may run beside the current
+    stream's; None off CUDA, where everything runs in order."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    s = _SIDE_STREAMS.get(index)
+    if s is None:
+        s = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return s
+
+
+_EVENTS: dict[tuple[int, int], "torch.cuda.Event"] = {}
+
+
+def _event(device: torch.device, which: int):
+    """One reusable event per device and direction (a wait takes the event's state when it is queued, so recording
+    it again later is safe): no new event objects per fork or join."""
+    key = (device.index, which)
+    ev = _EVENTS.get(key)
+    if ev is None:
+        ev = _EVENTS[key] = torch.cuda.Event()
+    return ev
+
+
+@contextlib.contextmanager
+def on_side(side):
+    """Launches inside the block go to `side`, after everything the current stream has queued so far; None: they go
+    to the current stream. The caller keeps every tensor they touch referenced until `join(side)`."""
+    if side is None:
+        yield
+        return
+    ev = _event(side.device, 0)
+    ev.record(torch.cuda.current_stream(side.device))
+    side.wait_event(ev)
+    with torch.cuda.stream(side):
+        yield
+
+
+def join(side) -> None:
+    """The current stream waits for what was queued on `side` (no-op for None)."""
+    if side is not None:
+        ev = _event(side.device, 1)
+        ev.record(side)
+        torch.cuda.current_stream(side.device).wait_event(ev)

@@ -177,7 +177,7 @@ class DeltaProductMixer(Mixer):
         views and q, k and v are saved (by the L2 norm and the op) without copies, where one conv output split
         into views made the reshapes of k and v copy (both copies saved for the backward) and kept the whole
         conv output alive through the saved q."""
-        w = self.conv1d.weight[:, 0, :]
+        w = self.conv1d.weight.squeeze(1)
         return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0]
                 for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
 
@@ -196,7 +196,7 @@ class DeltaProductMixer(Mixer):
             q, k, v = self._short_convs(qkv, cu_seqlens)
         else:
             if self.conv1d is not None:
-                qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight[:, 0, :], None, cu_seqlens=cu_seqlens,
+                qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), None, cu_seqlens=cu_seqlens,
                                                 conv_state=state.get("conv"), activation="silu")
             else:
                 qkv = F.silu(qkv)

@@ -268,7 +268,7 @@ class FPMambaMixer(Mixer):
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         new_conv = None
         if self.conv1d is not None:
-            xbc, new_conv = causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens=cu_seqlens,
+            xbc, new_conv = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, cu_seqlens=cu_seqlens,
                                           conv_state=conv_state, activation="silu")
         gn = self.ngroups * self.d_state
         xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)

@@ -124,7 +124,7 @@ class Mamba2Mixer(Mixer):
         # gated norm its z columns, the scan its dt columns; its gradient is then the projection's, whole
         zxbcdt = self.in_proj(x)
         A = -torch.exp(self.A_log.float())
-        conv_w = self.conv1d.weight[:, 0, :]
+        conv_w = self.conv1d.weight.squeeze(1)  # a view, whose backward is a view (a select's is a kernel)
         if mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
             y, conv_state, ssm = mamba2_inner(
                 zxbcdt, conv_w, self.conv1d.bias, A, d_inner=self.d_inner, headdim=self.headdim,
@@ -157,7 +157,7 @@ class Mamba2Mixer(Mixer):
         b, t, _ = x.shape
         zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + injection
         z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
-        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias,
+        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                         conv_state=state.get("conv"), activation="silu")
         gn = self.ngroups * self.d_state
         xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)

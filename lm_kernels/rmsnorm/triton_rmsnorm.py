@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import autotune, launch
-from ..backend import CUSTOM_OP_TAGS, absent, num_sms
+from ..backend import CUSTOM_OP_TAGS, absent, num_sms, on_side
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = not (_INTERPRET or os.environ.get("LM_RMSNORM_AUTOTUNE", "1") == "0")
@@ -216,10 +216,12 @@ def rms_norm_fwd(x, weight, eps, z=None, group_size=None, residual=None):
     return y.view(x.shape)
 
 
-def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None):
+def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None, side=None, keep=None):
     """(dx in x's dtype, dz in z's dtype (also z_add's gradient), dweight in weight's dtype or None): one kernel pass
     over the rows and the sum of its per-program weight partials. dz_out: dz is written there (z's shape and dtype,
-    rows of unit channel stride at any row stride: a column block of a larger gradient), else into a new tensor."""
+    rows of unit channel stride at any row stride: a column block of a larger gradient), else into a new tensor.
+    side: a second stream (lm_kernels.backend.side_stream) that the partials' sum runs on, beside the caller's next
+    kernels; the partials are appended to `keep`, which the caller holds until it joins `side`."""
     d = x.shape[-1]
     x2, z2, dy2 = _rows(x, d), _rows(z, d), _rows(dy, d)
     za2 = _rows(z_add, d) if z_add is not None else z2
@@ -237,8 +239,18 @@ def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None)
             part if part is not None else dx, dy2.stride(0), x2.stride(0), z2.stride(0), za2.stride(0), dx.stride(0),
             dz.stride(0), d, n, group, ng, chunk), flags)
     dweight = None
-    if weight is not None:
-        dweight = part.sum(0).to(weight.dtype) if n else torch.zeros_like(weight)
+    if weight is not None and not n:
+        dweight = torch.zeros_like(weight)
+    elif weight is not None:
+        # allocated here (the current stream's memory), written on `side`
+        dweight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        with on_side(side):
+            if dweight.dtype == torch.float32:
+                torch.sum(part, 0, out=dweight)
+            else:
+                dweight.copy_(part.sum(0))
+        if side is not None:
+            keep.append(part)
     return dx.view(x.shape), dz.view(z.shape), dweight
 
 

@@ -8,6 +8,9 @@ Forward:  dtcb_fwd (dt bias / softplus / clamp with the in-chunk cumsum of dt*A,
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate) -> dcb_bwd (per group Q = sum_heads dy.x^T *
           decay * dt) -> dx_bwd (dx, and the intra-chunk d(dt*A) shares; its C.B tiles formed again from B and C)
           -> dbdc_bwd (dB, dC, the state part of d(dt*A)) -> dt_bwd (ddt, dA, ddt_bias).
+The backward puts dcb_bwd beside dstate_bwd and dbdc_bwd beside dx_bwd on a second stream (each pair independent;
+the reverse state pass is bound by its chunk chain and leaves the GPU room): -1.6 ms per Mamba2-350M step on an H100
+(lm/train/BENCH.md, session 32).
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs outside
 autograd: nothing is saved and the pre-gate output is not stored. With grad, the backward reads the inputs and the
 forward's dt / cumsum, chunk start states, pre-gate output (with z) and the chunk table (packed documents).
@@ -23,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import CUSTOM_OP_TAGS, absent
+from ..backend import CUSTOM_OP_TAGS, absent, join, on_side, side_stream
 from . import launch as ln
 from .backward import gate_bwd_kernel
 from .backward_dx import dt_bwd_kernel, sum_rows_kernel
@@ -85,10 +88,15 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states,
-              ypre, dxbc=None, ddt_out=None):
+              ypre, dxbc=None, ddt_out=None, side=None, defer=None):
     """The gradients; dxbc: a (b, t, H*P + 2*G*N) tensor that dx, dB and dC are written into (their views are
     returned), else they are separate tensors; ddt_out: dt's gradient is written there (dt's shape and dtype, heads
-    contiguous, any batch / time strides), else into a new tensor."""
+    contiguous, any batch / time strides), else into a new tensor.
+    side: a second stream (lm_kernels.backend.side_stream) or None. dcb_bwd runs there beside dstate_bwd, and
+    dbdc_bwd beside dx_bwd (each pair is independent; dstate_bwd is bound by its chunk chain, not by the GPU's
+    throughput). defer: a list; dt_bwd and the sums of the partials go to `side` too, the buffers they read are
+    appended to the list, and the caller holds it until it joins `side` (Mamba2's conv backward runs beside them);
+    None: they run on the current stream."""
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
     dtp, cs = dtcs.unbind(0)
@@ -111,6 +119,14 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     if dfinal is not None:
         dfinal = dfinal.float().contiguous()
     tk = tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state) + (dy.dtype,)
+    # per-group dy.x^T (decayed), for dB and dC: on the side stream, beside the reverse state pass
+    Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
+    with on_side(side):
+        ln.launch(ln._dcb_bwd, ("dcb", tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
+            dy, x, dtp, cs, Q, pl.chunk_t0, pl.chunk_len,
+            pl.T, P, pl.NC, pl.BT, R, G,
+            dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
+            dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     ln.launch(ln._dstate_bwd, ("dstate", tk), (pl.npn, H, pl.nseq), (
         dy, C, cs, dfinal if dfinal is not None else cs, dstates, dinit if dinit is not None else cs,
         pl.cu, pl.chunk_first,
@@ -118,13 +134,6 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dy.stride(0), dy.stride(1), dy.stride(2), B.stride(0), B.stride(1), B.stride(2)),
         dict(L=L, BP=pl.BP, BN=pl.BN, BK=pl.BKS, HAS_DFINAL=dfinal is not None, HAS_INIT=initial_state is not None,
              IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
-    # per-group dy.x^T (decayed), for dB and dC
-    Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
-    ln.launch(ln._dcb_bwd, ("dcb", tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
-        dy, x, dtp, cs, Q, pl.chunk_t0, pl.chunk_len,
-        pl.T, P, pl.NC, pl.BT, R, G,
-        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
-        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     # dx, direct ddt, the state terms q and the row / column sums of the intra-chunk d(dt*A) terms: every slot
     # dt_bwd reads is written (it skips the rows a slot lacks), so no zeroing
     nm = cdiv(L, pl.BM)
@@ -145,7 +154,18 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     nbias = H if dt_bias is not None else 0
     nD = (D.numel() if D is not None else 0)
     part = torch.zeros(pl.NCB * nm, H + nbias + nD, dtype=torch.float32, device=dev)
-    dA_part, dbias_part, dD_part = part[:, :H], part[:, H:H + nbias], part[:, H + nbias:]
+    dD_part = part[:, H + nbias:]
+    # dB, dC and each row's dcs = dy . y_off (a partial sum per n block): on the side stream, beside dx_bwd
+    n_dcs = cdiv(N, pl.BN_DBDC)
+    dcs = torch.empty(n_dcs, H, pl.BT, dtype=torch.float32, device=dev)
+    with on_side(side):
+        ln.launch(ln._dbdc_bwd, ("dbdc", tk), (nm * n_dcs, G, pl.NCB), (
+            dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, dcs, pl.chunk_t0, pl.chunk_len,
+            pl.T, H, P, N, pl.NC, pl.BT, R, G,
+            dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
+            B.stride(0), B.stride(1), B.stride(2), dB.stride(1)),
+            dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_DBDC, IS_VARLEN=pl.varlen, DOT_PREC=prec,
+                 DOT_DT=ddt_))
     ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
         dy, x, B, C, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, qrow, dD_part, dda, passing, pl.chunk_t0, pl.chunk_len,
@@ -154,18 +174,28 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         B.stride(0), B.stride(1), B.stride(2), dx.stride(1), part.stride(0)),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
              D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
-    # dB, dC and each row's dcs = dy . y_off (a partial sum per n block)
-    n_dcs = cdiv(N, pl.BN_DBDC)
-    dcs = torch.empty(n_dcs, H, pl.BT, dtype=torch.float32, device=dev)
-    ln.launch(ln._dbdc_bwd, ("dbdc", tk), (nm * n_dcs, G, pl.NCB), (
-        dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, dcs, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, P, N, pl.NC, pl.BT, R, G,
-        dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2), dB.stride(1)),
-        dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_DBDC, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
+    join(side)
     # dt, dA, dt_bias
-    has_limit, lo, hi = limits(dt_limit)
     ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dev) if ddt_out is None else ddt_out
+    dA = torch.empty(H, dtype=A.dtype, device=dev)
+    ddt_bias = torch.empty(H, dtype=dt_bias.dtype, device=dev) if dt_bias is not None else None
+    dD = torch.empty(D.shape, dtype=D.dtype, device=dev) if D is not None else None  # (H, P) or (H,)
+    with on_side(side if defer is not None else None):
+        _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, nbias, nD, dA, ddt_bias, dD, pl,
+                  dt_softplus, dt_limit, n_dcs)
+    if defer is not None:
+        defer.extend((ddt_dir, dcs, dda, qrow, passing, part))
+    dinit = dinit.to(initial_state.dtype) if dinit is not None else None
+    return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
+
+
+def _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, nbias, nD, dA, ddt_bias, dD, pl,
+              dt_softplus, dt_limit, n_dcs):
+    """dt_bwd (ddt, and the per-chunk partials of dA and dt_bias's gradients into part) and sum_rows_kernel (part's
+    column sums into dA, ddt_bias, dD)."""
+    H, L = pl.H, pl.L
+    has_limit, lo, hi = limits(dt_limit)
+    dA_part, dbias_part = part[:, :H], part[:, H:H + nbias]
     dt_bwd_kernel[(pl.NCB, cdiv(H, pl.BH))](
         dt, dt_bias if dt_bias is not None else dt, A, dtp, ddt_dir, dcs, dda, qrow, passing,
         ddt, dA_part, dbias_part, pl.chunk_t0, pl.chunk_len,
@@ -173,14 +203,9 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         lo, hi,
         L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
-    dA = torch.empty(H, dtype=A.dtype, device=dev)
-    ddt_bias = torch.empty(H, dtype=dt_bias.dtype, device=dev) if dt_bias is not None else None
-    dD = torch.empty(D.shape, dtype=D.dtype, device=dev) if D is not None else None  # (H, P) or (H,)
     sum_rows_kernel[(cdiv(part.shape[1], 32),)](part, dA, dA if ddt_bias is None else ddt_bias,
                                                 dA if dD is None else dD, part.shape[0], H, nbias, nD,
                                                 part.stride(0), BR=128, BC=32, num_warps=4)
-    dinit = dinit.to(initial_state.dtype) if dinit is not None else None
-    return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
 
 
 # --- the custom operators -------------------------------------------------------------------------------------------
@@ -260,7 +285,7 @@ def ssd_scan_bwd(dy: Optional[torch.Tensor], dfinal: Optional[torch.Tensor], x: 
         dy = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device) if xbc is not None else None
     grads = _backward(dy, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, (dt_lo, dt_hi),
-                      dtcs, states, ypre, dxbc)
+                      dtcs, states, ypre, dxbc, side=side_stream(x.device))
     if dxbc is not None:  # the gradient of x | B | C in the first slot, dB and dC absent
         grads = (dxbc, *grads[1:3], None, None, *grads[5:])
     return tuple(v if v is not None else absent(x) for v in grads)
