@@ -47,6 +47,6 @@ def test_sm90_stats_script_captures_every_launch_of_forward_and_backward():
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     names = p.stdout.split()
-    for k in ("dt_fwd_kernel", "cb_fwd_kernel", "state_fwd_kernel", "dstate_bwd_kernel", "dcb_bwd_kernel", "dx_bwd_kernel",
+    for k in ("dtcb_fwd_kernel", "state_fwd_kernel", "dstate_bwd_kernel", "dcb_bwd_kernel", "dx_bwd_kernel",
               "dbdc_bwd_kernel", "dt_bwd_kernel", "sum_rows_kernel"):
         assert k in names, (k, names)

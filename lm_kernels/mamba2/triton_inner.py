@@ -82,7 +82,7 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, add: Optional[torch.Tensor], conv_wei
     xbc, new_conv_state = conv1d_fwd(xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True, x_add)
     x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size)
     ys, final, dtcs, states, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-                                             (dt_lo, dt_hi), return_final_state, save, side_stream(zxbcdt.device))
+                                             (dt_lo, dt_hi), return_final_state, save)
     b, t = zxbcdt.shape[:2]
     ys = ys.view(b, t, d_inner)
     y, _, rstd = norm_fwd_launch(ys, norm_weight, eps, group, z=z, z_add=z_add, write_rstd=True)

@@ -64,14 +64,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dsta
     pid_c = tl.program_id(2)
     l0 = pid_m * BM
     b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
-    if l0 >= clen:  # no rows: a zero dD partial (the partials are not zeroed before)
-        if HAS_D:
-            if D_HP:
-                offs = tl.arange(0, BPF)
-                tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * s_part + h * P + offs,
-                         tl.zeros((BPF,), dtype=tl.float32), mask=offs < P)
-            else:
-                tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * s_part + h, 0.0)
+    if l0 >= clen:
         return
     g = h // R
     dtype = DOT_DT
@@ -148,14 +141,11 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
-    heads = pid_h * BH + tl.arange(0, BH)
-    hmask = heads < H
-    if clen <= 0:  # an empty chunk slot: zero partials (the partials are not zeroed before)
-        tl.store(dA_part_ptr + pid_c * s_part + heads, tl.zeros((BH,), dtype=tl.float32), mask=hmask)
-        if HAS_BIAS:
-            tl.store(dbias_part_ptr + pid_c * s_part + heads, tl.zeros((BH,), dtype=tl.float32), mask=hmask)
+    if clen <= 0:
         return
     rows = tl.arange(0, L)
+    heads = pid_h * BH + tl.arange(0, BH)
+    hmask = heads < H
     mask = (rows[:, None] < clen) & hmask[None, :]
     off = heads[None, :] * BT + b * T + t0 + rows[:, None]
     NMB: tl.constexpr = L // BMB
@@ -200,19 +190,17 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
 
 
 @triton.jit
-def sum_rows_kernel(part_ptr, out0_ptr, out1_ptr, out2_ptr, rows01, rows, c0, c1, c2, s_part,
+def sum_rows_kernel(part_ptr, out0_ptr, out1_ptr, out2_ptr, rows, c0, c1, c2, s_part,
                     BR: tl.constexpr, BC: tl.constexpr):
     """Column sums of the (rows, c0 + c1 + c2) float32 partials into three tensors of their own (dA, dt_bias's and
-    D's gradients; each in its dtype): one launch instead of one reduction per gradient. The first c0 + c1 columns
-    have partials in their first rows01 rows only (one per chunk)."""
+    D's gradients; each in its dtype): one launch instead of one reduction per gradient."""
     cols = tl.program_id(0) * BC + tl.arange(0, BC)
     n = c0 + c1 + c2
-    nrows = tl.where(cols < c0 + c1, rows01, rows)
     acc = tl.zeros((BR, BC), dtype=tl.float32)
     for r in range(0, rows, BR):
         rr = r + tl.arange(0, BR)
         acc += tl.load(part_ptr + rr[:, None].to(tl.int64) * s_part + cols[None, :],
-                       mask=(rr[:, None] < nrows[None, :]) & (cols[None, :] < n), other=0.0)
+                       mask=(rr[:, None] < rows) & (cols[None, :] < n), other=0.0)
     tot = tl.sum(acc, 0)
     tl.store(out0_ptr + cols, tot, mask=cols < c0)
     tl.store(out1_ptr + cols - c0, tot, mask=(cols >= c0) & (cols < c0 + c1))

@@ -1,6 +1,5 @@
-"""Forward, first launches: dt (bias, softplus, limits) with its in-chunk cumsum of dt*A (dt_fwd_kernel, read by the
-state pass), and C.B per chunk and group (cb_fwd_kernel, read by every head of the group in the scan; launched on a
-second stream beside the state pass) (notation: kernel_common.py)."""
+"""Forward, first launch: dt (bias, softplus, limits) with its in-chunk cumsum of dt*A, and C.B per chunk and
+group (read by every head of the group), in one kernel (notation: kernel_common.py)."""
 import triton
 import triton.language as tl
 
@@ -52,30 +51,27 @@ def _cb_tile(B_ptr, C_ptr, CB_ptr, pid_c, g, b, t0, clen, m0, k0, N, G, s_B_b, s
 
 
 @triton.jit
-def cb_fwd_kernel(B_ptr, C_ptr, CB_ptr, chunk_t0_ptr, chunk_len_ptr, T, N, NC, G, s_B_b, s_B_t, s_B_g,
-                  L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr, IS_VARLEN: tl.constexpr,
-                  DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
-    """Grid (chunk, G * (L/BM) * (L/BK)): the C.B tiles on and below the diagonal (group, tile; a diagonal tile is
-    stored whole)."""
+def dtcb_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, B_ptr, C_ptr, CB_ptr, chunk_t0_ptr, chunk_len_ptr,
+                    T, H, N, NC, BT, G, s_dt_b, s_dt_t, s_B_b, s_B_t, s_B_g, dt_lo, dt_hi,
+                    L: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
+    """Grid (chunk, G * (L/BM) * (L/BK) + cdiv(H, BH)): the first programs of axis 1 compute the C.B tiles on and
+    below the diagonal (group, tile; a diagonal tile is stored whole), the rest dt and cs for a block of BH heads."""
     pid_c = tl.program_id(0)
     pid = tl.program_id(1)
+    n_cb = G * (L // BM) * (L // BK)
     b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
-    g = pid // ((L // BM) * (L // BK))
-    pid_mk = pid % ((L // BM) * (L // BK))
-    n_kb = L // BK
-    m0 = (pid_mk // n_kb) * BM
-    k0 = (pid_mk % n_kb) * BK
-    if (m0 < clen) & (k0 < m0 + BM):
-        _cb_tile(B_ptr, C_ptr, CB_ptr, pid_c, g, b, t0, clen, m0, k0, N, G, s_B_b, s_B_t, s_B_g, L, BM, BK, BNF,
-                 DOT_PREC, DOT_DT)
+    if pid < n_cb:
+        g = pid // ((L // BM) * (L // BK))
+        pid_mk = pid % ((L // BM) * (L // BK))
+        n_kb = L // BK
+        m0 = (pid_mk // n_kb) * BM
+        k0 = (pid_mk % n_kb) * BK
+        if (m0 < clen) & (k0 < m0 + BM):
+            _cb_tile(B_ptr, C_ptr, CB_ptr, pid_c, g, b, t0, clen, m0, k0, N, G, s_B_b, s_B_t, s_B_g, L, BM, BK, BNF,
+                     DOT_PREC, DOT_DT)
+    else:
+        _dt_block(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, pid - n_cb, T, H, BT, s_dt_b, s_dt_t,
+                  dt_lo, dt_hi, L, BH, HAS_BIAS, SOFTPLUS, HAS_LIMIT)
 
-
-@triton.jit
-def dt_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, chunk_t0_ptr, chunk_len_ptr, T, H, NC, BT, s_dt_b, s_dt_t,
-                  dt_lo, dt_hi, L: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                  HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Grid (chunk, cdiv(H, BH)): dt and cs for a block of BH heads."""
-    pid_c = tl.program_id(0)
-    b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
-    _dt_block(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, tl.program_id(1), T, H, BT, s_dt_b, s_dt_t,
-              dt_lo, dt_hi, L, BH, HAS_BIAS, SOFTPLUS, HAS_LIMIT)

@@ -20,7 +20,7 @@ from .backward import dbdc_bwd_kernel, dcb_bwd_kernel, dstate_bwd_kernel
 from .backward_dx import dx_bwd_kernel
 from .chunk_scan import chunk_scan_fwd2_kernel, chunk_scan_fwd4_kernel
 from .chunk_state import state_fwd_kernel
-from .dt_cb import cb_fwd_kernel, dt_fwd_kernel
+from .dt_cb import dtcb_fwd_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = not (INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
@@ -45,8 +45,7 @@ def _prune_fwd2(configs, named_args, **kwargs):
     return keep or [c for c in configs if c.kwargs["BK"] <= c.kwargs["BM"]][-1:]
 
 
-_cb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "G"])(cb_fwd_kernel)
-_dt_fwd = _tune(_cfgs((4, 2), (8, 2)), ["H"])(dt_fwd_kernel)
+_dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(dtcb_fwd_kernel)
 # 32-row p blocks: more programs for long sequences. The state walks and dcb_bwd also get a 4-warp config capped at
 # 128 registers (4 programs per SM instead of 3 (state, dstate) or 2 (dcb); no spills in the state walks, 12 bytes in
 # dcb_bwd on sm_90): the Mamba2-350M step's tuner picks them (PERF.md, session 26)

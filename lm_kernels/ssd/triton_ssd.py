@@ -1,8 +1,8 @@
 """Triton SSD scan: the launches (forward 3 kernels, backward 5-6) and the custom operators lm::ssd_scan_fwd /
 lm::ssd_scan_bwd with their autograd formula (one node each in a torch.compile graph).
 
-Forward:  dt_fwd (dt bias / softplus / clamp with the in-chunk cumsum of dt*A) -> cb_fwd (C.B per chunk and group, on
-          a second stream beside the state pass) -> state_fwd (every chunk's start state; the final state)
+Forward:  dtcb_fwd (dt bias / softplus / clamp with the in-chunk cumsum of dt*A, and C.B per chunk and group)
+          -> state_fwd (every chunk's start state; the final state)
           -> chunk_scan_fwd4 (y, whole chunks of two or four row blocks: 16-bit inputs at chunk 2 or 4 * TILE_ROWS)
              or chunk_scan_fwd2 (one row block per program: float32 inputs, other chunk sizes).
 Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate) -> dcb_bwd (per group Q = sum_heads dy.x^T *
@@ -44,8 +44,7 @@ def cb_dtype(dtype):
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save, side=None):
-    """side: a second stream (lm_kernels.backend.side_stream) for C.B beside the state pass, or None."""
+def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save):
     dev = x.device
     H, P, N, L = pl.H, pl.P, pl.N, pl.L
     has_limit, lo, hi = limits(dt_limit)
@@ -55,16 +54,11 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
     prec, ddt = dot_prec(x.dtype), dot_dt(x.dtype)
     CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype(x.dtype), device=dev)
     tk = tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state)
-    ln.launch(ln._dt_fwd, ("dt", tk), (pl.NCB, cdiv(H, pl.BH)), (
-        dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, pl.chunk_t0, pl.chunk_len,
-        pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), lo, hi),
-        dict(L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
-             IS_VARLEN=pl.varlen))
-    # C.B is read by the scan only: on the side stream, beside the state pass (bound by its chunk chain)
-    with on_side(side):
-        ln.launch(ln._cb_fwd, ("cb", tk), (pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK)), (
-            B, C, CB, pl.chunk_t0, pl.chunk_len, pl.T, N, pl.NC, pl.G, B.stride(0), B.stride(1), B.stride(2)),
-            dict(L=L, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt))
+    ln.launch(ln._dtcb_fwd, ("dtcb", tk), (pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK) + cdiv(H, pl.BH)), (
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, B, C, CB, pl.chunk_t0, pl.chunk_len,
+        pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2), lo, hi),
+        dict(L=L, BH=pl.BH, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+             HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt))
     states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype(x.dtype), device=dev)  # (p, n) per (chunk, head)
     ln.launch(ln._state_fwd, ("state", tk), lambda META: (cdiv(P, META["BP"]) * cdiv(N, pl.BN), H, pl.nseq), (
         x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
@@ -73,7 +67,6 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2)),
         dict(L=L, BN=pl.BN, BK=pl.BKS, HAS_INIT=initial_state is not None, HAS_FINAL=want_final,
              IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt))
-    join(side)
     y = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     store_pre = save and z is not None  # the pre-gate output, for dz
     ypre = torch.empty_like(y) if store_pre else None
@@ -155,12 +148,12 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     # e^a <G_{c+1}, S_c> per (chunk, head): dx_bwd's program with a chunk's last rows writes it, so no zeroing
     passing = torch.empty(pl.NCB, H, dtype=torch.float32, device=dev)
     qrow = torch.empty_like(ddt_dir)
-    # the partial sums of dA, dt_bias's and D's gradients (per chunk in the first NCB rows; D's per chunk and row
-    # block) in one buffer, every slot written (zeros by the programs without rows), summed by one launch of
-    # sum_rows_kernel
+    # the partial sums of dA, dt_bias's and D's gradients (per chunk; D's per chunk and row block) in one buffer,
+    # zeroed for the programs that return early (rows past a chunk's end, packed chunks cut short), summed by one
+    # launch of sum_rows_kernel
     nbias = H if dt_bias is not None else 0
     nD = (D.numel() if D is not None else 0)
-    part = torch.empty(pl.NCB * nm, H + nbias + nD, dtype=torch.float32, device=dev)
+    part = torch.zeros(pl.NCB * nm, H + nbias + nD, dtype=torch.float32, device=dev)
     dD_part = part[:, H + nbias:]
     # dB, dC and each row's dcs = dy . y_off (a partial sum per n block): on the side stream, beside dx_bwd
     n_dcs = cdiv(N, pl.BN_DBDC)
@@ -211,7 +204,7 @@ def _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, 
         L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
     sum_rows_kernel[(cdiv(part.shape[1], 32),)](part, dA, dA if ddt_bias is None else ddt_bias,
-                                                dA if dD is None else dD, pl.NCB, part.shape[0], H, nbias, nD,
+                                                dA if dD is None else dD, part.shape[0], H, nbias, nD,
                                                 part.stride(0), BR=128, BC=32, num_warps=4)
 
 
@@ -240,7 +233,7 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: Optional
         initial_state = initial_state.contiguous()
     pl = ln.plan(x, B, cu_seqlens, chunk_size)
     y, final, dtcs, states, ypre = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus,
-                                            (dt_lo, dt_hi), return_final_state, save, side_stream(x.device))
+                                            (dt_lo, dt_hi), return_final_state, save)
     return (y, final if final is not None else absent(x, torch.float32), dtcs, states,
             ypre if ypre is not None else absent(x), pl.table if pl.table is not None else absent(x, torch.int32))
 
