@@ -105,7 +105,8 @@ def _event(device: torch.device, which: int):
 @contextlib.contextmanager
 def on_side(side):
     """Launches inside the block go to `side`, after everything the current stream has queued so far; None: they go
-    to the current stream. The caller keeps every tensor they touch referenced until `join(side)`."""
+    to the current stream. A tensor of the current stream's memory that they touch must stay referenced until
+    `join(side)`, or be marked with `tensor.record_stream(side)` before it is dropped."""
     if side is None:
         yield
         return

@@ -135,19 +135,18 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
     if dy is None:
         dy = zxbcdt.new_zeros(b, t, d_inner)
     # Kernels independent of the current stream's next ones run on a second stream beside them: the gated norm's
-    # weight sum, parts of the SSD backward, and its dt stage beside the conv backward (joined before returning;
-    # `keep` holds what they read until then)
-    side, keep = side_stream(zxbcdt.device), []
+    # weight sum, parts of the SSD backward, and its dt stage beside the conv backward (joined before returning)
+    side = side_stream(zxbcdt.device)
     # gated norm: dz into its block, the SSD output's gradient into a tensor of its own
     dys, _, dnorm_weight = gated_rms_norm_bwd_launch(dy, ys, z, z_add, norm_weight, rstd.view(b * t, -1), group,
-                                                     dz_out=dz, side=side, keep=keep)
+                                                     dz_out=dz, side=side)
     # SSD: the conv output's gradient as one x | B | C tensor, ddt into its block
     x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size,
                                                  table)
     dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
     _, _, dA, _, _, dD, _, ddt_bias, dinit = ssd_backward(
         dys.view(b, t, d_inner // p, p), dfinal, x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-        (dt_lo, dt_hi), dtcs, states, None, dxbc=dxbc, ddt_out=ddt, side=side, defer=keep)
+        (dt_lo, dt_hi), dtcs, states, None, dxbc=dxbc, ddt_out=ddt, side=side, defer=True)
     # conv: dx into the xBC block
     _, dweight, dbias, dstate = conv1d_bwd(dxbc, xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True,
                                            state_grad, x_add, dx_out=dxbc_in)

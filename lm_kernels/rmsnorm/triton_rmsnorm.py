@@ -216,12 +216,12 @@ def rms_norm_fwd(x, weight, eps, z=None, group_size=None, residual=None):
     return y.view(x.shape)
 
 
-def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None, side=None, keep=None):
+def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None, side=None):
     """(dx in x's dtype, dz in z's dtype (also z_add's gradient), dweight in weight's dtype or None): one kernel pass
     over the rows and the sum of its per-program weight partials. dz_out: dz is written there (z's shape and dtype,
     rows of unit channel stride at any row stride: a column block of a larger gradient), else into a new tensor.
     side: a second stream (lm_kernels.backend.side_stream) that the partials' sum runs on, beside the caller's next
-    kernels; the partials are appended to `keep`, which the caller holds until it joins `side`."""
+    kernels; the caller joins it before it reads dweight."""
     d = x.shape[-1]
     x2, z2, dy2 = _rows(x, d), _rows(z, d), _rows(dy, d)
     za2 = _rows(z_add, d) if z_add is not None else z2
@@ -250,7 +250,7 @@ def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None,
             else:
                 dweight.copy_(part.sum(0))
         if side is not None:
-            keep.append(part)
+            part.record_stream(side)  # its memory is not reused before the side stream's sum is done
     return dx.view(x.shape), dz.view(z.shape), dweight
 
 

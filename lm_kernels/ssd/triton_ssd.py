@@ -88,15 +88,15 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states,
-              ypre, dxbc=None, ddt_out=None, side=None, defer=None):
+              ypre, dxbc=None, ddt_out=None, side=None, defer=False):
     """The gradients; dxbc: a (b, t, H*P + 2*G*N) tensor that dx, dB and dC are written into (their views are
     returned), else they are separate tensors; ddt_out: dt's gradient is written there (dt's shape and dtype, heads
     contiguous, any batch / time strides), else into a new tensor.
     side: a second stream (lm_kernels.backend.side_stream) or None. dcb_bwd runs there beside dstate_bwd, and
     dbdc_bwd beside dx_bwd (each pair is independent; dstate_bwd is bound by its chunk chain, not by the GPU's
-    throughput). defer: a list; dt_bwd and the sums of the partials go to `side` too, the buffers they read are
-    appended to the list, and the caller holds it until it joins `side` (Mamba2's conv backward runs beside them);
-    None: they run on the current stream."""
+    throughput). defer: dt_bwd and the sums of the partials go to `side` too, and the caller joins it before it
+    reads ddt, dA, dt_bias's or D's gradient (Mamba2's conv backward runs beside them); else they run on the current
+    stream."""
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
     dtp, cs = dtcs.unbind(0)
@@ -180,11 +180,13 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     dA = torch.empty(H, dtype=A.dtype, device=dev)
     ddt_bias = torch.empty(H, dtype=dt_bias.dtype, device=dev) if dt_bias is not None else None
     dD = torch.empty(D.shape, dtype=D.dtype, device=dev) if D is not None else None  # (H, P) or (H,)
-    with on_side(side if defer is not None else None):
+    late = side if defer else None
+    with on_side(late):
         _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, nbias, nD, dA, ddt_bias, dD, pl,
                   dt_softplus, dt_limit, n_dcs)
-    if defer is not None:
-        defer.extend((ddt_dir, dcs, dda, qrow, passing, part))
+    if late is not None:  # the buffers only the side stream reads now: not reused before it is done with them
+        for v in (ddt_dir, dcs, dda, qrow, passing, part):
+            v.record_stream(late)
     dinit = dinit.to(initial_state.dtype) if dinit is not None else None
     return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
 
