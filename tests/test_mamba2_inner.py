@@ -207,16 +207,16 @@ def test_opcheck():
         args = [d[k].requires_grad_() if k in d else None for k in names]
         rest = [cu, [di, p, g, n, ng], chunk, 0.0, 2.0, 1e-5, True]
         kw = dict(test_utils=no_aot) if lens else {}
-        opcheck(ops.mamba2_inner_fwd.default, (*args, *rest, True, False), **kw)
+        opcheck(ops.mamba2_inner_fwd.default, (*args, *rest, True), **kw)
         plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        out = ops.mamba2_inner_fwd(*plain, *rest, True, False)
+        out = ops.mamba2_inner_fwd(*plain, *rest, True)
         y, ncs, fin = out[:3]
         saved = list(out[3:])
         if cu is None:
             saved[4] = None  # the chunk table: only with packed documents
         opcheck(ops.mamba2_inner_bwd.default,
                 (torch.randn_like(y), torch.randn_like(ncs), torch.randn_like(fin), *plain, cu, *saved,
-                 [di, p, g, n, ng], chunk, 0.0, 2.0, False, states), **kw)
+                 [di, p, g, n, ng], chunk, 0.0, 2.0, states), **kw)
 
 
 def test_bad_arguments_name_what_is_wrong():
@@ -271,36 +271,3 @@ def test_too_many_chunks_for_the_launch_grid_is_a_clear_error():
     with pytest.raises(ValueError, match=rf"^mamba2_inner: 1 x {t} tokens, {n_docs} documents at chunk_size 16 make "
                                          r"65536 chunks in one call.*larger chunk_size or fewer tokens per call"):
         _fused(d, (di, p, g, n, di, 16), cu, False)
-
-
-@pytest.mark.parametrize("case", ["adds_states", "packed"])
-def test_inner_a_log_equals_a(case):
-    """a_log=True (A = -exp(A_log) inside the dt kernels): the outputs of A = -exp(A_log) passed in, and A_log's
-    gradient that autograd gives through -exp (float32, two draws of A_log)."""
-    (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
-    dims = (di, p, g, n, ng, chunk)
-    final = states or lens is not None
-    for seed in (3, 4):
-        d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=seed)
-        a_log = torch.log(-d.pop("A")).float()
-        la, lb = _leaves(d, torch.float32), _leaves(d, torch.float32)
-        la["A_log"], lb["A_log"] = a_log.clone().requires_grad_(), a_log.clone().requires_grad_()
-
-        def via_a(v, dims, cu, final):
-            return _fused({**v, "A": -torch.exp(v["A_log"])}, dims, cu, final)
-
-        def via_a_log(v, dims, cu, final):
-            di, p, g, n, ng, chunk = dims
-            return mamba2_inner(v["zxbcdt"], v["conv_weight"], v["conv_bias"], v["A_log"], a_log=True, d_inner=di,
-                                headdim=p, ngroups=g, dstate=n, chunk_size=chunk, D=v["D"], dt_bias=v["dt_bias"],
-                                dt_limit=(0.0, 2.0), norm_weight=v["norm_weight"], norm_group=ng, eps=1e-5,
-                                add=v.get("add"), conv_state=v.get("conv_state"),
-                                initial_state=v.get("initial_state"), cu_seqlens=cu, return_final_state=final)
-
-        outs, grads = _run(via_a_log, la, dims, cu, final)
-        ref_outs, ref_grads = _run(via_a, lb, dims, cu, final)
-        for a, r in zip(outs, ref_outs):
-            assert _rel(a, r.double()) < 1e-6
-        for k in ref_grads:
-            assert _rel(grads[k], ref_grads[k].double()) < 1e-5, (k, _rel(grads[k], ref_grads[k].double()))

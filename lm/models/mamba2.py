@@ -123,19 +123,17 @@ class Mamba2Mixer(Mixer):
         # the injection (in_proj's width) is not added to the projection: the conv adds its xBC columns on load, the
         # gated norm its z columns, the scan its dt columns; its gradient is then the projection's, whole
         zxbcdt = self.in_proj(x)
+        A = -torch.exp(self.A_log.float())
         conv_w = self.conv1d.weight.squeeze(1)  # a view, whose backward is a view (a select's is a kernel)
         if mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
-            # A = -exp(A_log) inside the op's dt kernels (a_log): no kernels of its own per layer, forward or backward
             y, conv_state, ssm = mamba2_inner(
-                zxbcdt, conv_w, self.conv1d.bias, self.A_log.float(), a_log=True, d_inner=self.d_inner,
-                headdim=self.headdim,
+                zxbcdt, conv_w, self.conv1d.bias, A, d_inner=self.d_inner, headdim=self.headdim,
                 ngroups=self.ngroups, dstate=self.d_state, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
                 dt_limit=self.dt_limit, norm_weight=self.norm.weight, norm_group=self.norm.group_size,
                 eps=self.norm.eps, add=injection, conv_state=state.get("conv"),
                 initial_state=state.get("ssm"), cu_seqlens=cu_seqlens, return_final_state=cache is not None,
                 max_seqlen=max_seqlen)
         else:  # the same three ops one by one (the reference backends, CPU)
-            A = -torch.exp(self.A_log.float())
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
             z_add = x_add = dt_add = None
             if injection is not None:

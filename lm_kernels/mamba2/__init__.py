@@ -2,12 +2,10 @@
 
     y, new_conv_state, final_state = mamba2_inner(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups,
         dstate, chunk_size, D=None, dt_bias=None, dt_limit=(0, inf), norm_weight=None, norm_group=None, eps=1e-5,
-        add=None, conv_state=None, initial_state=None, cu_seqlens=None, return_final_state=False, max_seqlen=None,
-        a_log=False)
+        add=None, conv_state=None, initial_state=None, cu_seqlens=None, return_final_state=False, max_seqlen=None)
 
 zxbcdt (b, t, 2*d_inner + 2*ngroups*dstate + H), H = d_inner / headdim: in_proj's output, columns z | x B C | dt.
-a_log=True: `A` is log(-A) (Mamba2's A_log parameter; its gradient is A_log's), made A inside the dt kernels (no
-kernels of its own). `add` (an implicit model's injection) has zxbcdt's shape and is added to it where each part is read. The conv
+`add` (an implicit model's injection) has zxbcdt's shape and is added to it where each part is read. The conv
 (width <= 8, SiLU) runs on x B C (+ add's x B C), the SSD (dt softplus with dt_bias, clamped to dt_limit) on its
 output and dt (+ add's dt), and y = RMSNorm(ssd_out * silu(z (+ add's z))) * norm_weight per group of norm_group
 channels; the gradient of `add` is that of zxbcdt. It is the composition of lm_kernels.conv1d.causal_conv1d, lm_kernels.ssd.ssd_scan_xbc and

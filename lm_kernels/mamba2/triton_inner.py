@@ -69,20 +69,20 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, add: Optional[torch.Tensor], conv_wei
                      conv_state: Optional[torch.Tensor], A: torch.Tensor, D: Optional[torch.Tensor],
                      dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                      norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dims: list[int],
-                     chunk_size: int, dt_lo: float, dt_hi: float, eps: float, return_final_state: bool, save: bool,
-                     a_log: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                     chunk_size: int, dt_lo: float, dt_hi: float, eps: float, return_final_state: bool, save: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (b, t, d_inner) in the projection's dtype, new conv state (b, conv_dim, w-1), final SSD state (empty unless
     return_final_state), and what the backward reads: the conv output x | B | C, the SSD output, its dt / cumsum,
     chunk start states and chunk table (ssd_scan_fwd's), the norm's rstd)."""
     d_inner, group = dims[0], dims[4]
-    zxbcdt, add = (_channels_contiguous(v) for v in (zxbcdt, add))  # a_log: A holds log(-A)
+    zxbcdt, add = (_channels_contiguous(v) for v in (zxbcdt, add))
     z, xbc_in, dt = _split(zxbcdt, dims)
     z_add, x_add, dt_add = _adds(add, dims)
     xbc, new_conv_state = conv1d_fwd(xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True, x_add)
     x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size)
     ys, final, dtcs, states, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-                                             (dt_lo, dt_hi), return_final_state, save, a_log)
+                                             (dt_lo, dt_hi), return_final_state, save)
     b, t = zxbcdt.shape[:2]
     ys = ys.view(b, t, d_inner)
     y, _, rstd = norm_fwd_launch(ys, norm_weight, eps, group, z=z, z_add=z_add, write_rstd=True)
@@ -93,7 +93,7 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, add: Optional[torch.Tensor], conv_wei
 
 @mamba2_inner_fwd.register_fake
 def _(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
-      cu_seqlens, dims, chunk_size, dt_lo, dt_hi, eps, return_final_state, save, a_log):
+      cu_seqlens, dims, chunk_size, dt_lo, dt_hi, eps, return_final_state, save):
     d_inner, p, g, n, group = dims
     b, t = zxbcdt.shape[:2]
     h, conv_dim, w = d_inner // p, d_inner + 2 * g * n, conv_weight.shape[-1]
@@ -119,7 +119,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
                      norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], xbc: torch.Tensor,
                      ys: torch.Tensor, dtcs: torch.Tensor, states: torch.Tensor,
                      table: Optional[torch.Tensor], rstd: torch.Tensor, dims: list[int], chunk_size: int,
-                     dt_lo: float, dt_hi: float, a_log: bool, state_grad: bool
+                     dt_lo: float, dt_hi: float, state_grad: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dzxbcdt (the projection's gradient, also the injection's), dconv_weight,
@@ -146,7 +146,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
     dxbc = torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
     _, _, dA, _, _, dD, _, ddt_bias, dinit = ssd_backward(
         dys.view(b, t, d_inner // p, p), dfinal, x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-        (dt_lo, dt_hi), dtcs, states, None, dxbc=dxbc, ddt_out=ddt, side=side, defer=True, a_log=a_log)
+        (dt_lo, dt_hi), dtcs, states, None, dxbc=dxbc, ddt_out=ddt, side=side, defer=True)
     # conv: dx into the xBC block
     _, dweight, dbias, dstate = conv1d_bwd(dxbc, xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True,
                                            state_grad, x_add, dx_out=dxbc_in)
@@ -160,7 +160,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
 @mamba2_inner_bwd.register_fake
 def _(dy, dnew_conv_state, dfinal, zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
       initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, table, rstd, dims, chunk_size, dt_lo, dt_hi,
-      a_log, state_grad):
+      state_grad):
     def like(v):
         return v.new_empty(v.shape) if v is not None else absent(zxbcdt)
 
@@ -169,19 +169,19 @@ def _(dy, dnew_conv_state, dfinal, zxbcdt, add, conv_weight, conv_bias, conv_sta
             like(norm_weight))
 
 
-_N_ARGS = 19  # mamba2_inner_fwd's inputs
+_N_ARGS = 18  # mamba2_inner_fwd's inputs
 
 
 def _setup_context(ctx, inputs, output):
     (zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
-     cu_seqlens, dims, chunk_size, dt_lo, dt_hi, _eps, return_final_state, _save, a_log) = inputs
+     cu_seqlens, dims, chunk_size, dt_lo, dt_hi, _eps, return_final_state, _save) = inputs
     _y, _ncs, _final, xbc, ys, dtcs, states, table, rstd = output
     ctx.mark_non_differentiable(xbc, ys, dtcs, states, table, rstd)
     ctx.set_materialize_grads(False)  # an unused output (the states) gets None, not a zero-filled gradient
     ctx.save_for_backward(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
                           initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states,
                           table if cu_seqlens is not None else None, rstd)
-    ctx.args = (list(dims), chunk_size, dt_lo, dt_hi, a_log)
+    ctx.args = (list(dims), chunk_size, dt_lo, dt_hi)
     ctx.return_final_state = return_final_state
 
 
@@ -237,9 +237,8 @@ def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_w
 def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups, dstate, chunk_size,
                         D=None, dt_bias=None, dt_limit=(0.0, float("inf")), norm_weight=None, norm_group=None,
                         eps=1e-5, add=None, conv_state=None, initial_state=None, cu_seqlens=None,
-                        return_final_state=False, max_seqlen=None, a_log=False):
-    """See lm_kernels.mamba2.mamba2_inner. Returns (y, new conv state, final SSD state or None). a_log: `A` is
-    log(-A) (Mamba2's A_log parameter, its gradient that of A_log), turned into A inside the dt kernels."""
+                        return_final_state=False, max_seqlen=None):
+    """See lm_kernels.mamba2.mamba2_inner. Returns (y, new conv state, final SSD state or None)."""
     dims = [int(d_inner), int(headdim), int(ngroups), int(dstate), int(norm_group or d_inner)]
     _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, add, conv_state,
            initial_state, cu_seqlens, chunk_size, max_seqlen)
@@ -251,5 +250,5 @@ def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, 
     out = torch.ops.lm.mamba2_inner_fwd(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D,
                                         dt_bias, initial_state, norm_weight, cu_seqlens, dims, int(chunk_size),
                                         float(dt_limit[0]), float(dt_limit[1]), float(eps), bool(return_final_state),
-                                        needs_grad, bool(a_log))
+                                        needs_grad)
     return out[0], out[1], (out[2] if return_final_state else None)

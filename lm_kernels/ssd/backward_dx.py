@@ -133,7 +133,7 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
                   T, H, NC, BT, s_dt_b, s_dt_t, s_ddt_b, s_ddt_t, s_part, dt_lo, dt_hi,
                   L: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr,
                   SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
-                  NDCS: tl.constexpr, A_LOG: tl.constexpr):
+                  NDCS: tl.constexpr):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c> (passing,
     from dx_bwd) + the intra-chunk part from dx_bwd's row and column sums of M (row blocks of BMB rows; the dcs
     partial sums of dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias.
@@ -169,13 +169,8 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
     ddA += tl.sum(intra, 0)[None, :] - tl.cumsum(intra, axis=0) + intra
     ddA = tl.where(mask, ddA, 0.0)
     A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
-    if A_LOG:  # A_ptr holds a = log(-A): dLoss/da = dLoss/dA * A
-        A = -tl.exp(A)
     ddt = ddt + A[None, :] * ddA
-    dA = tl.sum(dtp * ddA, 0)
-    if A_LOG:
-        dA = dA * A
-    tl.store(dA_part_ptr + pid_c * s_part + heads, dA, mask=hmask)
+    tl.store(dA_part_ptr + pid_c * s_part + heads, tl.sum(dtp * ddA, 0), mask=hmask)
     raw = tl.load(dt_ptr + b * s_dt_b + (t0 + rows[:, None]) * s_dt_t + heads[None, :], mask=mask,
                   other=0.0).to(tl.float32)
     if HAS_BIAS:

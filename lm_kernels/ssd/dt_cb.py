@@ -10,9 +10,8 @@ from .kernel_common import chunk_coords, softplus
 @triton.jit
 def _dt_block(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, pid_h, T, H, BT, s_dt_b, s_dt_t, dt_lo, dt_hi,
               L: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-              HAS_LIMIT: tl.constexpr, A_LOG: tl.constexpr):
-    """dt (bias, softplus, limits) and its within-chunk cumsum of dt * A for one chunk and BH heads (A_LOG: A_ptr
-    holds log(-A), Mamba2's A_log)."""
+              HAS_LIMIT: tl.constexpr):
+    """dt (bias, softplus, limits) and its within-chunk cumsum of dt * A for one chunk and BH heads."""
     rows = tl.arange(0, L)
     heads = pid_h * BH + tl.arange(0, BH)
     mask = (rows[:, None] < clen) & (heads[None, :] < H)
@@ -26,8 +25,6 @@ def _dt_block(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, pid_h, T, H
         dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
     dt = tl.where(mask, dt, 0.0)
     A = tl.load(A_ptr + heads, mask=heads < H, other=0.0).to(tl.float32)
-    if A_LOG:
-        A = -tl.exp(A)
     cs = tl.cumsum(dt * A[None, :], axis=0)
     off = heads[None, :] * BT + b * T + t0 + rows[:, None]
     tl.store(dtp_ptr + off, dt, mask=mask)
@@ -58,7 +55,7 @@ def dtcb_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, B_ptr, C_ptr, CB_p
                     T, H, N, NC, BT, G, s_dt_b, s_dt_t, s_B_b, s_B_t, s_B_g, dt_lo, dt_hi,
                     L: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,
                     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, A_LOG: tl.constexpr):
+                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Grid (chunk, G * (L/BM) * (L/BK) + cdiv(H, BH)): the first programs of axis 1 compute the C.B tiles on and
     below the diagonal (group, tile; a diagonal tile is stored whole), the rest dt and cs for a block of BH heads."""
     pid_c = tl.program_id(0)
@@ -76,5 +73,5 @@ def dtcb_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, B_ptr, C_ptr, CB_p
                      DOT_PREC, DOT_DT)
     else:
         _dt_block(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, b, t0, clen, pid - n_cb, T, H, BT, s_dt_b, s_dt_t,
-                  dt_lo, dt_hi, L, BH, HAS_BIAS, SOFTPLUS, HAS_LIMIT, A_LOG)
+                  dt_lo, dt_hi, L, BH, HAS_BIAS, SOFTPLUS, HAS_LIMIT)
 

@@ -44,8 +44,7 @@ def cb_dtype(dtype):
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save, a_log=False):
-    """a_log: A holds log(-A) (Mamba2's A_log parameter), turned into A inside the dt kernels."""
+def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save):
     dev = x.device
     H, P, N, L = pl.H, pl.P, pl.N, pl.L
     has_limit, lo, hi = limits(dt_limit)
@@ -59,7 +58,7 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
         dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, B, C, CB, pl.chunk_t0, pl.chunk_len,
         pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2), lo, hi),
         dict(L=L, BH=pl.BH, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-             HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt, A_LOG=a_log))
+             HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt))
     states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype(x.dtype), device=dev)  # (p, n) per (chunk, head)
     ln.launch(ln._state_fwd, ("state", tk), lambda META: (cdiv(P, META["BP"]) * cdiv(N, pl.BN), H, pl.nseq), (
         x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
@@ -89,7 +88,7 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states,
-              ypre, dxbc=None, ddt_out=None, side=None, defer=False, a_log=False):
+              ypre, dxbc=None, ddt_out=None, side=None, defer=False):
     """The gradients; dxbc: a (b, t, H*P + 2*G*N) tensor that dx, dB and dC are written into (their views are
     returned), else they are separate tensors; ddt_out: dt's gradient is written there (dt's shape and dtype, heads
     contiguous, any batch / time strides), else into a new tensor.
@@ -97,7 +96,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     dbdc_bwd beside dx_bwd (each pair is independent; dstate_bwd is bound by its chunk chain, not by the GPU's
     throughput). defer: dt_bwd and the sums of the partials go to `side` too, and the caller joins it before it
     reads ddt, dA, dt_bias's or D's gradient (Mamba2's conv backward runs beside them); else they run on the current
-    stream. a_log: A holds log(-A) and the returned dA is the gradient of log(-A)."""
+    stream."""
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
     dtp, cs = dtcs.unbind(0)
@@ -184,7 +183,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     late = side if defer else None
     with on_side(late):
         _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, nbias, nD, dA, ddt_bias, dD, pl,
-                  dt_softplus, dt_limit, n_dcs, a_log)
+                  dt_softplus, dt_limit, n_dcs)
     if late is not None:  # the buffers only the side stream reads now: not reused before it is done with them
         for v in (ddt_dir, dcs, dda, qrow, passing, part):
             v.record_stream(late)
@@ -193,7 +192,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
 
 
 def _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, nbias, nD, dA, ddt_bias, dD, pl,
-              dt_softplus, dt_limit, n_dcs, a_log):
+              dt_softplus, dt_limit, n_dcs):
     """dt_bwd (ddt, and the per-chunk partials of dA and dt_bias's gradients into part) and sum_rows_kernel (part's
     column sums into dA, ddt_bias, dD)."""
     H, L = pl.H, pl.L
@@ -205,7 +204,7 @@ def _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, 
         pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), part.stride(0),
         lo, hi,
         L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, A_LOG=a_log, num_warps=4)
+        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
     sum_rows_kernel[(cdiv(part.shape[1], 32),)](part, dA, dA if ddt_bias is None else ddt_bias,
                                                 dA if dD is None else dD, part.shape[0], H, nbias, nD,
                                                 part.stride(0), BR=128, BC=32, num_warps=4)
