@@ -18,7 +18,6 @@ import inspect
 import os
 
 import triton
-import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
 _HAS_CACHE = "cache_results" in inspect.signature(triton.autotune).parameters
@@ -39,30 +38,6 @@ def autotune(configs, key, **kwargs):
     return triton.autotune(configs=configs, key=key, **kwargs)
 
 
-# Programmatic dependent launch (sm_90+): a kernel that takes PDL waits at its start for the kernel before it on the
-# stream (griddepcontrol.wait: finished, its writes visible) and lets the next one be scheduled at once, so that the
-# next kernel's programs are placed and started while this one's last ones run. EXPERIMENT: LM_PDL=1.
-PDL = os.environ.get("LM_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """First statement of a kernel launched with pdl(): nothing it reads or writes is touched before the wait."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-def pdl() -> dict:
-    """The launch arguments of a kernel that takes PDL."""
-    return dict(PDL=True, launch_pdl=True) if PDL else {}
-
-
-def _takes_pdl(tuner) -> bool:
-    fn = tuner.fn if isinstance(tuner, Autotuner) else tuner
-    return "PDL" in getattr(fn, "arg_names", ())
-
-
 _BEST = {}  # launch key -> the autotuner's chosen config as launch kwargs (see launch)
 
 
@@ -72,8 +47,6 @@ def launch(tuner, key, grid, args, kw):
     and the config it chose is kept, and later calls launch the jitted kernel with that config directly. `key`
     must fix the autotuner's own key (shapes in it, tensor dtypes): it only selects a config, so a coarser key
     could cost speed, never correctness. Anything else than an Autotuner (a test's wrapper) is called plainly."""
-    if PDL and _takes_pdl(tuner):
-        kw = {**kw, **pdl()}
     if not isinstance(tuner, Autotuner) or tuner.reset_to_zero or tuner.restore_value:
         tuner[grid](*args, **kw)
         return

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotune, launch, pdl
+from ..autotune import autotune, launch
 from ..backend import CUSTOM_OP_TAGS, absent, num_sms
 from . import triton_kernels as K
 from .reference import check_x_add
@@ -153,7 +153,7 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     K.conv_wsum_kernel[(triton.cdiv(ncol, 128),)](part, dweight, dbias if dbias is not None else dweight,
                                                    part.shape[0], ncol, part.stride(0), dweight.stride(0),
                                                    dweight.stride(1), W=w, HAS_BIAS=bias is not None, BR=16, BJ=128,
-                                                   num_warps=4, **pdl())
+                                                   num_warps=4)
     dweight = dweight.to(weight.dtype)
     dbias = dbias.to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias, dstate

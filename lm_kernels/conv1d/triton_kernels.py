@@ -36,8 +36,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..autotune import pdl_enter
-
 
 @triton.jit
 def _doc_index(cu_ptr, rows, N_SEQ, LOG_N):
@@ -172,8 +170,7 @@ def conv_fwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, ns_ptr,
                     stride_wk, stride_yb, stride_yt, stride_nb, stride_nc, stride_nk,
                     W: tl.constexpr, BS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_ADD: tl.constexpr, VARLEN: tl.constexpr, SILU: tl.constexpr, WRITE_STATE: tl.constexpr,
-                    ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                    ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
     x_ptr += pid_b * stride_xb
@@ -263,10 +260,9 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
                     stride_pb, stride_pc, stride_pk,
                     W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                     VARLEN: tl.constexpr, SILU: tl.constexpr, STATE_GRAD: tl.constexpr, ACC: tl.constexpr,
-                    BC: tl.constexpr, PDL: tl.constexpr = False):
+                    BC: tl.constexpr):
     """The whole backward of CHUNK rows x BC channels (module docstring), one row at a time: dx, the per-program
     dweight / dbias partial sums and (first chunk, STATE_GRAD) the conv state's gradient."""
-    pdl_enter(PDL)
     U: tl.constexpr = 4  # rows per loop step; the next step's rows are fetched during this one
     pid_t, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     XDT: tl.constexpr = x_ptr.dtype.element_ty
@@ -506,11 +502,10 @@ def conv_bwd_kernel(x_ptr, xa_ptr, s_ptr, w_ptr, b_ptr, cu_ptr, dy_ptr, dx_ptr, 
 
 @triton.jit
 def conv_wsum_kernel(part_ptr, dw_ptr, db_ptr, ROWS, NCOL, stride_pr, stride_wc, stride_wk,
-                     W: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr = False):
+                     W: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, BJ: tl.constexpr):
     """dweight (C, W) and dbias (C,) as the column sums of conv_bwd_kernel's partials, part (ROWS, NCOL = C * (W +
     HAS_BIAS)): column c * (W + HAS_BIAS) + k is channel c's weight column k, then its bias. One launch for both (two
     strided torch reductions before: ~11 us each at Mamba2-350M's 64 x 2304 x 5 partials), in part's dtype."""
-    pdl_enter(PDL)
     W1: tl.constexpr = W + HAS_BIAS
     j = tl.program_id(0) * BJ + tl.arange(0, BJ)
     jm = j < NCOL

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotune, launch, pdl, pdl_enter
+from ..autotune import autotune, launch
 from ..backend import CUSTOM_OP_TAGS, absent, num_sms, on_side
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -36,8 +36,7 @@ _AUTOTUNE = not (_INTERPRET or os.environ.get("LM_RMSNORM_AUTOTUNE", "1") == "0"
 @triton.jit
 def _rmsnorm_fwd_kernel(x, z, za, w, y, r, s, rs, sx, sz, sza, sy, sr, ss, G, NG, eps, BG: tl.constexpr,
                         HAS_Z: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr,
-                        WRITE_RSTD: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                        WRITE_RSTD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
     o = grp * G + tl.arange(0, BG)
@@ -80,12 +79,11 @@ def _gated_bwd_rows(x, z, za, dy, rs, r0, end, cols, cm, sx, sz, sza, sdy, grp, 
 
 @triton.jit
 def _gated_rmsnorm_bwd_kernel(dy, x, z, za, w, rs, dx, dz, part, sdy, sx, sz, sza, sdx, sdz, sp, N, G, NG, CHUNK,
-                              BG: tl.constexpr, BR: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr, PDL: tl.constexpr = False):
+                              BG: tl.constexpr, BR: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr):
     """Rows [pid * CHUNK, min(N, (pid + 1) * CHUNK)) of group program_id(1); per row (all in float32, per group)
     s = z (+ z_add), gate = silu(s), u = x * gate, xhat = u * rstd, g = dy * w,
     du = rstd * (g - xhat * mean(g * xhat)), dx = du * gate, dz = du * x * silu'(s), dweight += dy * xhat.
     BR rows per loop step (tuned, _bwd_kernel)."""
-    pdl_enter(PDL)
     grp = tl.program_id(1)
     start = tl.program_id(0).to(tl.int64) * CHUNK
     end = tl.minimum(start + CHUNK, N)
@@ -203,7 +201,7 @@ def _fwd_launch(x, weight, eps, group, z=None, z_add=None, residual=None, write_
             rstd if rstd is not None else y, x2.stride(0), z2.stride(0), za2.stride(0), y.stride(0), r2.stride(0),
             s.stride(0) if s is not None else 0, group, d // group, float(eps), BG=BG, HAS_Z=z is not None,
             HAS_ADD=z_add is not None, HAS_W=weight is not None, HAS_R=residual is not None, WRITE_RSTD=write_rstd,
-            num_warps=min(16, max(1, BG // 512)), **pdl())
+            num_warps=min(16, max(1, BG // 512)))
     return y, s, rstd
 
 

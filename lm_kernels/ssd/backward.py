@@ -3,7 +3,6 @@
 import triton
 import triton.language as tl
 
-from ..autotune import pdl_enter
 from .kernel_common import chunk_coords, state_walk_start
 
 
@@ -42,12 +41,11 @@ def dstate_bwd_kernel(dy_ptr, C_ptr, cs_ptr, dfinal_ptr, dstates_ptr, dinit_ptr,
                       s_dy_b, s_dy_t, s_dy_h, s_B_b, s_B_t, s_B_g,
                       L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                      DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                      DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Per (p-block x n-block, head, sequence): walk the chunks backwards carrying G = dLoss/dS; store G_{c+1}
     per chunk (dstates). The programs that read the same dy rows (one per n-block) are neighbours in the grid and
     share them through L2. (The chunk's <G_{c+1}, e^a S_c> for d(dt*A) is formed in dx_bwd, which holds G_{c+1}
     anyway: read here, the chunk states would add a pass over them to this bandwidth-bound walk.)"""
-    pdl_enter(PDL)
     pid_pn = tl.program_id(0)
     h = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -106,11 +104,10 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, Q_ptr, chunk_t0_ptr, chunk_le
                    T, P, NC, BT, R, G,
                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h,
                    L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                   IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Q[m, l] = sum over the group's heads of (dy_m . x_l) e^{cs_m - cs_l} dt_l for l <= m (float32; zeros
     above the diagonal of the diagonal tiles), per (tile, group, chunk): a chunk's tiles run together and share
     its dy / x rows through L2."""
-    pdl_enter(PDL)
     pid_mk = tl.program_id(0)
     g = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -148,14 +145,13 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
                     T, H, P, N, NC, BT, R, G,
                     s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dB_t,
                     L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BN: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Per (chunk, group, m-block x n-block): dC = sum_h e^{cs} dy S + Q B, dB = sum_h w x G' + Q^T C; and each
     head's dcs_m = dy_m . y_off_m = sum_n C_mn (e^{cs_m} dy_m S)_n from the dC product it forms anyway, the part
     of the n block in its slot of dcs ((n blocks, H, B*T), summed by dt_bwd). dB and dC rows are s_dB_t apart (batch
     stride T * s_dB_t): (b, t, g, n) tensors or the B / C columns of a (b, t, x | B | C) gradient. Grid (m-block x
     n-block, group, chunk): the m-blocks of a chunk, which all read the chunk states S and their gradients of every
     head of the group, are neighbours and share them through L2."""
-    pdl_enter(PDL)
     pid_mn = tl.program_id(0)
     g = tl.program_id(1)
     pid_c = tl.program_id(2)

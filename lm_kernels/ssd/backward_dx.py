@@ -2,7 +2,6 @@
 import triton
 import triton.language as tl
 
-from ..autotune import pdl_enter
 from .kernel_common import chunk_coords, softplus
 
 
@@ -52,7 +51,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dsta
                   s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t, s_part,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-                  DOT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                  DOT_DT: tl.constexpr):
     """Per (chunk, head, l-block): dx, the direct ddt, the per-row state terms q, dD partial sums and, for the
     intra-chunk d(dt*A), the row and column sums of M (_dx_tile; the column sums in the last slot of dda); the
     program with the chunk's last rows (the lightest row block of a full chunk) also forms the chunk's passing term
@@ -60,7 +59,6 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dsta
     (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy tiles, dstates
     and the group's B / C rows come from L2). dx rows are s_dx_t apart (its batch stride T * s_dx_t): a (b, t, h,
     p) tensor or the x columns of a (b, t, x | B | C) gradient."""
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -135,12 +133,11 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
                   T, H, NC, BT, s_dt_b, s_dt_t, s_ddt_b, s_ddt_t, s_part, dt_lo, dt_hi,
                   L: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr,
                   SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IS_VARLEN: tl.constexpr, BMB: tl.constexpr,
-                  NDCS: tl.constexpr, PDL: tl.constexpr = False):
+                  NDCS: tl.constexpr):
     """Per (chunk, head block): d(dt*A)_l = sum_{k>=l} dy_k.y_off_k + sum_{k<l} q_k + <G_{c+1}, e^a S_c> (passing,
     from dx_bwd) + the intra-chunk part from dx_bwd's row and column sums of M (row blocks of BMB rows; the dcs
     partial sums of dbdc_bwd's NDCS n blocks); then ddt = ddt_direct + A d(dt*A), back through clamp/softplus/bias.
     ddt_out is read through its own strides (a column block of a larger gradient)."""
-    pdl_enter(PDL)
     pid_c = tl.program_id(0)
     pid_h = tl.program_id(1)
     b, t0, clen = chunk_coords(pid_c, T, NC, chunk_t0_ptr, chunk_len_ptr, L, IS_VARLEN)
@@ -194,10 +191,9 @@ def dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, ddt_dir_ptr, dcs_ptr, dda_pt
 
 @triton.jit
 def sum_rows_kernel(part_ptr, out0_ptr, out1_ptr, out2_ptr, rows, c0, c1, c2, s_part,
-                    BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
+                    BR: tl.constexpr, BC: tl.constexpr):
     """Column sums of the (rows, c0 + c1 + c2) float32 partials into three tensors of their own (dA, dt_bias's and
     D's gradients; each in its dtype): one launch instead of one reduction per gradient."""
-    pdl_enter(PDL)
     cols = tl.program_id(0) * BC + tl.arange(0, BC)
     n = c0 + c1 + c2
     acc = tl.zeros((BR, BC), dtype=tl.float32)

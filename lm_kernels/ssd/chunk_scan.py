@@ -5,7 +5,6 @@ float32)."""
 import triton
 import triton.language as tl
 
-from ..autotune import pdl_enter
 from .kernel_common import chunk_coords
 
 
@@ -94,11 +93,10 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """One row block (_scan_rows) per program, grid (m-block x p-block, head, chunk): the row blocks of one
     (chunk, head) run next to each other (x tiles and the chunk's start state are re-read from L2, not HBM),
     then the heads of the chunk (the group's C rows and CB tiles stay in L2); row blocks run heaviest first."""
-    pdl_enter(PDL)
     pid_mp = tl.program_id(0)
     h = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -214,7 +212,7 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                           DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """The whole chunk (two or four row blocks, L == 2 * BM or 4 * BM) per (p-block, head, chunk), grid (p-block,
     head, chunk). Below the diagonal the decay goes to the x rows as in _scan_rows, but each k block's
         x~_k = x_k dt_k e^{cs_ref(k) - cs_k},   ref(k) = the k block's last row (factors <= 1),
@@ -226,7 +224,6 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     block; then the row factor e^{cs_m - cs_r}, the exact masked diagonal tile and D x. 3 x~ builds per chunk
     and head instead of 6 (one program per row block), x and S^T tiles loaded once per program. A chunk cut short returns after its
     last row block."""
-    pdl_enter(PDL)
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     pid_c = tl.program_id(2)

@@ -4,7 +4,6 @@ kernel_common.py)."""
 import triton
 import triton.language as tl
 
-from ..autotune import pdl_enter
 from .kernel_common import state_walk_start
 
 
@@ -32,11 +31,10 @@ def state_fwd_kernel(x_ptr, B_ptr, dtp_ptr, cs_ptr, init_ptr, states_ptr, final_
                      s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g,
                      L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                     DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Per (p-block x n-block, head, sequence): walk the chunks in order, store each chunk's start state. The
     programs that read the same x rows (one per n-block) are neighbours in the grid and share them through L2.
     BK rows per step (BK >= L: the whole chunk)."""
-    pdl_enter(PDL)
     pid_pn = tl.program_id(0)
     h = tl.program_id(1)
     pid_s = tl.program_id(2)

@@ -3,7 +3,6 @@ group (read by every head of the group), in one kernel (notation: kernel_common.
 import triton
 import triton.language as tl
 
-from ..autotune import pdl_enter
 from .kernel_common import chunk_coords, softplus
 
 
@@ -56,10 +55,9 @@ def dtcb_fwd_kernel(dt_ptr, bias_ptr, A_ptr, dtp_ptr, cs_ptr, B_ptr, C_ptr, CB_p
                     T, H, N, NC, BT, G, s_dt_b, s_dt_t, s_B_b, s_B_t, s_B_g, dt_lo, dt_hi,
                     L: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BNF: tl.constexpr,
                     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Grid (chunk, G * (L/BM) * (L/BK) + cdiv(H, BH)): the first programs of axis 1 compute the C.B tiles on and
     below the diagonal (group, tile; a diagonal tile is stored whole), the rest dt and cs for a block of BH heads."""
-    pdl_enter(PDL)
     pid_c = tl.program_id(0)
     pid = tl.program_id(1)
     n_cb = G * (L // BM) * (L // BK)

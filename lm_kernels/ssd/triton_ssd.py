@@ -26,7 +26,6 @@ from typing import Optional
 
 import torch
 
-from ..autotune import pdl
 from ..backend import CUSTOM_OP_TAGS, absent, join, on_side, side_stream
 from . import launch as ln
 from .backward import gate_bwd_kernel
@@ -205,10 +204,10 @@ def _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, 
         pl.T, H, pl.NC, pl.BT, dt.stride(0), dt.stride(1), ddt.stride(0), ddt.stride(1), part.stride(0),
         lo, hi,
         L=L, BH=pl.BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4, **pdl())
+        HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, BMB=pl.BM, NDCS=n_dcs, num_warps=4)
     sum_rows_kernel[(cdiv(part.shape[1], 32),)](part, dA, dA if ddt_bias is None else ddt_bias,
                                                 dA if dD is None else dD, part.shape[0], H, nbias, nD,
-                                                part.stride(0), BR=128, BC=32, num_warps=4, **pdl())
+                                                part.stride(0), BR=128, BC=32, num_warps=4)
 
 
 # --- the custom operators -------------------------------------------------------------------------------------------
