@@ -120,7 +120,9 @@ class Mamba2Mixer(Mixer):
             return self._step(x, injection, cache, state)
         # in_proj as one product: the inner path's backward writes the gradients of z, xBC and dt into one tensor
         # (lm_kernels.mamba2), so its input gradient and weight gradient are one GEMM each
-        zxbcdt = self._project(x, injection)
+        # the injection (in_proj's width) is not added to the projection: the conv adds its xBC columns on load, the
+        # gated norm its z columns, the scan its dt columns; its gradient is then the projection's, whole
+        zxbcdt = self.in_proj(x)
         A = -torch.exp(self.A_log.float())
         conv_w = self.conv1d.weight.squeeze(1)  # a view, whose backward is a view (a select's is a kernel)
         if mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
@@ -128,38 +130,32 @@ class Mamba2Mixer(Mixer):
                 zxbcdt, conv_w, self.conv1d.bias, A, d_inner=self.d_inner, headdim=self.headdim,
                 ngroups=self.ngroups, dstate=self.d_state, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
                 dt_limit=self.dt_limit, norm_weight=self.norm.weight, norm_group=self.norm.group_size,
-                eps=self.norm.eps, conv_state=state.get("conv"),
+                eps=self.norm.eps, add=injection, conv_state=state.get("conv"),
                 initial_state=state.get("ssm"), cu_seqlens=cu_seqlens, return_final_state=cache is not None,
                 max_seqlen=max_seqlen)
         else:  # the same three ops one by one (the reference backends, CPU)
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
-            xbc, conv_state = causal_conv1d(xbc, conv_w, self.conv1d.bias, cu_seqlens=cu_seqlens,
+            z_add = x_add = dt_add = None
+            if injection is not None:
+                z_add, x_add, dt_add = (injection[..., lo:hi] for lo, hi in self._cols.values())
+            if dt_add is not None:
+                dt = dt + dt_add
+            xbc, conv_state = causal_conv1d(xbc, conv_w, self.conv1d.bias, cu_seqlens=cu_seqlens, x_add=x_add,
                                             conv_state=state.get("conv"), activation="silu")
             # x, B, C stay one tensor: the scan's backward writes their gradient as one
             y, ssm = ssd_scan_xbc(xbc, dt, A, headdim=self.headdim, ngroups=self.ngroups, dstate=self.d_state,
                                   chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
                                   dt_limit=self.dt_limit, initial_state=state.get("ssm"), cu_seqlens=cu_seqlens,
                                   return_final_state=cache is not None, max_seqlen=max_seqlen)
-            y = self.norm(y.reshape(b, t, self.d_inner), z)
+            y = self.norm(y.reshape(b, t, self.d_inner), z, z_add=z_add)
         if cache is not None:
             cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
         return self.out_proj(y)
 
-    def _project(self, x, injection):
-        """in_proj(x) (+ the implicit models' injection, in_proj's width): the injection is the product's C, added by
-        the GEMM's epilogue (torch.addmm, beta 1), where the product's time hides most of its read, instead of a
-        second input of the conv, the gated norm and the dt kernels. Its gradient is the projection's, whole."""
-        if injection is None:
-            return self.in_proj(x)
-        lead = x.shape[:-1]
-        out = torch.addmm(injection.reshape(-1, injection.shape[-1]), x.reshape(-1, x.shape[-1]),
-                          self.in_proj.weight.t())
-        return out.view(*lead, out.shape[-1])
-
     def _step(self, x, injection, cache, state):
         """One decode token: in_proj as one product split into views (the step is launch bound)."""
         b, t, _ = x.shape
-        zxbcdt = self._project(x, injection)
+        zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + injection
         z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
         xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                         conv_state=state.get("conv"), activation="silu")
