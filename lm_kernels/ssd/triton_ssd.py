@@ -182,8 +182,8 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     dD = torch.empty(D.shape, dtype=D.dtype, device=dev) if D is not None else None  # (H, P) or (H,)
     late = side if defer else None
     with on_side(late):
-        _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, nbias, nD, dA, ddt_bias, dD, pl,
-                  dt_softplus, dt_limit, n_dcs)
+        _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, dA, ddt_bias, dD, pl, dt_softplus,
+                  dt_limit)
     if late is not None:  # the buffers only the side stream reads now: not reused before it is done with them
         for v in (ddt_dir, dcs, dda, qrow, passing, part):
             v.record_stream(late)
@@ -191,11 +191,12 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
 
 
-def _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, nbias, nD, dA, ddt_bias, dD, pl,
-              dt_softplus, dt_limit, n_dcs):
+def _dt_stage(dt, dt_bias, A, dtp, ddt_dir, dcs, dda, qrow, passing, ddt, part, dA, ddt_bias, dD, pl, dt_softplus,
+              dt_limit):
     """dt_bwd (ddt, and the per-chunk partials of dA and dt_bias's gradients into part) and sum_rows_kernel (part's
     column sums into dA, ddt_bias, dD)."""
     H, L = pl.H, pl.L
+    nbias, nD, n_dcs = (H if dt_bias is not None else 0), (dD.numel() if dD is not None else 0), dcs.shape[0]
     has_limit, lo, hi = limits(dt_limit)
     dA_part, dbias_part = part[:, :H], part[:, H:H + nbias]
     dt_bwd_kernel[(pl.NCB, cdiv(H, pl.BH))](
