@@ -43,8 +43,9 @@ def _inputs(b, t, di, p, g, n, w, *, adds, states, seed):
 
 
 def _leaves(d, dtype):
-    """The inputs in `dtype` as leaves; A stays float32 like the model's -exp(A_log.float())."""
-    return {k: v.to(F64 if dtype == F64 else (torch.float32 if k == "A" else dtype)).requires_grad_()
+    """The inputs in `dtype` as fresh leaves (whatever ran on `d` before); A stays float32 like the model's
+    -exp(A_log.float())."""
+    return {k: v.detach().to(F64 if dtype == F64 else (torch.float32 if k == "A" else dtype)).requires_grad_()
             for k, v in d.items()}
 
 
@@ -140,6 +141,64 @@ def test_inner_bf16_equals_the_three_triton_ops(case, monkeypatch):
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=0, atol=0, msg=k)
 
 
+def _projected(fold, d, dims, cu, final, pad=0):
+    """out = RMSNorm(...) @ W^T, the gated norm folded into the projection (fold: u from the operator with fold_norm,
+    out = (u @ (W * norm_weight)^T) * rstd, rstd outside autograd) or not (the float64 references). pad: the
+    projection read as the first columns of a wider tensor (inductor pads a GEMM's rows), the injection not."""
+    di = dims[0]
+    if fold:
+        zx = d["zxbcdt"]
+        if pad:
+            zx = torch.nn.functional.pad(zx, (0, pad))[..., :zx.shape[-1]]
+            assert zx.stride(1) != zx.shape[-1]
+        u, ncs, fin, rstd = mamba2_inner(
+            zx, d["conv_weight"], d["conv_bias"], d["A"], d_inner=di, headdim=dims[1], ngroups=dims[2],
+            dstate=dims[3], chunk_size=dims[5], D=d["D"], dt_bias=d["dt_bias"], dt_limit=(0.0, 2.0), eps=1e-5,
+            add=d.get("add"), conv_state=d.get("conv_state"), initial_state=d.get("initial_state"), cu_seqlens=cu,
+            return_final_state=final, fold_norm=True)
+        assert not rstd.requires_grad and rstd.shape == (*u.shape[:2], 1)
+        return (u @ (d["out_weight"] * d["norm_weight"]).t()) * rstd, ncs, fin
+    y, ncs, fin = _composed(d, dims, cu, final)
+    return y @ d["out_weight"].t(), ncs, fin
+
+
+@pytest.mark.parametrize("case", ["adds_states", "one_group_w3", "packed"])
+def test_folded_norm_matches_the_references(case):
+    """fold_norm (one norm group): the operator's u and rstd through the caller's projection, (u @ (W * w)^T) * rstd,
+    against RMSNorm(...) @ W^T composed from the float64 references, outputs and every gradient (the projection's and
+    the norm weight's included), two fresh draws (the second with the projection's rows padded, the injection's
+    not: their strides differ); without autograd the same outputs."""
+    (b, t, di, p, g, n, w, _ng, chunk), adds, states, lens = CASES[case]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+    dims = (di, p, g, n, di, chunk)
+    final = states or lens is not None
+    for seed in (4, 5):
+        d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=seed)
+        d["out_weight"] = torch.randn(24, di, generator=torch.Generator().manual_seed(seed), dtype=F64) * 0.2
+        d = {k: v.float().double() for k, v in d.items()}
+        pad = 8 if seed == 5 else 0  # the second draw: the projection with padded rows
+        outs, grads = _run(partial(_projected, True, pad=pad), _leaves(d, torch.float32), dims, cu, final)
+        ref_outs, ref_grads = _run(partial(_projected, False), _leaves(d, F64), dims, cu, final)
+        for name, a, r in zip(("out", "new conv state", "final state"), outs, ref_outs):
+            assert _rel(a, r) < 2e-5, (name, _rel(a, r))
+        assert grads.keys() == ref_grads.keys()
+        for k in grads:
+            assert grads[k] is not None, k
+            assert _rel(grads[k], ref_grads[k]) < 2e-5, (k, _rel(grads[k], ref_grads[k]))
+        with torch.no_grad():
+            out0 = _projected(True, _leaves(d, torch.float32), dims, cu, final)[0]
+        assert _rel(out0, ref_outs[0]) < 2e-5
+
+
+def test_folded_norm_refuses_groups_and_a_weight():
+    (b, t, di, p, g, n, w, ng, chunk), *_ = CASES["plain"]
+    d = _leaves(_inputs(b, t, di, p, g, n, w, adds=False, states=False, seed=6), torch.float32)
+    kw = dict(d_inner=di, headdim=p, ngroups=g, dstate=n, chunk_size=chunk, fold_norm=True)
+    for bad in (dict(norm_group=ng), dict(norm_weight=d["norm_weight"])):
+        with pytest.raises(ValueError, match="fold_norm"):
+            mamba2_inner(d["zxbcdt"], d["conv_weight"], d["conv_bias"], d["A"], **kw, **bad)
+
+
 def test_no_grad_forward_equals_grad_forward_and_saves_nothing():
     (b, t, di, p, g, n, w, ng, chunk), *_ = CASES["adds_states"]
     d = _leaves(_inputs(b, t, di, p, g, n, w, adds=True, states=True, seed=3), torch.float32)
@@ -190,33 +249,37 @@ def test_model_through_the_operator_equals_three_ops(implicit, packed, monkeypat
 
 
 def test_opcheck():
-    """torch.library.opcheck (schema, autograd registration, fakes, AOT dispatch) on both operators; packed: not the
-    AOT comparison (chunk slots the table leaves unused are uninitialised outputs, as for lm::ssd_scan_fwd)."""
+    """torch.library.opcheck (schema, autograd registration, fakes, AOT dispatch) on both operators, with the norm
+    applied and folded (one group, no weight); packed: not the AOT comparison (chunk slots the table leaves unused are
+    uninitialised outputs, as for lm::ssd_scan_fwd)."""
     from torch.library import opcheck
 
     import lm_kernels.mamba2.triton_inner  # noqa: F401  (registers the ops)
 
     ops = torch.ops.lm
     no_aot = ("test_schema", "test_autograd_registration", "test_faketensor")
-    for case in ("adds_states", "packed"):
+    for case, fold in (("adds_states", False), ("packed", False), ("adds_states", True), ("packed", True)):
         (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
+        ng = di if fold else ng
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
         d = {k: v.float() for k, v in _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=4).items()}
+        if fold:
+            del d["norm_weight"]
         names = ("zxbcdt", "add", "conv_weight", "conv_bias", "conv_state", "A", "D", "dt_bias",
                  "initial_state", "norm_weight")
         args = [d[k].requires_grad_() if k in d else None for k in names]
         rest = [cu, [di, p, g, n, ng], chunk, 0.0, 2.0, 1e-5, True]
         kw = dict(test_utils=no_aot) if lens else {}
-        opcheck(ops.mamba2_inner_fwd.default, (*args, *rest, True), **kw)
+        opcheck(ops.mamba2_inner_fwd.default, (*args, *rest, True, fold), **kw)
         plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        out = ops.mamba2_inner_fwd(*plain, *rest, True)
+        out = ops.mamba2_inner_fwd(*plain, *rest, True, fold)
         y, ncs, fin = out[:3]
         saved = list(out[3:])
         if cu is None:
             saved[4] = None  # the chunk table: only with packed documents
         opcheck(ops.mamba2_inner_bwd.default,
                 (torch.randn_like(y), torch.randn_like(ncs), torch.randn_like(fin), *plain, cu, *saved,
-                 [di, p, g, n, ng], chunk, 0.0, 2.0, states), **kw)
+                 [di, p, g, n, ng], chunk, 0.0, 2.0, states, fold), **kw)
 
 
 def test_bad_arguments_name_what_is_wrong():

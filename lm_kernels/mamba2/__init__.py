@@ -3,6 +3,7 @@
     y, new_conv_state, final_state = mamba2_inner(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups,
         dstate, chunk_size, D=None, dt_bias=None, dt_limit=(0, inf), norm_weight=None, norm_group=None, eps=1e-5,
         add=None, conv_state=None, initial_state=None, cu_seqlens=None, return_final_state=False, max_seqlen=None)
+    u, new_conv_state, final_state, rstd = mamba2_inner(..., norm_weight=None, fold_norm=True)
 
 zxbcdt (b, t, 2*d_inner + 2*ngroups*dstate + H), H = d_inner / headdim: in_proj's output, columns z | x B C | dt.
 `add` (an implicit model's injection) has zxbcdt's shape and is added to it where each part is read. The conv
@@ -16,6 +17,14 @@ in_proj is one GEMM forward and backward (triton_inner.py). Triton only (CUDA, o
 Packed offsets (cu_seqlens, b == 1) are checked on the host (a wait for the device where they are on one) unless
 `max_seqlen`, the longest document's length as a host int, says that the caller has checked them
 (lm_kernels.varlen.packed_offsets; the model does, once per forward).
+
+fold_norm (one norm group, no norm_weight) leaves the normalization to the caller's next projection: the scan
+gates its output, u = ssd_out * silu(z), and sums u's squares per row and head in the same pass, so no pass of the
+norm reads the SSD output back; rstd (b, t, 1) float32 is u's reciprocal RMS and RMSNorm(u) = u * rstd. The caller
+must use u only as out = (u @ W^T) * rstd (W: its projection's weight times the norm weight per input column),
+with rstd outside autograd (it is returned non-differentiable): the gradient that reaches u is then rstd times the
+normalized output's, and the backward applies the norm's full gradient, rstd's dependence on u included
+(Mamba2Mixer does this under torch.compile, where inductor fuses the row scale into the residual add after it).
 """
 from __future__ import annotations
 

@@ -15,6 +15,9 @@ the conv adds its xBC columns on load, the gated norm its z columns, and its dt 
 initial_state: the caches' states in, with gradients; the new conv state and the final SSD state out (the final
 state only with return_final_state), with gradients.
 When no gradient is needed the forward runs outside autograd and nothing is saved (the fixed-point iterations).
+`fold` (lm_kernels.mamba2's fold_norm): no norm pass; the scan gates its output and writes each row's sum of squares
+per head, rstd_from_sumsq makes the rows' rstd, and the backward's gated-norm kernel takes dy as rstd times the
+normalized output's gradient (what the caller's folded projection hands back).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from ..conv1d.triton_conv1d import (MAX_WIDTH, _add_new_state_grad, _channels_co
                                    conv1d_fwd)
 from ..rmsnorm.triton_rmsnorm import _check as check_norm_args
 from ..rmsnorm.triton_rmsnorm import _fwd_launch as norm_fwd_launch
-from ..rmsnorm.triton_rmsnorm import gated_rms_norm_bwd_launch
+from ..rmsnorm.triton_rmsnorm import gated_rms_norm_bwd_launch, rstd_from_sumsq
 from ..ssd import launch as ln
 from ..ssd.common import check_scan_args, split_xbc
 from ..ssd.triton_ssd import _backward as ssd_backward
@@ -69,31 +72,42 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, add: Optional[torch.Tensor], conv_wei
                      conv_state: Optional[torch.Tensor], A: torch.Tensor, D: Optional[torch.Tensor],
                      dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                      norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dims: list[int],
-                     chunk_size: int, dt_lo: float, dt_hi: float, eps: float, return_final_state: bool, save: bool
+                     chunk_size: int, dt_lo: float, dt_hi: float, eps: float, return_final_state: bool, save: bool,
+                     fold: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (b, t, d_inner) in the projection's dtype, new conv state (b, conv_dim, w-1), final SSD state (empty unless
     return_final_state), and what the backward reads: the conv output x | B | C, the SSD output, its dt / cumsum,
-    chunk start states and chunk table (ssd_scan_fwd's), the norm's rstd)."""
+    chunk start states and chunk table (ssd_scan_fwd's), the norm's rstd). fold (one norm group, no norm weight):
+    y is the gated SSD output u, not normalized (the scan gates it and sums its squares per row and head), and rstd
+    (b, t, 1) its reciprocal RMS; the SSD output is then kept only with `save` (empty otherwise)."""
     d_inner, group = dims[0], dims[4]
     zxbcdt, add = (_channels_contiguous(v) for v in (zxbcdt, add))
     z, xbc_in, dt = _split(zxbcdt, dims)
     z_add, x_add, dt_add = _adds(add, dims)
     xbc, new_conv_state = conv1d_fwd(xbc_in, conv_weight, conv_bias, conv_state, cu_seqlens, True, x_add)
     x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size)
-    ys, final, dtcs, states, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-                                             (dt_lo, dt_hi), return_final_state, save)
     b, t = zxbcdt.shape[:2]
+    table = pl.table if pl.table is not None else absent(x, torch.int32)
+    if fold:
+        heads = (b, t, d_inner // dims[1], dims[1])
+        y, final, dtcs, states, ys, ss = ssd_forward(
+            x, dt, A, B, C, D, z.view(heads), dt_bias, initial_state, pl, True, (dt_lo, dt_hi), return_final_state,
+            save, z_add=z_add.view(heads) if z_add is not None else None, want_ss=True)
+        return (y.view(b, t, d_inner), new_conv_state, final if final is not None else absent(x, torch.float32), xbc,
+                ys.view(b, t, d_inner) if ys is not None else absent(x), dtcs, states, table,
+                rstd_from_sumsq(ss, d_inner, eps).view(b, t, 1))
+    ys, final, dtcs, states, _, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
+                                                (dt_lo, dt_hi), return_final_state, save)
     ys = ys.view(b, t, d_inner)
     y, _, rstd = norm_fwd_launch(ys, norm_weight, eps, group, z=z, z_add=z_add, write_rstd=True)
     return (y.view(b, t, d_inner), new_conv_state, final if final is not None else absent(x, torch.float32), xbc, ys,
-            dtcs, states, pl.table if pl.table is not None else absent(x, torch.int32),
-            rstd.view(b, t, d_inner // group))
+            dtcs, states, table, rstd.view(b, t, d_inner // group))
 
 
 @mamba2_inner_fwd.register_fake
 def _(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
-      cu_seqlens, dims, chunk_size, dt_lo, dt_hi, eps, return_final_state, save):
+      cu_seqlens, dims, chunk_size, dt_lo, dt_hi, eps, return_final_state, save, fold):
     d_inner, p, g, n, group = dims
     b, t = zxbcdt.shape[:2]
     h, conv_dim, w = d_inner // p, d_inner + 2 * g * n, conv_weight.shape[-1]
@@ -103,7 +117,9 @@ def _(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_st
     f32 = torch.float32
     return (zxbcdt.new_empty(b, t, d_inner), zxbcdt.new_empty(b, conv_dim, w - 1),
             zxbcdt.new_empty(nseq, h, p, n, dtype=f32) if return_final_state else absent(zxbcdt, f32),
-            zxbcdt.new_empty(b, t, conv_dim), zxbcdt.new_empty(b, t, d_inner), zxbcdt.new_empty(2, h, b * t, dtype=f32),
+            zxbcdt.new_empty(b, t, conv_dim),
+            zxbcdt.new_empty(b, t, d_inner) if save or not fold else absent(zxbcdt),
+            zxbcdt.new_empty(2, h, b * t, dtype=f32),
             zxbcdt.new_empty(ncb, h, p, n, dtype=state_dtype(zxbcdt.dtype)),
             zxbcdt.new_empty(ln.table_layout(nseq, ncb)[1], dtype=torch.int32) if varlen
             else absent(zxbcdt, torch.int32),
@@ -119,12 +135,13 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
                      norm_weight: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], xbc: torch.Tensor,
                      ys: torch.Tensor, dtcs: torch.Tensor, states: torch.Tensor,
                      table: Optional[torch.Tensor], rstd: torch.Tensor, dims: list[int], chunk_size: int,
-                     dt_lo: float, dt_hi: float, state_grad: bool
+                     dt_lo: float, dt_hi: float, state_grad: bool, fold: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dzxbcdt (the projection's gradient, also the injection's), dconv_weight,
     dconv_bias, dconv_state (empty unless state_grad), dA, dD, ddt_bias, dinitial_state, dnorm_weight; empty where
-    the input is None). dy / dnew_conv_state / dfinal None: no gradient reaches that output."""
+    the input is None). dy / dnew_conv_state / dfinal None: no gradient reaches that output. fold: dy is the gated
+    output's gradient as the folded norm's projection hands it back (rstd times the normalized output's)."""
     d_inner, p, group = dims[0], dims[1], dims[4]
     b, t = zxbcdt.shape[:2]
     zxbcdt, add = (_channels_contiguous(v) for v in (zxbcdt, add))
@@ -139,7 +156,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
     side = side_stream(zxbcdt.device)
     # gated norm: dz into its block, the SSD output's gradient into a tensor of its own
     dys, _, dnorm_weight = gated_rms_norm_bwd_launch(dy, ys, z, z_add, norm_weight, rstd.view(b * t, -1), group,
-                                                     dz_out=dz, side=side)
+                                                     dz_out=dz, side=side, dy_scaled=fold)
     # SSD: the conv output's gradient as one x | B | C tensor, ddt into its block
     x, dt, B, C, initial_state, pl = _ssd_inputs(xbc, dt, dt_add, dims, initial_state, cu_seqlens, chunk_size,
                                                  table)
@@ -160,7 +177,7 @@ def mamba2_inner_bwd(dy: Optional[torch.Tensor], dnew_conv_state: Optional[torch
 @mamba2_inner_bwd.register_fake
 def _(dy, dnew_conv_state, dfinal, zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias,
       initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states, table, rstd, dims, chunk_size, dt_lo, dt_hi,
-      state_grad):
+      state_grad, fold):
     def like(v):
         return v.new_empty(v.shape) if v is not None else absent(zxbcdt)
 
@@ -169,12 +186,12 @@ def _(dy, dnew_conv_state, dfinal, zxbcdt, add, conv_weight, conv_bias, conv_sta
             like(norm_weight))
 
 
-_N_ARGS = 18  # mamba2_inner_fwd's inputs
+_N_ARGS = 19  # mamba2_inner_fwd's inputs
 
 
 def _setup_context(ctx, inputs, output):
     (zxbcdt, add, conv_weight, conv_bias, conv_state, A, D, dt_bias, initial_state, norm_weight,
-     cu_seqlens, dims, chunk_size, dt_lo, dt_hi, _eps, return_final_state, _save) = inputs
+     cu_seqlens, dims, chunk_size, dt_lo, dt_hi, _eps, return_final_state, _save, fold) = inputs
     _y, _ncs, _final, xbc, ys, dtcs, states, table, rstd = output
     ctx.mark_non_differentiable(xbc, ys, dtcs, states, table, rstd)
     ctx.set_materialize_grads(False)  # an unused output (the states) gets None, not a zero-filled gradient
@@ -182,6 +199,7 @@ def _setup_context(ctx, inputs, output):
                           initial_state, norm_weight, cu_seqlens, xbc, ys, dtcs, states,
                           table if cu_seqlens is not None else None, rstd)
     ctx.args = (list(dims), chunk_size, dt_lo, dt_hi)
+    ctx.fold = fold
     ctx.return_final_state = return_final_state
 
 
@@ -192,7 +210,7 @@ def _backward(ctx, dy, dncs, dfinal, *_aux):
     need = ctx.needs_input_grad
     state_grad = conv_state is not None and need[4]
     g = torch.ops.lm.mamba2_inner_bwd(dy, dncs, dfinal if ctx.return_final_state else None, *saved,
-                                      *ctx.args, state_grad)
+                                      *ctx.args, state_grad, ctx.fold)
     dzxbcdt, dweight, dbias, dstate, dA, dD, ddt_bias, dinit, dnorm = g
     grads = [dzxbcdt, dzxbcdt if add is not None else None, dweight, dbias if conv_bias is not None else None,
              dstate if state_grad else None, dA, dD if D is not None else None,
@@ -237,9 +255,13 @@ def _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_w
 def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, ngroups, dstate, chunk_size,
                         D=None, dt_bias=None, dt_limit=(0.0, float("inf")), norm_weight=None, norm_group=None,
                         eps=1e-5, add=None, conv_state=None, initial_state=None, cu_seqlens=None,
-                        return_final_state=False, max_seqlen=None):
-    """See lm_kernels.mamba2.mamba2_inner. Returns (y, new conv state, final SSD state or None)."""
+                        return_final_state=False, max_seqlen=None, fold_norm=False):
+    """See lm_kernels.mamba2.mamba2_inner. Returns (y, new conv state, final SSD state or None), and with fold_norm
+    (y, new conv state, final SSD state or None, rstd)."""
     dims = [int(d_inner), int(headdim), int(ngroups), int(dstate), int(norm_group or d_inner)]
+    if fold_norm and (norm_weight is not None or dims[4] != dims[0]):
+        raise ValueError("mamba2_inner: fold_norm takes one norm group (norm_group None or d_inner) and no "
+                         "norm_weight (the caller's projection holds it)")
     _check(zxbcdt, dims, conv_weight, conv_bias, A, D, dt_bias, dt_limit, norm_weight, add, conv_state,
            initial_state, cu_seqlens, chunk_size, max_seqlen)
     if cu_seqlens is not None:
@@ -250,5 +272,6 @@ def mamba2_inner_triton(zxbcdt, conv_weight, conv_bias, A, *, d_inner, headdim, 
     out = torch.ops.lm.mamba2_inner_fwd(zxbcdt, add, conv_weight, conv_bias, conv_state, A, D,
                                         dt_bias, initial_state, norm_weight, cu_seqlens, dims, int(chunk_size),
                                         float(dt_limit[0]), float(dt_limit[1]), float(eps), bool(return_final_state),
-                                        needs_grad)
-    return out[0], out[1], (out[2] if return_final_state else None)
+                                        needs_grad, bool(fold_norm))
+    res = (out[0], out[1], (out[2] if return_final_state else None))
+    return (*res, out[8]) if fold_norm else res

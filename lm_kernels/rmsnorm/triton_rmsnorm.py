@@ -79,10 +79,12 @@ def _gated_bwd_rows(x, z, za, dy, rs, r0, end, cols, cm, sx, sz, sza, sdy, grp, 
 
 @triton.jit
 def _gated_rmsnorm_bwd_kernel(dy, x, z, za, w, rs, dx, dz, part, sdy, sx, sz, sza, sdx, sdz, sp, N, G, NG, CHUNK,
-                              BG: tl.constexpr, BR: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr):
+                              BG: tl.constexpr, BR: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr,
+                              DY_SCALED: tl.constexpr):
     """Rows [pid * CHUNK, min(N, (pid + 1) * CHUNK)) of group program_id(1); per row (all in float32, per group)
     s = z (+ z_add), gate = silu(s), u = x * gate, xhat = u * rstd, g = dy * w,
     du = rstd * (g - xhat * mean(g * xhat)), dx = du * gate, dz = du * x * silu'(s), dweight += dy * xhat.
+    DY_SCALED (no weight): dy is rstd times xhat's gradient (the folded norm, lm_kernels.mamba2), g = dy / rstd.
     BR rows per loop step (tuned, _bwd_kernel)."""
     grp = tl.program_id(1)
     start = tl.program_id(0).to(tl.int64) * CHUNK
@@ -111,6 +113,8 @@ def _gated_rmsnorm_bwd_kernel(dy, x, z, za, w, rs, dx, dz, part, sdy, sx, sz, sz
         gate = b_z * sig
         xhat = b_x * gate * rstd[:, None]
         g = b_dy
+        if DY_SCALED:  # (rows past the end load rstd 0: divide by 1 there)
+            g = g / tl.where(rstd > 0.0, rstd, 1.0)[:, None]
         if HAS_W:
             acc += b_dy * xhat
             g = g * b_w[None, :]
@@ -146,7 +150,7 @@ def _bwd_kernel(BG: int):
         if not _AUTOTUNE:
             pairs = pairs[:1]
     configs = [triton.Config(dict(BR=br), num_warps=w) for br, w in pairs]
-    return autotune(configs=configs, key=["G", "HAS_ADD", "HAS_W"])(_gated_rmsnorm_bwd_kernel)
+    return autotune(configs=configs, key=["G", "HAS_ADD", "HAS_W", "DY_SCALED"])(_gated_rmsnorm_bwd_kernel)
 
 
 def _bwd_rows(n_rows: int, n_groups: int, device) -> int:
@@ -205,6 +209,29 @@ def _fwd_launch(x, weight, eps, group, z=None, z_add=None, residual=None, write_
     return y, s, rstd
 
 
+@triton.jit
+def _rstd_from_sumsq_kernel(ss, rs, N, K, inv_g, eps, BR: tl.constexpr, BK: tl.constexpr):
+    """rs[row] = 1 / sqrt(sum(ss[row, :K]) / G + eps) for BR rows per program (ss (N, K) float32 contiguous)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BK)
+    m = (rows < N)[:, None] & (cols < K)[None, :]
+    v = tl.load(ss + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+    tl.store(rs + rows, tl.rsqrt(tl.sum(v, 1) * inv_g + eps), mask=rows < N)
+
+
+def rstd_from_sumsq(ss, group, eps):
+    """(rows,) float32 reciprocal RMS of rows whose sum of squares over `group` channels is split into ss's columns
+    ((rows, k) float32: per head, lm_kernels.ssd's STORE_SS), one launch."""
+    n, k = ss.shape
+    rs = torch.empty(n, dtype=torch.float32, device=ss.device)
+    if n:
+        bk = triton.next_power_of_2(k)
+        br = max(1, min(128, 4096 // bk))
+        _rstd_from_sumsq_kernel[(triton.cdiv(n, br),)](ss, rs, n, k, 1.0 / group, float(eps), BR=br, BK=bk,
+                                                        num_warps=4)
+    return rs
+
+
 @torch.compiler.disable  # torch.compile: one opaque call
 def rms_norm_fwd(x, weight, eps, z=None, group_size=None, residual=None):
     """See lm_kernels.rmsnorm. x (..., d) float16/bfloat16/float32, z and residual like x, weight (d,) or None."""
@@ -216,12 +243,15 @@ def rms_norm_fwd(x, weight, eps, z=None, group_size=None, residual=None):
     return y.view(x.shape)
 
 
-def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None, side=None):
+def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None, side=None, dy_scaled=False):
     """(dx in x's dtype, dz in z's dtype (also z_add's gradient), dweight in weight's dtype or None): one kernel pass
     over the rows and the sum of its per-program weight partials. dz_out: dz is written there (z's shape and dtype,
     rows of unit channel stride at any row stride: a column block of a larger gradient), else into a new tensor.
     side: a second stream (lm_kernels.backend.side_stream) that the partials' sum runs on, beside the caller's next
-    kernels; the caller joins it before it reads dweight."""
+    kernels; the caller joins it before it reads dweight. dy_scaled (weight None): dy is rstd times the normalized
+    output's gradient, as the folded norm's projection hands it back (lm_kernels.mamba2)."""
+    if dy_scaled and weight is not None:
+        raise ValueError("gated_rms_norm_bwd_launch: dy_scaled takes no weight (the projection holds it)")
     d = x.shape[-1]
     x2, z2, dy2 = _rows(x, d), _rows(z, d), _rows(dy, d)
     za2 = _rows(z_add, d) if z_add is not None else z2
@@ -233,7 +263,7 @@ def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None,
     part = torch.empty(n_chunks, d, dtype=torch.float32, device=x.device) if weight is not None else None
     if n:
         bg = triton.next_power_of_2(group)
-        flags = dict(BG=bg, HAS_ADD=z_add is not None, HAS_W=weight is not None)
+        flags = dict(BG=bg, HAS_ADD=z_add is not None, HAS_W=weight is not None, DY_SCALED=bool(dy_scaled))
         launch(_bwd_kernel(bg), (group, dy.dtype, x.dtype, z.dtype, *flags.values()), (n_chunks, ng), (
             dy2, x2, z2, za2, weight.contiguous() if weight is not None else x2, rstd.contiguous(), dx, dz,
             part if part is not None else dx, dy2.stride(0), x2.stride(0), z2.stride(0), za2.stride(0), dx.stride(0),

@@ -1,7 +1,7 @@
 """Forward: the outputs, y = e^{cs} C S^T + causal(C.B * decay * dt) x + D x, then the z gate (notation:
-kernel_common.py). chunk_scan_fwd4_kernel takes a whole chunk of two or four row blocks per program (chunk 128 or
-256 with 64-row tiles: 16-bit inputs); chunk_scan_fwd2_kernel one row block per program (other chunk sizes,
-float32)."""
+kernel_common.py), and for the folded gated norm (lm_kernels.mamba2) each row's sum of squares of the gated output
+per head. chunk_scan_fwd4_kernel takes a whole chunk of two or four row blocks per program (chunk 128 or 256 with
+64-row tiles: 16-bit inputs); chunk_scan_fwd2_kernel one row block per program (other chunk sizes, float32)."""
 import triton
 import triton.language as tl
 
@@ -72,27 +72,42 @@ def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, 
 
 
 @triton.jit
-def _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P, s_z_b, s_z_t, s_z_h,
-             HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr):
+def _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P, s_z_b,
+             s_z_t, s_z_h, s_za_b, s_za_t, HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr,
+             STORE_SS: tl.constexpr):
+    """y (gated by z (+ z_add, the sum rounded to z's dtype as the gated norm rounds it) with HAS_Z), the pre-gate
+    output (STORE_PRE) and with STORE_SS each row's sum of squares of the gated output over the head's P columns
+    (the tile holds them all: BP >= P), from the pre-gate output rounded to its stored dtype: what the gated norm
+    would read back (the folded norm, lm_kernels.mamba2). z_add has z's head stride, its own batch / time strides."""
     mp_mask = mmask[:, None] & pmask[None, :]
-    y_off = (b * T + t0 + rows_m[:, None]).to(tl.int64) * (H * P) + h * P + offs_p[None, :]
+    row = (b * T + t0 + rows_m).to(tl.int64)
+    y_off = row[:, None] * (H * P) + h * P + offs_p[None, :]
     if STORE_PRE:
         tl.store(ypre_ptr + y_off, acc.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
     if HAS_Z:
-        zv = tl.load(z_ptr + b * s_z_b + (t0 + rows_m[:, None]) * s_z_t + h * s_z_h + offs_p[None, :],
-                     mask=mp_mask, other=0.0).to(tl.float32)
+        z_off = b * s_z_b + (t0 + rows_m[:, None]) * s_z_t + h * s_z_h + offs_p[None, :]
+        zv = tl.load(z_ptr + z_off, mask=mp_mask, other=0.0).to(tl.float32)
+        if HAS_ZADD:
+            za_off = b * s_za_b + (t0 + rows_m[:, None]) * s_za_t + h * s_z_h + offs_p[None, :]
+            zv = (zv + tl.load(za_ptr + za_off, mask=mp_mask, other=0.0).to(tl.float32)).to(
+                z_ptr.dtype.element_ty).to(tl.float32)
+        if STORE_SS:
+            acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
         acc = acc * zv * tl.sigmoid(zv)
+        if STORE_SS:
+            tl.store(ss_ptr + row * H + h, tl.sum(tl.where(mp_mask, acc * acc, 0.0), 1), mask=mmask)
     tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
 
 
 @triton.jit
-def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
-                           chunk_t0_ptr, chunk_len_ptr,
+def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, za_ptr, ss_ptr, y_ptr,
+                           ypre_ptr, chunk_t0_ptr, chunk_len_ptr,
                            T, H, P, N, NC, BT, R, G,
-                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t,
                            L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
-                           STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr,
+                           IS_VARLEN: tl.constexpr,
                            DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """One row block (_scan_rows) per program, grid (m-block x p-block, head, chunk): the row blocks of one
     (chunk, head) run next to each other (x tiles and the chunk's start state are re-read from L2, not HBM),
@@ -119,15 +134,16 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                          St, offs_p, pmask, offs_n, nmask, P, s_x_t, s_B_t,
                          L, BM, BK, HAS_D, D_HP, DOT_DT, DOT_PREC)
     rows_m = m0 + tl.arange(0, BM)
-    _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H, P,
-             s_z_b, s_z_t, s_z_h, HAS_Z, STORE_PRE)
+    _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H, P,
+             s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS)
 
 
 @triton.jit
-def _fwd4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h,
-               T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+def _fwd4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b, t0,
+               tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t,
                L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
-               STORE_PRE: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+               STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr, DOT_DT: tl.constexpr,
+               DOT_PREC: tl.constexpr):
     """Row block j of chunk_scan_fwd4: acc holds e^{cs_r} C_m S^T + the below-diagonal sum in the frame of row r
     (cs_r = cs of the row before the block, 0 for block 0); apply the row factor e^{cs_m - cs_r} (<= 1), add
     the exact masked diagonal tile and D x, store y. Returns the block's x tile, cs and dt (for its x~)."""
@@ -150,8 +166,8 @@ def _fwd4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, yp
         else:
             Dv = tl.load(D_ptr + h).to(tl.float32)
         acc += Dv * xm.to(tl.float32)
-    _store_y(y_ptr, ypre_ptr, z_ptr, acc, b, t0, h, rows, mmask, offs_p, pmask, T, H, P, s_z_b, s_z_t, s_z_h,
-             HAS_Z, STORE_PRE)
+    _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows, mmask, offs_p, pmask, T, H, P, s_z_b, s_z_t,
+             s_z_h, s_za_b, s_za_t, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS)
     return xm, cs_m, dt_m
 
 
@@ -193,25 +209,27 @@ def _fwd4_cb01(cb_base, clen, m, xt0, xt1, f1, L: tl.constexpr, BM: tl.constexpr
 
 @triton.jit
 def _fwd4_close(acc, e, m, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr,
-                z_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
-                L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
-                STORE_PRE: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+                z_ptr, za_ptr, ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+                s_za_b, s_za_t, L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
+                HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr,
+                DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
     """Row block m >= 2 after its below-diagonal sum acc (frame of cs_r = e): add the state term e^{cs_r} C_m S^T,
     then _fwd4_block (returns what it returns)."""
     acc += _fwd4_cs_term(C_base, St, t0, clen, m, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e)
-    return _fwd4_block(acc, e, m, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h,
-                       T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT,
-                       DOT_PREC)
+    return _fwd4_block(acc, e, m, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b,
+                       t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, L, BM,
+                       HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT, DOT_PREC)
 
 
 @triton.jit
-def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, y_ptr, ypre_ptr,
-                           chunk_t0_ptr, chunk_len_ptr,
+def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_ptr, z_ptr, za_ptr, ss_ptr, y_ptr,
+                           ypre_ptr, chunk_t0_ptr, chunk_len_ptr,
                            T, H, P, N, NC, BT, R, G,
-                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h,
+                           s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t,
                            L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
-                           STORE_PRE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr,
+                           IS_VARLEN: tl.constexpr,
                            DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """The whole chunk (two or four row blocks, L == 2 * BM or 4 * BM) per (p-block, head, chunk), grid (p-block,
     head, chunk). Below the diagonal the decay goes to the x rows as in _scan_rows, but each k block's
@@ -222,8 +240,8 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
         A += e^{cs_r} C_m S^T,
     i.e. A = e^{cs_r} C_m S^T + sum_{k<m} e^{cs_r - cs_ref(k)} CB[m, k] x~_k, what _scan_rows builds per row
     block; then the row factor e^{cs_m - cs_r}, the exact masked diagonal tile and D x. 3 x~ builds per chunk
-    and head instead of 6 (one program per row block), x and S^T tiles loaded once per program. A chunk cut short returns after its
-    last row block."""
+    and head instead of 6 (one program per row block), x and S^T tiles loaded once per program. A chunk cut short
+    returns after its last row block."""
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -243,18 +261,20 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                  mask=pmask[None, :] & nmask[:, None], other=0.0).to(DOT_DT)  # (BNF, BP) = S^T
     # row block 0: state term (cs_r = 0) and the diagonal tile
     acc = _fwd4_cs_term(C_base, St, t0, clen, 0, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC)
-    xm, cs_m, dt_m = _fwd4_block(acc, 0.0, 0, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
-                                tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
-                                L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+    xm, cs_m, dt_m = _fwd4_block(acc, 0.0, 0, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, za_ptr,
+                                 ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+                                 s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT,
+                                 DOT_PREC)
     if clen <= BM:
         return
     # row block 1: r = ref(0)
     xt0, e0 = _fwd4_xt(xm, cs_m, dt_m, cs_ptr, tok0, 0, BM, DOT_DT)
     acc = _fwd4_cs_term(C_base, St, t0, clen, 1, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e0)
     acc = tl.dot(_fwd4_cb(cb_base, clen, 1, 0, L, BM, DOT_DT), xt0, acc, input_precision=DOT_PREC)
-    xm, cs_m, dt_m = _fwd4_block(acc, e0, 1, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, b, t0,
-                                tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
-                                L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+    xm, cs_m, dt_m = _fwd4_block(acc, e0, 1, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, za_ptr,
+                                 ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
+                                 s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT,
+                                 DOT_PREC)
     if L == 2 * BM:  # two row blocks: the whole chunk is done
         return
     if clen <= 2 * BM:
@@ -264,8 +284,9 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     f1 = tl.exp(e1 - e0)
     acc = _fwd4_cb01(cb_base, clen, 2, xt0, xt1, f1, L, BM, DOT_DT, DOT_PREC)
     xm, cs_m, dt_m = _fwd4_close(acc, e1, 2, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr,
-                                 y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b,
-                                 s_z_t, s_z_h, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+                                 y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask,
+                                 s_x_t, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE,
+                                 HAS_ZADD, STORE_SS, DOT_DT, DOT_PREC)
     if clen <= 3 * BM:
         return
     # row block 3: r = ref(2)
@@ -273,6 +294,7 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     acc = _fwd4_cb01(cb_base, clen, 3, xt0, xt1, f1, L, BM, DOT_DT, DOT_PREC)
     acc = tl.dot(_fwd4_cb(cb_base, clen, 3, 2, L, BM, DOT_DT), xt2, acc * tl.exp(e2 - e1), input_precision=DOT_PREC)
     _fwd4_close(acc, e2, 3, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr,
-                y_ptr, ypre_ptr, z_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b,
-                s_z_t, s_z_h, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, DOT_DT, DOT_PREC)
+                y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b,
+                s_z_t, s_z_h, s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT,
+                DOT_PREC)
 

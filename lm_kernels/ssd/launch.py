@@ -73,6 +73,36 @@ _scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg
 _scan_fwd4 = autotune(
     configs=(_scan_fwd4_cfgs[:-1] if AUTOTUNE else _scan_fwd4_cfgs[-1:] if INTERPRET else _scan_fwd4_cfgs[:1]),
     key=["P", "N", "R", "L", "HAS_Z"])(chunk_scan_fwd4_kernel)
+def _widen(configs, P):
+    """The configs with a p block of at least P (next power of two), duplicates dropped: for the scan launches that
+    store each row's sum of squares over the head's columns (one program per row and head)."""
+    out, seen = [], set()
+    for c in configs:
+        kw = dict(c.kwargs, BP=max(c.kwargs["BP"], p2(P)))
+        key = (tuple(sorted(kw.items())), c.num_warps, c.num_stages, getattr(c, "maxnreg", None))
+        if key not in seen:
+            seen.add(key)
+            out.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages,
+                                     maxnreg=getattr(c, "maxnreg", None)))
+    return out
+
+
+_SS_TUNERS = {}
+
+
+def scan_fwd_ss(four: bool, P: int):
+    """The chunk_scan_fwd4 (four) / fwd2 autotuner for launches with STORE_SS (the folded gated norm,
+    lm_kernels.mamba2): its config list with the p block widened to hold all P columns."""
+    key = (four, P)
+    t = _SS_TUNERS.get(key)
+    if t is None:
+        base = _scan_fwd4 if four else _scan_fwd2
+        kw = dict(prune_configs_by={"early_config_prune": _prune_fwd2}) if not four else {}
+        t = _SS_TUNERS[key] = autotune(configs=_widen(base.configs, P), key=list(base.keys), **kw)(base.fn)
+    return t
+
+
+
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, **_CAP128)], ["P", "N", "R"])(dstate_bwd_kernel)
 _dcb_bwd = _tune(_cfgs((4, 2), (8, 2)) + [triton.Config({}, **_CAP128)], ["P", "R"])(dcb_bwd_kernel)
 # (8, 4) is not first: float32 / float16 tiles need more shared memory than an H100 has at 4 stages (the

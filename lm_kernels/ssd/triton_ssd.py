@@ -44,7 +44,12 @@ def cb_dtype(dtype):
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save):
+def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save, z_add=None,
+             want_ss=False):
+    """(y, final state or None, dt / cumsum, chunk start states, pre-gate output or None, sums of squares or None).
+    z_add (z's shape): added to z (the sum rounded to z's dtype). want_ss (with z): also each row's sum of
+    squares of the gated output per head, (b * t, H) float32, from the pre-gate output rounded to y's dtype (the
+    folded gated norm, lm_kernels.mamba2)."""
     dev = x.device
     H, P, N, L = pl.H, pl.P, pl.N, pl.L
     has_limit, lo, hi = limits(dt_limit)
@@ -70,21 +75,32 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
     y = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
     store_pre = save and z is not None  # the pre-gate output, for dz
     ypre = torch.empty_like(y) if store_pre else None
+    ss = torch.empty(pl.b * pl.T, H, dtype=torch.float32, device=dev) if want_ss else None
     zz = z if z is not None else x
-    scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, y, ypre if ypre is not None else y,
+    za = z_add if z_add is not None else zz
+    if za.stride(3) != 1 or za.stride(2) != zz.stride(2):  # the kernel reads z_add through z's head stride
+        za = za.contiguous()
+        if za.stride(2) != zz.stride(2):
+            raise ValueError("ssd (triton backend): z_add needs z's head stride; z's heads are not packed")
+    scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, za,
+                 ss if ss is not None else dtp, y, ypre if ypre is not None else y,
                  pl.chunk_t0, pl.chunk_len, pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
                  x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-                 zz.stride(0), zz.stride(1), zz.stride(2))
+                 zz.stride(0), zz.stride(1), zz.stride(2), za.stride(0), za.stride(1))
     flags = dict(L=L, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2, HAS_Z=z is not None,
-                 STORE_PRE=store_pre, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt)
-    if x.dtype != torch.float32 and L in (2 * pl.BM, 4 * pl.BM):
-        # (float32 operands compile for sm_90 with spills and twice the shared memory: chunk_scan_fwd2 there)
-        ln.launch(ln._scan_fwd4, ("scan4", tk), lambda META: (cdiv(P, META["BP"]), H, pl.NCB), scan_args,
+                 STORE_PRE=store_pre, HAS_ZADD=z_add is not None, STORE_SS=want_ss, IS_VARLEN=pl.varlen,
+                 DOT_PREC=prec, DOT_DT=ddt)
+    four = x.dtype != torch.float32 and L in (2 * pl.BM, 4 * pl.BM)
+    # (float32 operands compile for sm_90 with spills and twice the shared memory: chunk_scan_fwd2 there)
+    if four:
+        tuner = ln.scan_fwd_ss(True, P) if want_ss else ln._scan_fwd4
+        ln.launch(tuner, ("scan4", tk, want_ss), lambda META: (cdiv(P, META["BP"]), H, pl.NCB), scan_args,
                   dict(BM=pl.BM, **flags))
     else:
-        ln.launch(ln._scan_fwd2, ("scan2", tk), lambda META: (cdiv(L, META["BM"]) * cdiv(P, META["BP"]), H, pl.NCB),
-                  scan_args, flags)
-    return y, final, dtcs, states, ypre
+        tuner = ln.scan_fwd_ss(False, P) if want_ss else ln._scan_fwd2
+        ln.launch(tuner, ("scan2", tk, want_ss),
+                  lambda META: (cdiv(L, META["BM"]) * cdiv(P, META["BP"]), H, pl.NCB), scan_args, flags)
+    return y, final, dtcs, states, ypre, ss
 
 
 def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, dtcs, states,
@@ -235,7 +251,7 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: Optional
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     pl = ln.plan(x, B, cu_seqlens, chunk_size)
-    y, final, dtcs, states, ypre = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus,
+    y, final, dtcs, states, ypre, _ = _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus,
                                             (dt_lo, dt_hi), return_final_state, save)
     return (y, final if final is not None else absent(x, torch.float32), dtcs, states,
             ypre if ypre is not None else absent(x), pl.table if pl.table is not None else absent(x, torch.int32))

@@ -59,6 +59,7 @@ def capture_forward(shape, save=True, env=None, dtype=torch.bfloat16, gate=False
         plan = ln.plan(x, B, None, chunk)
         y, _, *aux = ts._forward(x, dt, A, B, C, D, z, bias, None, plan, True, (0.0, float("inf")), False,
                                  save or backward)
+        aux = aux[:3]  # dt / cumsum, states, pre-gate output (not the sums of squares)
         if backward:
             ts._backward(torch.randn(y.shape).to(dtype), None, x, dt, A, B, C, D, z, bias, None, plan, True,
                          (0.0, float("inf")), *aux)
