@@ -180,8 +180,9 @@ def test_opcheck():
 @pytest.mark.parametrize("use", ["explicit", "implicit", "packed"])
 def test_mamba2_block_compiles_as_one_graph(use, monkeypatch, tmp_path):
     """torch._dynamo.explain on a tiny Mamba2 block (pre-norm, mixer, residual) with the Triton conv, SSD and gated
-    norm: one graph, no break, the inner path's one operator in it (lm_kernels.mamba2); and the block compiled by
-    inductor gives the eager output and gradients."""
+    norm: one graph, no break, the inner path's one operator in it (lm_kernels.mamba2) with the norm folded into
+    out_proj; and the block compiled by inductor (the folded norm) gives the eager output and gradients (the norm
+    applied by the operator)."""
     import lm  # noqa: F401  (registration)
     from lm.models import LMMamba2Config
     from lm.models.mamba2 import Mamba2Mixer
@@ -207,6 +208,9 @@ def test_mamba2_block_compiles_as_one_graph(use, monkeypatch, tmp_path):
     assert explained.graph_count == 1
     ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
     assert "lm.mamba2_inner_fwd" in ops, sorted(ops)
+    # one norm group: traced, the norm is folded into out_proj (the operator's last argument, fold)
+    inner = [n for g in explained.graphs for n in g.graph.nodes if str(n.target) == "lm.mamba2_inner_fwd"]
+    assert [n.args[-1] for n in inner] == [True], [n.args[-1] for n in inner]
     if use != "packed":
         return  # inductor (compile time): once, on the packed block (split views of the conv output into the scan)
     leaves = [x, *block.parameters()]

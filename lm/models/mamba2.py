@@ -121,18 +121,29 @@ class Mamba2Mixer(Mixer):
         # in_proj as one product: the inner path's backward writes the gradients of z, xBC and dt into one tensor
         # (lm_kernels.mamba2), so its input gradient and weight gradient are one GEMM each
         # the injection (in_proj's width) is not added to the projection: the conv adds its xBC columns on load, the
-        # gated norm its z columns, the scan its dt columns; its gradient is then the projection's, whole
+        # gated norm (folded: the scan's gate) its z columns, the scan its dt columns; its gradient is then the
+        # projection's, whole
         zxbcdt = self.in_proj(x)
         A = -torch.exp(self.A_log.float())
         conv_w = self.conv1d.weight.squeeze(1)  # a view, whose backward is a view (a select's is a kernel)
         if mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
-            y, conv_state, ssm = mamba2_inner(
+            # compiled, one norm group: the norm folded into out_proj (lm_kernels.mamba2's fold_norm): the scan gates
+            # its output and sums its squares, out_proj takes the norm weight into its own, and the row scale rstd
+            # fuses into the residual add after the block (eager, it would be a pass of its own)
+            fold = torch.compiler.is_compiling() and self.norm.group_size == self.d_inner
+            out = mamba2_inner(
                 zxbcdt, conv_w, self.conv1d.bias, A, d_inner=self.d_inner, headdim=self.headdim,
                 ngroups=self.ngroups, dstate=self.d_state, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
-                dt_limit=self.dt_limit, norm_weight=self.norm.weight, norm_group=self.norm.group_size,
-                eps=self.norm.eps, add=injection, conv_state=state.get("conv"),
+                dt_limit=self.dt_limit, norm_weight=None if fold else self.norm.weight,
+                norm_group=self.norm.group_size, eps=self.norm.eps, add=injection, conv_state=state.get("conv"),
                 initial_state=state.get("ssm"), cu_seqlens=cu_seqlens, return_final_state=cache is not None,
-                max_seqlen=max_seqlen)
+                max_seqlen=max_seqlen, fold_norm=fold)
+            y, conv_state, ssm = out[:3]
+            if fold:
+                if cache is not None:
+                    cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
+                pre = F.linear(y, self.out_proj.weight * self.norm.weight)
+                return (pre * out[3]).to(pre.dtype)
         else:  # the same three ops one by one (the reference backends, CPU)
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
             z_add = x_add = dt_add = None
