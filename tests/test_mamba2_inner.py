@@ -42,6 +42,11 @@ def _inputs(b, t, di, p, g, n, w, *, adds, states, seed):
     return d
 
 
+def _cu(lens):
+    """Packed documents' offsets (int32, from 0) for lengths `lens`, or None."""
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+
+
 def _leaves(d, dtype):
     """The inputs in `dtype` as fresh leaves (whatever ran on `d` before); A stays float32 like the model's
     -exp(A_log.float())."""
@@ -104,7 +109,7 @@ CASES = {
 def test_inner_matches_composed_references(case):
     """float32 against the float64 references, two fresh draws."""
     (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+    cu = _cu(lens)
     dims = (di, p, g, n, ng, chunk)
     final = states or lens is not None
     for seed in (0, 1):
@@ -126,7 +131,7 @@ def test_inner_bf16_equals_the_three_triton_ops(case, monkeypatch):
     """bfloat16: the same numbers as the Triton conv, SSD and gated norm called one by one (the same kernels in the
     same order; bf16 against float64 is the kernels' own tests' business)."""
     (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+    cu = _cu(lens)
     dims = (di, p, g, n, ng, chunk)
     final = states or lens is not None
     d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=2)
@@ -169,7 +174,7 @@ def test_folded_norm_matches_the_references(case):
     the norm weight's included), two fresh draws (the second with the projection's rows padded, the injection's
     not: their strides differ); without autograd the same outputs."""
     (b, t, di, p, g, n, w, _ng, chunk), adds, states, lens = CASES[case]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+    cu = _cu(lens)
     dims = (di, p, g, n, di, chunk)
     final = states or lens is not None
     for seed in (4, 5):
@@ -261,7 +266,7 @@ def test_opcheck():
     for case, fold in (("adds_states", False), ("packed", False), ("adds_states", True), ("packed", True)):
         (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
         ng = di if fold else ng
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+        cu = _cu(lens)
         d = {k: v.float() for k, v in _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=4).items()}
         if fold:
             del d["norm_weight"]

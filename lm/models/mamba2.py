@@ -139,11 +139,7 @@ class Mamba2Mixer(Mixer):
                 initial_state=state.get("ssm"), cu_seqlens=cu_seqlens, return_final_state=cache is not None,
                 max_seqlen=max_seqlen, fold_norm=fold)
             y, conv_state, ssm = out[:3]
-            if fold:
-                if cache is not None:
-                    cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
-                pre = F.linear(y, self.out_proj.weight * self.norm.weight)
-                return (pre * out[3]).to(pre.dtype)
+            rstd = out[3] if fold else None
         else:  # the same three ops one by one (the reference backends, CPU)
             z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
             z_add = x_add = dt_add = None
@@ -159,8 +155,12 @@ class Mamba2Mixer(Mixer):
                                   dt_limit=self.dt_limit, initial_state=state.get("ssm"), cu_seqlens=cu_seqlens,
                                   return_final_state=cache is not None, max_seqlen=max_seqlen)
             y = self.norm(y.reshape(b, t, self.d_inner), z, z_add=z_add)
+            rstd = None
         if cache is not None:
             cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
+        if rstd is not None:  # folded: out_proj with the norm weight in its own, then the rows' scale
+            pre = F.linear(y, self.out_proj.weight * self.norm.weight)
+            return (pre * rstd).to(pre.dtype)
         return self.out_proj(y)
 
     def _step(self, x, injection, cache, state):

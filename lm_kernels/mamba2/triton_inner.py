@@ -94,13 +94,13 @@ def mamba2_inner_fwd(zxbcdt: torch.Tensor, add: Optional[torch.Tensor], conv_wei
         y, final, dtcs, states, ys, ss = ssd_forward(
             x, dt, A, B, C, D, z.view(heads), dt_bias, initial_state, pl, True, (dt_lo, dt_hi), return_final_state,
             save, z_add=z_add.view(heads) if z_add is not None else None, want_ss=True)
-        return (y.view(b, t, d_inner), new_conv_state, final if final is not None else absent(x, torch.float32), xbc,
-                ys.view(b, t, d_inner) if ys is not None else absent(x), dtcs, states, table,
-                rstd_from_sumsq(ss, d_inner, eps).view(b, t, 1))
-    ys, final, dtcs, states, _, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
-                                                (dt_lo, dt_hi), return_final_state, save)
-    ys = ys.view(b, t, d_inner)
-    y, _, rstd = norm_fwd_launch(ys, norm_weight, eps, group, z=z, z_add=z_add, write_rstd=True)
+        ys = ys.view(b, t, d_inner) if ys is not None else absent(x)
+        rstd = rstd_from_sumsq(ss, d_inner, eps)
+    else:
+        ys, final, dtcs, states, _, _ = ssd_forward(x, dt, A, B, C, D, None, dt_bias, initial_state, pl, True,
+                                                    (dt_lo, dt_hi), return_final_state, save)
+        ys = ys.view(b, t, d_inner)
+        y, _, rstd = norm_fwd_launch(ys, norm_weight, eps, group, z=z, z_add=z_add, write_rstd=True)
     return (y.view(b, t, d_inner), new_conv_state, final if final is not None else absent(x, torch.float32), xbc, ys,
             dtcs, states, table, rstd.view(b, t, d_inner // group))
 

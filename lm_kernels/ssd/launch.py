@@ -73,6 +73,8 @@ _scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg
 _scan_fwd4 = autotune(
     configs=(_scan_fwd4_cfgs[:-1] if AUTOTUNE else _scan_fwd4_cfgs[-1:] if INTERPRET else _scan_fwd4_cfgs[:1]),
     key=["P", "N", "R", "L", "HAS_Z"])(chunk_scan_fwd4_kernel)
+
+
 def _widen(configs, P):
     """The configs with a p block of at least P (next power of two), duplicates dropped: for the scan launches that
     store each row's sum of squares over the head's columns (one program per row and head)."""
@@ -100,7 +102,6 @@ def scan_fwd_ss(four: bool, P: int):
         kw = dict(prune_configs_by={"early_config_prune": _prune_fwd2}) if not four else {}
         t = _SS_TUNERS[key] = autotune(configs=_widen(base.configs, P), key=list(base.keys), **kw)(base.fn)
     return t
-
 
 
 _dstate_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, **_CAP128)], ["P", "N", "R"])(dstate_bwd_kernel)

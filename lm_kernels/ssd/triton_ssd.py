@@ -78,10 +78,8 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
     ss = torch.empty(pl.b * pl.T, H, dtype=torch.float32, device=dev) if want_ss else None
     zz = z if z is not None else x
     za = z_add if z_add is not None else zz
-    if za.stride(3) != 1 or za.stride(2) != zz.stride(2):  # the kernel reads z_add through z's head stride
-        za = za.contiguous()
-        if za.stride(2) != zz.stride(2):
-            raise ValueError("ssd (triton backend): z_add needs z's head stride; z's heads are not packed")
+    if za.stride()[2:] != zz.stride()[2:]:  # the kernel reads z_add through z's head and channel strides
+        raise ValueError("ssd (triton backend): z_add must have z's head and channel strides")
     scan_args = (x, CB, C, dtp, cs, states, D if D is not None else dtp, zz, za,
                  ss if ss is not None else dtp, y, ypre if ypre is not None else y,
                  pl.chunk_t0, pl.chunk_len, pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
