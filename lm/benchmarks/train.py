@@ -35,7 +35,6 @@ CASES = {  # name -> (preset, "{size}" filled from --size; implicit settings or 
     "fp_mamba-200m": ("lm_fp_mamba-200m", None),
 }
 DEFAULT_CASES = "mamba2-explicit,mamba2-implicit-4+1,llama-explicit,llama-implicit-4+1"
-_SUFFIX = {"off": "", "on": "+compile", "graphs": "+graphs"}  # --compile -> the case name's suffix
 
 
 def _overrides(args) -> dict:
@@ -68,8 +67,7 @@ def run_case(args) -> dict:
     cfg = config_from_dict({
         "run_dir": str(run_dir),
         "model": {"preset": preset, "implicit": implicit, "activation_checkpointing": args.act_ckpt,
-                  "compile": args.compile in ("on", "graphs"), "cuda_graphs": args.compile == "graphs",
-                  "overrides": overrides},
+                  "compile": args.compile == "on", "overrides": overrides},
         "data": {"source": "synthetic", "seq_len": args.seq_len, "synthetic_vocab": vocab},
         "optim": {"lr": 1e-3},
         "schedule": {"kind": "constant", "warmup": 0},
@@ -113,8 +111,7 @@ def run_case(args) -> dict:
 
     fpt = flops_per_token(load_config(preset, implicit=implicit, **overrides), args.seq_len)["train"]
     out = {
-        "case": args.case + _SUFFIX[args.compile], "compile": args.compile in ("on", "graphs"),
-        "cuda_graphs": args.compile == "graphs",
+        "case": args.case + ("+compile" if args.compile == "on" else ""), "compile": args.compile == "on",
         "preset": preset, "implicit": implicit, "overrides": overrides, "params": start["params"],
         "engine": start["engine"], "device": start["device"], "precision": args.precision,
         "seq_len": args.seq_len, "micro_batch_size": args.micro, "accumulation": args.accum,
@@ -324,9 +321,8 @@ def main() -> int:
                     help="train.deepspeed_config: a DeepSpeed json or a packaged one (zero1, zero2)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing")
-    ap.add_argument("--compile", default="off", choices=["off", "on", "graphs", "both"],
-                    help="model.compile (torch.compile per block); graphs: compiled, with model.cuda_graphs; both: "
-                         "each case eager, then compiled")
+    ap.add_argument("--compile", default="off", choices=["off", "on", "both"],
+                    help="model.compile (torch.compile per block); both: each case eager, then compiled")
     ap.add_argument("--peak-flops", type=float, default=989e12)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per case")
     ap.add_argument("--out", default=None, help="JSON file for the results")
@@ -403,13 +399,13 @@ def main() -> int:
                 print(f"{case} (compile {mode}): out of memory, retrying with micro-batch {micro} x {accum}", flush=True)
                 continue
             print(f"{case} (compile {mode}): FAILED (rc {rc})\n{text[-4000:]}", flush=True)
-            results.append({"case": case + _SUFFIX[mode], "error": text[-4000:]})
+            results.append({"case": case + ("+compile" if mode == "on" else ""), "error": text[-4000:]})
             break
         if args.out:  # after every case: a run cut short by a time limit keeps what it measured
             Path(args.out).write_text(json.dumps({"results": results, "ratios": {}}, indent=1))
     by = {r["case"]: r for r in results if "error" not in r}
     ratios = {}
-    for fam, sfx in [(f, s) for f in ("mamba2", "llama") for s in _SUFFIX.values()]:
+    for fam, sfx in [(f, s) for f in ("mamba2", "llama") for s in ("", "+compile")]:
         e, i = by.get(f"{fam}-explicit{sfx}"), by.get(f"{fam}-implicit-4+1{sfx}")
         if e and i:
             ratios[f"{fam}{sfx}_implicit_over_explicit_step_time"] = (

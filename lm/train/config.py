@@ -42,9 +42,6 @@ class ModelSection:
     init_from: Union[str, None] = None       # an HF folder (lm export output) to start from
     activation_checkpointing: bool = False   # model.gradient_checkpointing_enable()
     compile: bool = False                    # torch.compile each block (a Mamba2 block: one graph)
-    # with compile, on CUDA: each compiled block replays as CUDA graphs (torch.compile mode "reduce-overhead"),
-    # so the host's per-kernel launch work leaves the step (lm/train/BENCH.md, session 35)
-    cuda_graphs: bool = False
 
 
 @dataclasses.dataclass
@@ -365,8 +362,6 @@ def validate(cfg: TrainConfig) -> None:
     _need(d.source in ("shards", "synthetic", "task"), "data.source", "must be 'shards', 'synthetic' or 'task'",
           d.source)
     _need(d.seq_len >= 1, "data.seq_len", "must be >= 1", d.seq_len)
-    _need(cfg.model.compile or not cfg.model.cuda_graphs, "model.cuda_graphs",
-          "needs model.compile: true (the graphs are those of the compiled blocks)", cfg.model.cuda_graphs)
     _need(d.synthetic_vocab >= 2, "data.synthetic_vocab", "must be >= 2", d.synthetic_vocab)
     _need(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     _need(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),

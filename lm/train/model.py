@@ -76,5 +76,5 @@ def build_model(cfg, config, phases, data_vocab: int):
             raise ValueError("model.activation_checkpointing: this model does not support activation checkpointing")
     if m.compile:  # per block: the solver loop, the cache and the kernels stay eager
         for layer in model.model.layers:
-            layer.compile(**({"mode": "reduce-overhead"} if m.cuda_graphs else {}))
+            layer.compile()
     return model

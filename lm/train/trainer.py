@@ -272,7 +272,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         # straight ahead of this one, else a marker now
         start = pending.results[1] if pending is not None else _device_marker(dist.device)
         losses, fp_stats, (applied, grad_norm) = _step(engine, train_reader, plan.accumulation, dist, lr,
-                                                       t.fused_loss, step, hooks, cfg.model.cuda_graphs)
+                                                       t.fused_loss, step, hooks)
         step += 1
         cur = _Pending(step, lr, t0, start, _results(losses, applied, grad_norm, dist, plan.accumulation,
                                                      signals.signal_name is not None, budget.clock_s()), fp_stats,
@@ -418,14 +418,10 @@ def _read_step(p: _Pending) -> tuple[float, float, float, bool, bool, float, flo
     return loss_sum, nonfinite, n_micro, stops > 0, bool(applied), norm, clock_s
 
 
-def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: bool, step: int, hooks: dict,
-          graphs: bool = False):
-    """One optimizer step over `accumulation` micro-batches: (micro losses, solver stats, (applied, grad_norm)).
-    graphs (model.cuda_graphs): each micro-batch starts a new round of the blocks' CUDA graphs."""
+def _step(engine, reader, accumulation: int, dist: Dist, lr: float, fused_loss: bool, step: int, hooks: dict):
+    """One optimizer step over `accumulation` micro-batches: (micro losses, solver stats, (applied, grad_norm))."""
     losses, fp_stats, result = [], [], None
     for micro in range(accumulation):
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
         inputs = to_model_inputs(next(reader), dist.device)
         if fused_loss:
             inputs["fused_loss"] = True
