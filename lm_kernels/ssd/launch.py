@@ -152,18 +152,6 @@ def tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state):
             None if initial_state is None else initial_state.dtype)
 
 
-_DUMMIES = {}
-
-
-def _dummy_i32(dev):
-    """A one-element int32 tensor per device for the unused chunk-table arguments (made once: a fresh
-    torch.zeros per call cost a fill kernel and host time)."""
-    t = _DUMMIES.get(dev)
-    if t is None:
-        t = _DUMMIES[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
-    return t
-
-
 _PLANS = {}
 
 
@@ -247,8 +235,11 @@ class Plan:
             self.nseq = b
             self.NC = max(1, -(-t // L))
             self.NCB = num_chunk_blocks(b, t, b, L, False)
-            dummy = _dummy_i32(dev)
-            self.cu = self.chunk_first = self.chunk_t0 = self.chunk_len = dummy
+            # the kernels read the chunk table only for packed documents: a 0-element tensor (a null pointer, no
+            # storage) stands in for it, so a cached plan holds no device memory (under torch.compile's CUDA graphs
+            # a tensor kept from the first call sits in the graphs' memory pool as a leak)
+            none = torch.empty(0, dtype=torch.int32, device=dev)
+            self.cu = self.chunk_first = self.chunk_t0 = self.chunk_len = none
         self.BPF = p2(p)
         self.BNF = p2(n)
         self.BM = min(TILE_ROWS, L)
