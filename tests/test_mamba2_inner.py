@@ -105,15 +105,20 @@ CASES = {
 }
 
 
+def _case(case, fold=False):
+    """A CASES entry as (shape (b, t, d_inner, headdim, ngroups, dstate, width), adds, states, packed offsets or None,
+    dims, final state wanted); fold: one norm group (fold_norm's)."""
+    (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
+    return (b, t, di, p, g, n, w), adds, states, _cu(lens), (di, p, g, n, di if fold else ng, chunk), \
+        states or lens is not None
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_inner_matches_composed_references(case):
     """float32 against the float64 references, two fresh draws."""
-    (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
-    cu = _cu(lens)
-    dims = (di, p, g, n, ng, chunk)
-    final = states or lens is not None
+    shape, adds, states, cu, dims, final = _case(case)
     for seed in (0, 1):
-        d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=seed)
+        d = _inputs(*shape, adds=adds, states=states, seed=seed)
         d = {k: v.float().double() for k, v in d.items()}  # the reference sees the rounded inputs
         outs, grads = _run(_fused, _leaves(d, torch.float32), dims, cu, final)
         ref_outs, ref_grads = _run(_composed, _leaves(d, F64), dims, cu, final)
@@ -130,11 +135,8 @@ def test_inner_matches_composed_references(case):
 def test_inner_bf16_equals_the_three_triton_ops(case, monkeypatch):
     """bfloat16: the same numbers as the Triton conv, SSD and gated norm called one by one (the same kernels in the
     same order; bf16 against float64 is the kernels' own tests' business)."""
-    (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
-    cu = _cu(lens)
-    dims = (di, p, g, n, ng, chunk)
-    final = states or lens is not None
-    d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=2)
+    shape, adds, states, cu, dims, final = _case(case)
+    d = _inputs(*shape, adds=adds, states=states, seed=2)
     monkeypatch.setenv("LM_RMSNORM_BACKEND", "triton")  # the gated norm's kernels in rms_norm
     outs, grads = _run(_fused, _leaves(d, torch.bfloat16), dims, cu, final)
     ref_outs, ref_grads = _run(partial(_composed, backend="triton"), _leaves(d, torch.bfloat16), dims, cu, final)
@@ -146,10 +148,11 @@ def test_inner_bf16_equals_the_three_triton_ops(case, monkeypatch):
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=0, atol=0, msg=k)
 
 
-def _projected(fold, d, dims, cu, final, pad=0):
+def _projected(fold, d, dims, cu, final, pad=0, inner=None):
     """out = RMSNorm(...) @ W^T, the gated norm folded into the projection (fold: u from the operator with fold_norm,
-    out = (u @ (W * norm_weight)^T) * rstd, rstd outside autograd) or not (the float64 references). pad: the
-    projection read as the first columns of a wider tensor (inductor pads a GEMM's rows), the injection not."""
+    out = (u @ (W * norm_weight)^T) * rstd, rstd outside autograd) or not (`inner`'s normalized output, the float64
+    references by default). pad: the projection read as the first columns of a wider tensor (inductor pads a GEMM's
+    rows), the injection not."""
     di = dims[0]
     if fold:
         zx = d["zxbcdt"]
@@ -163,7 +166,7 @@ def _projected(fold, d, dims, cu, final, pad=0):
             return_final_state=final, fold_norm=True)
         assert not rstd.requires_grad and rstd.shape == (*u.shape[:2], 1)
         return (u @ (d["out_weight"] * d["norm_weight"]).t()) * rstd, ncs, fin
-    y, ncs, fin = _composed(d, dims, cu, final)
+    y, ncs, fin = (inner or _composed)(d, dims, cu, final)
     return y @ d["out_weight"].t(), ncs, fin
 
 
@@ -173,13 +176,10 @@ def test_folded_norm_matches_the_references(case):
     against RMSNorm(...) @ W^T composed from the float64 references, outputs and every gradient (the projection's and
     the norm weight's included), two fresh draws (the second with the projection's rows padded, the injection's
     not: their strides differ); without autograd the same outputs."""
-    (b, t, di, p, g, n, w, _ng, chunk), adds, states, lens = CASES[case]
-    cu = _cu(lens)
-    dims = (di, p, g, n, di, chunk)
-    final = states or lens is not None
+    shape, adds, states, cu, dims, final = _case(case, fold=True)
     for seed in (4, 5):
-        d = _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=seed)
-        d["out_weight"] = torch.randn(24, di, generator=torch.Generator().manual_seed(seed), dtype=F64) * 0.2
+        d = _inputs(*shape, adds=adds, states=states, seed=seed)
+        d["out_weight"] = torch.randn(24, dims[0], generator=torch.Generator().manual_seed(seed), dtype=F64) * 0.2
         d = {k: v.float().double() for k, v in d.items()}
         pad = 8 if seed == 5 else 0  # the second draw: the projection with padded rows
         outs, grads = _run(partial(_projected, True, pad=pad), _leaves(d, torch.float32), dims, cu, final)

@@ -80,12 +80,6 @@ def test_gpu_inner_backward_side_stream_equals_one_stream(packed, monkeypatch):
             assert torch.equal(g2[k], one[k]), k
 
 
-def _fused_projected(d, dims, cu, final):
-    """The operator with its norm (not folded), then the projection."""
-    y, ncs, fin = _fused(d, dims, cu, final)
-    return y @ d["out_weight"].t(), ncs, fin
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
 def test_gpu_folded_norm_vs_float64_references(packed):
     """fold_norm at Mamba2-350M's layer: (u @ (W * w)^T) * rstd against RMSNorm(...) @ W^T from the float64
@@ -105,7 +99,7 @@ def test_gpu_folded_norm_vs_float64_references(packed):
     print("float32", {k: f"{v:.1e}" for k, v in errs.items()})
     assert all(v < 5e-3 for v in errs.values()), errs
     outs, grads = _run(partial(_projected, True, pad=32), _leaves(d, torch.bfloat16), DIMS, cu, True)
-    un_outs, un_grads = _run(_fused_projected, _leaves(d, torch.bfloat16), DIMS, cu, True)
+    un_outs, un_grads = _run(partial(_projected, False, inner=_fused), _leaves(d, torch.bfloat16), DIMS, cu, True)
     for i, (a, u, r) in enumerate(zip(outs, un_outs, ref_outs)):
         assert _rel(a, r) < max(2 * _rel(u, r), 1e-2), (i, _rel(a, r), _rel(u, r))
     for k in ref_grads:

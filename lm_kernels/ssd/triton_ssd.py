@@ -88,16 +88,15 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
     flags = dict(L=L, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2, HAS_Z=z is not None,
                  STORE_PRE=store_pre, HAS_ZADD=z_add is not None, STORE_SS=want_ss, IS_VARLEN=pl.varlen,
                  DOT_PREC=prec, DOT_DT=ddt)
-    four = x.dtype != torch.float32 and L in (2 * pl.BM, 4 * pl.BM)
     # (float32 operands compile for sm_90 with spills and twice the shared memory: chunk_scan_fwd2 there)
+    four = x.dtype != torch.float32 and L in (2 * pl.BM, 4 * pl.BM)
+    tuner = ln.scan_fwd_ss(four, P) if want_ss else ln._scan_fwd4 if four else ln._scan_fwd2
     if four:
-        tuner = ln.scan_fwd_ss(True, P) if want_ss else ln._scan_fwd4
-        ln.launch(tuner, ("scan4", tk, want_ss), lambda META: (cdiv(P, META["BP"]), H, pl.NCB), scan_args,
-                  dict(BM=pl.BM, **flags))
+        grid = lambda META: (cdiv(P, META["BP"]), H, pl.NCB)  # noqa: E731
+        flags = dict(BM=pl.BM, **flags)
     else:
-        tuner = ln.scan_fwd_ss(False, P) if want_ss else ln._scan_fwd2
-        ln.launch(tuner, ("scan2", tk, want_ss),
-                  lambda META: (cdiv(L, META["BM"]) * cdiv(P, META["BP"]), H, pl.NCB), scan_args, flags)
+        grid = lambda META: (cdiv(L, META["BM"]) * cdiv(P, META["BP"]), H, pl.NCB)  # noqa: E731
+    ln.launch(tuner, ("scan4" if four else "scan2", tk, want_ss), grid, scan_args, flags)
     return y, final, dtcs, states, ypre, ss
 
 
