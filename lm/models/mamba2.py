@@ -64,6 +64,7 @@ class LMMamba2Config(LMConfig):
 
 class Mamba2Mixer(Mixer):
     reads_input_once = True  # x only through in_proj (Mixer.reads_input_once)
+    capturable = True  # (Mixer.capturable)
 
     def __init__(self, config: LMMamba2Config, layer_idx: int):
         super().__init__()

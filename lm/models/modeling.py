@@ -34,6 +34,7 @@ from .config import ImplicitSettings, LMConfig
 from .decode import decoder_for, resolve_decode
 from .layers import RMSNorm, SwiGLU, add_rms_norm
 from .loss import linear_cross_entropy, logits_cross_entropy
+from .solve_graph import capturable, solve_map
 
 try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as init
@@ -54,6 +55,10 @@ class Mixer(nn.Module):
     # over in the autocast dtype also with autograd (the projection would cast it, and x's gradient is that one
     # product's input gradient, in that dtype either way: no sum of several gradients in a 16-bit dtype)
     reads_input_once: bool = False
+    # True where forward, without a cache, packed documents or autograd, only queues device work (no host
+    # synchronisation, no host-side state): an implicit model's solve may then replay the stack as one captured CUDA
+    # graph (lm.models.solve_graph)
+    capturable: bool = False
 
     @staticmethod
     def injection_dim(config) -> int:
@@ -380,11 +385,14 @@ class LMModel(LMPreTrainedModel):
 
     def _simultaneous(self, emb, settings, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None):
         inj = self.injection(emb)
-        f = self.fixed_point_map(inj, None, cu_seqlens, self._shared(emb, None, cu_seqlens, max_seqlen, cu_seqlens_cpu))
+        shared = self._shared(emb, None, cu_seqlens, max_seqlen, cu_seqlens_cpu)
+        f = self.fixed_point_map(inj, None, cu_seqlens, shared)
         z0 = torch.zeros_like(emb)
+        # the solve's iterations replay one captured graph of the map where they can (lm.models.solve_graph)
+        f_solve = solve_map(self, inj, shared, z0) if capturable(self, inj, cu_seqlens, None) else f
         # packed sequences: one "sample" per document is not separable here; the batch row is the unit
         z, st = solve(
-            f, z0, damping=settings.damping, stop_quantile=settings.stop_quantile, norm=settings.norm,
+            f_solve, z0, damping=settings.damping, stop_quantile=settings.stop_quantile, norm=settings.norm,
             anderson=settings.anderson, **self._solver_args(settings),
         )
         if torch.is_grad_enabled() and settings.phantom_steps > 0:
