@@ -81,7 +81,8 @@ class _Entry:
                 self.f(self.z)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # (thread_local: other threads of the process, e.g. a run's heartbeat, may use the CUDA API meanwhile)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.out = self.f(self.z)
         self.graph = graph
 
@@ -102,8 +103,9 @@ def solve_map(model, inj: torch.Tensor, shared: dict, z: torch.Tensor) -> Callab
     (captured on the first call for these shapes), or the plain map where the capture fails. The caller checked
     `capturable`."""
     autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    # (inference mode in the key: buffers made under it cannot be written outside it)
     key = (_spec(inj), _spec(z), tuple(map(_spec, tree_flatten(shared)[0])), autocast, model.training,
-           tuple(p.data_ptr() for p in model.parameters()))
+           torch.is_inference_mode_enabled(), tuple(p.data_ptr() for p in model.parameters()))
     graphs, seen = _GRAPHS.setdefault(model, (OrderedDict(), OrderedDict()))
     entry = graphs.get(key)
     if entry is None:
