@@ -1,7 +1,10 @@
-"""Where the implicit solve may replay a captured CUDA graph of its map (lm.models.solve_graph.capturable); the
-replay itself is checked on a GPU (tests/test_solve_graph_gpu.py)."""
+"""Where the implicit solve may replay a captured CUDA graph of its map (lm.models.solve_graph.capturable), and
+solve_map's bookkeeping with a stand-in capture: a key is captured at its second forward, each forward's injection
+is copied in, a moved parameter makes a new key, old keys are dropped, a failed capture warns and turns capture off
+for the model. The replay itself is checked on a GPU (tests/test_solve_graph_gpu.py)."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -39,3 +42,56 @@ def test_switch_rejects_other_values(monkeypatch):
     monkeypatch.setenv("LM_SOLVE_CUDA_GRAPH", "yes")
     with pytest.raises(ValueError, match="LM_SOLVE_CUDA_GRAPH"):
         solve_graph.enabled()
+
+
+def _stand_in_capture(monkeypatch):
+    """solve_map's bookkeeping on CPU: the 'capture' records the entry and a 'replay' runs its map on the static
+    copies (so a stale copy of the injection would show); no CUDA context."""
+    captured = []
+    monkeypatch.setattr(solve_graph._Entry, "capture", lambda self: captured.append(self))
+    monkeypatch.setattr(solve_graph._Entry, "__call__", lambda self, z: self.f(self.z.copy_(z)).clone())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    return captured
+
+
+def test_solve_map_captures_a_key_at_its_second_forward_and_reads_new_inputs(monkeypatch):
+    captured = _stand_in_capture(monkeypatch)
+    model = _model("lm_mamba2-tiny").model.eval()
+    gen = torch.Generator().manual_seed(0)
+    width = model.injection.proj.out_features
+    z = torch.randn(2, 16, model.config.hidden_size, generator=gen)
+    with torch.no_grad():
+        for step in range(3):
+            inj = torch.randn(2, 16, width, generator=gen)
+            f = solve_graph.solve_map(model, inj, {}, torch.zeros_like(z))
+            assert isinstance(f, solve_graph._Entry) == (step > 0)
+            assert len(captured) == (step > 0)
+            torch.testing.assert_close(f(z), model.fixed_point_map(inj)(z), rtol=0, atol=0)
+        # a parameter that moves makes a new key (captured at its second forward); at most MAX_GRAPHS are kept
+        for i in range(2 * solve_graph.MAX_GRAPHS):
+            w = model.layers[0].mixer.in_proj.weight
+            model.layers[0].mixer.in_proj.weight = torch.nn.Parameter(w.detach() * 0.9)
+            for _ in range(2):
+                f = solve_graph.solve_map(model, inj, {}, torch.zeros_like(z))
+            torch.testing.assert_close(f(z), model.fixed_point_map(inj)(z), rtol=0, atol=0)
+        assert len(captured) == 1 + 2 * solve_graph.MAX_GRAPHS
+        assert len(solve_graph._GRAPHS[model][0]) == solve_graph.MAX_GRAPHS
+
+
+def test_a_failed_capture_warns_and_the_model_solves_uncaptured(monkeypatch):
+    _stand_in_capture(monkeypatch)
+
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(solve_graph._Entry, "capture", fail)
+    model = _model("lm_mamba2-tiny").model.eval()
+    inj = torch.randn(1, 8, model.injection.proj.out_features)
+    z = torch.zeros(1, 8, model.config.hidden_size)
+    with torch.no_grad():
+        solve_graph.solve_map(model, inj, {}, z)
+        with pytest.warns(UserWarning, match="could not be captured"):
+            f = solve_graph.solve_map(model, inj, {}, z)
+    assert not isinstance(f, solve_graph._Entry)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not solve_graph.capturable(model, types.SimpleNamespace(device=torch.device("cuda", 0)), None, None)
