@@ -89,4 +89,6 @@ def test_forward_ratio_mode(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["nograd_forward_ms"] > 0 and r["forward_backward_ms"] > 0
+    assert 0 < r["nograd_forward_host_ms"] <= r["nograd_forward_ms"]
+    assert "captured_nograd_forward_ms" not in r  # (CPU: nothing captured)
     assert r["implied_implicit_4p1_over_explicit"] > 1

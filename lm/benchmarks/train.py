@@ -233,7 +233,9 @@ def forward_ratio(args) -> dict:
     work of one solver iteration vs the phantom step's forward), and forward + backward of f, at --micro x
     --seq-len, bf16 autocast, blocks compiled with --compile on (as the trainer). The (s+1) implicit step costs
     about s no-grad forwards plus one forward + backward beyond the explicit step's, so the ratio implied for
-    (4+1) is 1 + 4 t(no-grad) / t(forward + backward) (the embedding, injection and head are left out of both)."""
+    (4+1) is 1 + 4 t(no-grad) / t(forward + backward) (the embedding, injection and head are left out of both).
+    Each time also as the host's (until the call returns); on CUDA, where the solve replays a captured graph of f
+    (lm.models.solve_graph), that replay's times too."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -272,27 +274,46 @@ def forward_ratio(args) -> dict:
         model.zero_grad(set_to_none=True)
 
     def timed(fn, reps):
+        """Medians of (wall, host): until the device is done, and until the call returns (the host's work where the
+        device keeps up; at a small --micro the device waits for the host and the two meet)."""
         for _ in range(max(2, args.warmup)):
             fn()
-        times = []
+        walls, hosts = [], []
         for _ in range(reps):
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = fn()
+            hosts.append(time.perf_counter() - t0)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            walls.append(time.perf_counter() - t0)
             del out
-        return statistics.median(times)
+        return statistics.median(walls), statistics.median(hosts)
 
     reps = max(3, args.steps)
-    t_ng, t_gf, t_fb = timed(nograd, reps), timed(grad_forward, reps), timed(forward_backward, reps)
+    (t_ng, h_ng), (t_gf, h_gf), (t_fb, h_fb) = (timed(nograd, reps), timed(grad_forward, reps),
+                                                timed(forward_backward, reps))
     out = {"mode": "forward_ratio", "preset": preset, "compile": args.compile == "on", "micro": args.micro,
            "seq_len": args.seq_len, "precision": args.precision, "device": str(dev),
            "nograd_forward_ms": 1e3 * t_ng, "grad_forward_ms": 1e3 * t_gf, "forward_backward_ms": 1e3 * t_fb,
+           "nograd_forward_host_ms": 1e3 * h_ng, "grad_forward_host_ms": 1e3 * h_gf,
+           "forward_backward_host_ms": 1e3 * h_fb,
            "nograd_over_grad_forward": t_ng / t_gf, "nograd_over_forward_backward": t_ng / t_fb,
            "implied_implicit_4p1_over_explicit": 1 + 4 * t_ng / t_fb}
+    from lm.models import solve_graph
+
+    if solve_graph.capturable(model.model, inj, None, None):  # the solve's captured map (lm.models.solve_graph)
+        with torch.no_grad(), amp:
+            for _ in range(2):  # captured at the second sighting of the shape
+                g = solve_graph.solve_map(model.model, inj, shared, z)
+
+        def captured():
+            with torch.no_grad(), amp:
+                return g(z)
+
+        t_cg, h_cg = timed(captured, reps)
+        out.update(captured_nograd_forward_ms=1e3 * t_cg, captured_nograd_forward_host_ms=1e3 * h_cg)
     if dev.type == "cuda":
         from lm.benchmarks import kernel_times
 
@@ -340,6 +361,10 @@ def main() -> int:
               f"grad forward {r['grad_forward_ms']:.1f} ms, forward+backward {r['forward_backward_ms']:.1f} ms; "
               f"no-grad / grad forward {r['nograd_over_grad_forward']:.3f}; implied (4+1) / explicit "
               f"{r['implied_implicit_4p1_over_explicit']:.2f}")
+        print(f"  host (until the call returns): no-grad forward {r['nograd_forward_host_ms']:.1f} ms, grad forward "
+              f"{r['grad_forward_host_ms']:.1f} ms, forward+backward {r['forward_backward_host_ms']:.1f} ms"
+              + (f"; captured no-grad forward {r['captured_nograd_forward_ms']:.1f} ms (host "
+                 f"{r['captured_nograd_forward_host_ms']:.2f} ms)" if "captured_nograd_forward_ms" in r else ""))
         for name, ks in r.get("kernels", {}).items():
             print(f"  {name} (ms per call):")
             for k, v in list(ks.items())[:15]:
