@@ -67,9 +67,12 @@ def test_solve_map_captures_a_key_at_its_second_forward_and_reads_new_inputs(mon
             assert isinstance(f, solve_graph._Entry) == (step > 0)
             assert len(captured) == (step > 0)
             torch.testing.assert_close(f(z), model.fixed_point_map(inj)(z), rtol=0, atol=0)
-        # a parameter that moves makes a new key (captured at its second forward); at most MAX_GRAPHS are kept
+        # a parameter that moves makes a new key (captured at its second forward); at most MAX_GRAPHS are kept. (The
+        # old weights stay alive: a new one at a freed one's address would be that key again, which replays correctly.)
+        old = []
         for i in range(2 * solve_graph.MAX_GRAPHS):
             w = model.layers[0].mixer.in_proj.weight
+            old.append(w)
             model.layers[0].mixer.in_proj.weight = torch.nn.Parameter(w.detach() * 0.9)
             for _ in range(2):
                 f = solve_graph.solve_map(model, inj, {}, torch.zeros_like(z))
