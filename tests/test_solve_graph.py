@@ -34,14 +34,6 @@ def test_capturable_needs_cuda_and_capturable_mixers(preset, capturable, monkeyp
     assert solve_graph.capturable(model, cuda_inj, None, None) == capturable
     assert not solve_graph.capturable(model, cuda_inj, torch.tensor([0, 4]), None)  # packed documents
     assert not solve_graph.capturable(model, cuda_inj, None, object())  # a generation cache
-    monkeypatch.setenv("LM_SOLVE_CUDA_GRAPH", "0")
-    assert not solve_graph.capturable(model, cuda_inj, None, None)
-
-
-def test_switch_rejects_other_values(monkeypatch):
-    monkeypatch.setenv("LM_SOLVE_CUDA_GRAPH", "yes")
-    with pytest.raises(ValueError, match="LM_SOLVE_CUDA_GRAPH"):
-        solve_graph.enabled()
 
 
 def _stand_in_capture(monkeypatch):
@@ -63,7 +55,7 @@ def test_solve_map_captures_a_key_at_its_second_forward_and_reads_new_inputs(mon
     with torch.no_grad():
         for step in range(3):
             inj = torch.randn(2, 16, width, generator=gen)
-            f = solve_graph.solve_map(model, inj, {}, torch.zeros_like(z))
+            f = solve_graph.solve_map(model, model.fixed_point_map(inj), inj, {}, torch.zeros_like(z))
             assert isinstance(f, solve_graph._Entry) == (step > 0)
             assert len(captured) == (step > 0)
             torch.testing.assert_close(f(z), model.fixed_point_map(inj)(z), rtol=0, atol=0)
@@ -75,7 +67,7 @@ def test_solve_map_captures_a_key_at_its_second_forward_and_reads_new_inputs(mon
             old.append(w)
             model.layers[0].mixer.in_proj.weight = torch.nn.Parameter(w.detach() * 0.9)
             for _ in range(2):
-                f = solve_graph.solve_map(model, inj, {}, torch.zeros_like(z))
+                f = solve_graph.solve_map(model, model.fixed_point_map(inj), inj, {}, torch.zeros_like(z))
             torch.testing.assert_close(f(z), model.fixed_point_map(inj)(z), rtol=0, atol=0)
         assert len(captured) == 1 + 2 * solve_graph.MAX_GRAPHS
         assert len(solve_graph._GRAPHS[model][0]) == solve_graph.MAX_GRAPHS
@@ -92,9 +84,9 @@ def test_a_failed_capture_warns_and_the_model_solves_uncaptured(monkeypatch):
     inj = torch.randn(1, 8, model.injection.proj.out_features)
     z = torch.zeros(1, 8, model.config.hidden_size)
     with torch.no_grad():
-        solve_graph.solve_map(model, inj, {}, z)
+        solve_graph.solve_map(model, model.fixed_point_map(inj), inj, {}, z)
         with pytest.warns(UserWarning, match="could not be captured"):
-            f = solve_graph.solve_map(model, inj, {}, z)
+            f = solve_graph.solve_map(model, model.fixed_point_map(inj), inj, {}, z)
     assert not isinstance(f, solve_graph._Entry)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert not solve_graph.capturable(model, types.SimpleNamespace(device=torch.device("cuda", 0)), None, None)

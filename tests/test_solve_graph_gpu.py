@@ -1,5 +1,5 @@
 """The implicit solve's map replayed as a captured CUDA graph (lm.models.solve_graph) trains as the plain map does:
-two copies of a tiny implicit model, one with LM_SOLVE_CUDA_GRAPH=0, take the same optimizer steps on new batches
+two copies of a tiny implicit model, one solving through the plain map, take the same optimizer steps on new batches
 (the injection changes, the parameters move in place), bounded and free phase, eager and compiled blocks; and
 evaluation (its own graph) matches too."""
 from __future__ import annotations
@@ -29,8 +29,15 @@ def _models(preset, implicit, compiled):
     return graphed, plain
 
 
+def _graphs(monkeypatch, on):
+    """Let the solve capture (the shipped check) or not (the plain map, the reference)."""
+    from lm.models import modeling, solve_graph
+
+    monkeypatch.setattr(modeling, "capturable", solve_graph.capturable if on else (lambda *a: False))
+
+
 def _step(model, opt, ids, amp, monkeypatch, graph):
-    monkeypatch.setenv("LM_SOLVE_CUDA_GRAPH", "1" if graph else "0")
+    _graphs(monkeypatch, graph)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
         out = model(ids, labels=ids)
     out.loss.backward()
@@ -67,9 +74,9 @@ def test_graphed_solve_trains_as_the_plain_map(preset, tol, compiled, amp, monke
     with torch.no_grad():
         for _ in range(2):  # the second forward of the evaluation shape replays its graph
             ids = torch.randint(1, graphed.config.vocab_size, (3, 64), device="cuda", generator=gen)
-            monkeypatch.setenv("LM_SOLVE_CUDA_GRAPH", "1")
+            _graphs(monkeypatch, True)
             a = graphed(ids).logits
-            monkeypatch.setenv("LM_SOLVE_CUDA_GRAPH", "0")
+            _graphs(monkeypatch, False)
             b = plain(ids).logits
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert len(graphs) == 2
@@ -80,7 +87,7 @@ def test_parameters_that_move_are_captured_again(monkeypatch):
     from lm.models import solve_graph
 
     graphed, plain = _models("lm_mamba2-tiny", {"max_iter": 3, "phantom_steps": 1}, False)
-    monkeypatch.setenv("LM_SOLVE_CUDA_GRAPH", "1")
+    _graphs(monkeypatch, True)
     ids = torch.randint(1, graphed.config.vocab_size, (2, 64), device="cuda")
     with torch.no_grad():
         for _ in range(2):
@@ -90,7 +97,7 @@ def test_parameters_that_move_are_captured_again(monkeypatch):
         plain.model.layers[0].mixer.in_proj.weight = torch.nn.Parameter(w.detach().clone() * 0.5)
         for _ in range(2):
             a = graphed(ids).logits
-        monkeypatch.setenv("LM_SOLVE_CUDA_GRAPH", "0")
+        _graphs(monkeypatch, False)
         b = plain(ids).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert len(solve_graph._GRAPHS[graphed.model][0]) == 2

@@ -306,7 +306,7 @@ def forward_ratio(args) -> dict:
     if solve_graph.capturable(model.model, inj, None, None):  # the solve's captured map (lm.models.solve_graph)
         with torch.no_grad(), amp:
             for _ in range(2):  # captured at the second sighting of the shape
-                g = solve_graph.solve_map(model.model, inj, shared, z)
+                g = solve_graph.solve_map(model.model, f, inj, shared, z)
 
         def captured():
             with torch.no_grad(), amp:

@@ -389,7 +389,7 @@ class LMModel(LMPreTrainedModel):
         f = self.fixed_point_map(inj, None, cu_seqlens, shared)
         z0 = torch.zeros_like(emb)
         # the solve's iterations replay one captured graph of the map where they can (lm.models.solve_graph)
-        f_solve = solve_map(self, inj, shared, z0) if capturable(self, inj, cu_seqlens, None) else f
+        f_solve = solve_map(self, f, inj, shared, z0) if capturable(self, inj, cu_seqlens, None) else f
         # packed sequences: one "sample" per document is not separable here; the batch row is the unit
         z, st = solve(
             f_solve, z0, damping=settings.damping, stop_quantile=settings.stop_quantile, norm=settings.norm,

@@ -18,12 +18,11 @@ one-off shapes (evaluation batches) cost no capture.
 Not captured (the plain map runs): CPU tensors, packed documents (their chunk tables are built on the host per batch),
 generation caches, mixers not marked capturable (Mixer.capturable: Mamba2's, checked against the plain map on an H100;
 FP-Mamba's inner solve synchronises with the host; the other mixers are not yet checked on a GPU), parameters that
-DeepSpeed ZeRO-3 gathers per forward, a forward already inside a capture or under torch.compile, and
-LM_SOLVE_CUDA_GRAPH=0 (read at each forward). A capture that fails warns once and the model then solves uncaptured.
+DeepSpeed ZeRO-3 gathers per forward, and a forward already inside a capture or under torch.compile. A capture that
+fails warns once and the model then solves uncaptured.
 """
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from collections import OrderedDict
@@ -38,18 +37,11 @@ _GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[OrderedDict, OrderedD
 _FAILED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
-def enabled() -> bool:
-    v = os.environ.get("LM_SOLVE_CUDA_GRAPH", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"LM_SOLVE_CUDA_GRAPH={v!r} must be 0 or 1 (or unset)")
-    return v == "1"
-
-
 def capturable(model, inj: torch.Tensor, cu_seqlens, cache) -> bool:
     """Whether the solve of this forward can replay a captured graph of the map (see the module docstring)."""
     if inj.device.type != "cuda" or cu_seqlens is not None or cache is not None or model in _FAILED:
         return False
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or not enabled():
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return False
     if not all(getattr(layer.mixer, "capturable", False) for layer in model.layers):
         return False
@@ -98,10 +90,10 @@ class _Entry:
         return self.out.clone()
 
 
-def solve_map(model, inj: torch.Tensor, shared: dict, z: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The map F for the no-grad solve of `model` (an LMModel) from iterates like `z`: a captured graph's replay
-    (captured on the first call for these shapes), or the plain map where the capture fails. The caller checked
-    `capturable`."""
+def solve_map(model, f, inj: torch.Tensor, shared: dict, z: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The map for the no-grad solve of `model` (an LMModel) from iterates like `z`: a captured graph's replay of
+    `f` = model.fixed_point_map(inj, None, None, shared) (captured at the second call with this key), else `f`
+    itself (the first call, or a failed capture). The caller checked `capturable`."""
     autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
     # (inference mode in the key: buffers made under it cannot be written outside it)
     key = (_spec(inj), _spec(z), tuple(map(_spec, tree_flatten(shared)[0])), autocast, model.training,
@@ -113,7 +105,7 @@ def solve_map(model, inj: torch.Tensor, shared: dict, z: torch.Tensor) -> Callab
             seen[key] = None
             while len(seen) > 8:
                 seen.popitem(last=False)
-            return model.fixed_point_map(inj, None, None, shared)
+            return f
         entry = _Entry(model, inj, shared, z)
         try:
             # captured as the solve calls it: without autograd (the caller may be in a training forward)
@@ -125,7 +117,7 @@ def solve_map(model, inj: torch.Tensor, shared: dict, z: torch.Tensor) -> Callab
             graphs.clear()
             warnings.warn(f"{type(model).__name__}: the implicit solve's map could not be captured in a CUDA graph "
                           f"({e}); solving without a graph", stacklevel=3)
-            return model.fixed_point_map(inj, None, None, shared)
+            return f
         while len(graphs) >= MAX_GRAPHS:
             graphs.popitem(last=False)
         graphs[key] = entry
