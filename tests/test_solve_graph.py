@@ -22,8 +22,9 @@ def _model(preset):
     return AutoModelForCausalLM.from_config(load_config(preset, implicit={"max_iter": 2, "phantom_steps": 1}))
 
 
-@pytest.mark.parametrize("preset,capturable", [("lm_mamba2-tiny", True), ("lm_llama-tiny", False),
-                                                ("lm_fp_mamba-tiny", False), ("lm_deltaproduct-tiny", False)])
+@pytest.mark.parametrize("preset,capturable", [("lm_mamba2-tiny", True), ("lm_llama-tiny", True),
+                                                ("lm_lru-tiny", True), ("lm_deltaproduct-tiny", True),
+                                                ("lm_fp_mamba-tiny", False)])
 def test_capturable_needs_cuda_and_capturable_mixers(preset, capturable, monkeypatch):
     model = _model(preset).model
     assert all(layer.mixer.capturable == capturable for layer in model.layers)

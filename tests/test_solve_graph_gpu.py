@@ -46,12 +46,20 @@ def _step(model, opt, ids, amp, monkeypatch, graph):
     return out.loss.detach(), out.fixed_point_stats["residual_max"]
 
 
-@pytest.mark.parametrize("preset", ["lm_mamba2-tiny"])
-@pytest.mark.parametrize("tol", [None, 0.2], ids=["bounded", "free"])
-@pytest.mark.parametrize("compiled,amp", [(False, False), (True, True)], ids=["eager-fp32", "compiled-bf16"])
-def test_graphed_solve_trains_as_the_plain_map(preset, tol, compiled, amp, monkeypatch):
+_BOUNDED, _FREE = None, 0.2  # the solver's tol: a fixed iteration count, or a free phase that stops rows early
+_EAGER_FP32, _COMPILED_BF16 = (False, False), (True, True)
+# Mamba2 in every mode; the other capturable mixers (Mixer.capturable) in the two that differ most
+_CASES = [("lm_mamba2-tiny", tol, mode) for tol in (_BOUNDED, _FREE) for mode in (_EAGER_FP32, _COMPILED_BF16)] + [
+    (preset, tol, mode) for preset in ("lm_llama-tiny", "lm_deltaproduct-tiny", "lm_lru-tiny", "lm_lru-tiny-hlru")
+    for tol, mode in ((_BOUNDED, _EAGER_FP32), (_FREE, _COMPILED_BF16))] + [("lm_lru-tiny-bdlru", _FREE, _COMPILED_BF16)]
+
+
+@pytest.mark.parametrize("preset,tol,mode", _CASES, ids=[
+    f"{p}-{'bounded' if t is None else 'free'}-{'compiled-bf16' if m[0] else 'eager-fp32'}" for p, t, m in _CASES])
+def test_graphed_solve_trains_as_the_plain_map(preset, tol, mode, monkeypatch):
     from lm.models import solve_graph
 
+    compiled, amp = mode
     graphed, plain = _models(preset, {"max_iter": 4, "tol": tol, "phantom_steps": 1}, compiled)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (graphed, plain)]
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -63,6 +71,7 @@ def test_graphed_solve_trains_as_the_plain_map(preset, tol, compiled, amp, monke
         lp, rp = _step(plain, opts[1], ids, amp, monkeypatch, False)
         torch.testing.assert_close(lg, lp, **tol_loss, msg=f"step {step}")
         torch.testing.assert_close(torch.tensor(rg), torch.tensor(rp), **tol_loss)
+    assert graphed.model not in solve_graph._FAILED, "the capture failed (see the warning)"
     graphs, _ = solve_graph._GRAPHS[graphed.model]
     assert len(graphs) == 1, "the training shape was not captured"
     assert plain.model not in solve_graph._GRAPHS or not solve_graph._GRAPHS[plain.model][0]

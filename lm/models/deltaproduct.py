@@ -108,6 +108,7 @@ class LMDeltaProductConfig(LMConfig):
 
 class DeltaProductMixer(Mixer):
     reads_input_once = True  # x only through in_proj (Mixer.reads_input_once)
+    capturable = True  # (Mixer.capturable)
 
     def __init__(self, config: LMDeltaProductConfig, layer_idx: int):
         super().__init__()

@@ -51,6 +51,7 @@ class LMLlamaConfig(LMConfig):
 
 class Attention(Mixer):
     reads_input_once = True  # x only through qkv_proj (Mixer.reads_input_once)
+    capturable = True  # (Mixer.capturable)
 
     def __init__(self, config: LMLlamaConfig, layer_idx: int):
         super().__init__()

@@ -141,6 +141,8 @@ def bdlru_transition(gates: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor
 
 
 class LRUMixer(Mixer):
+    capturable = True  # (Mixer.capturable)
+
     def __init__(self, config: LMLRUConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
