@@ -40,10 +40,11 @@ def companion(a: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"companion expects coefficients of shape (..., m) with m >= 1, got {tuple(a.shape)}")
     m = a.shape[-1]
     shift = torch.diag(torch.ones(m - 1, dtype=a.dtype, device=a.device), -1)
-    first = torch.zeros(m, m, dtype=a.dtype, device=a.device)
-    first[0, 0] = 1
+    # (m, 1), one in row 0, made on the device (an indexed write of a Python number is a host copy, which a CUDA graph
+    # capture of the implicit solve refuses)
+    first = torch.eye(m, 1, dtype=a.dtype, device=a.device)
     # first row from a (differentiable), sub-diagonal ones as a constant
-    return shift + a.unsqueeze(-2) * first[:, :1]  # (..., 1, m) * (m, 1): only row 0 nonzero
+    return shift + a.unsqueeze(-2) * first  # (..., 1, m) * (m, 1): only row 0 nonzero
 
 
 __all__ = ["lru_lambda_blocks", "companion"]
