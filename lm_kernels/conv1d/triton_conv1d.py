@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import autotune, launch
-from ..backend import CUSTOM_OP_TAGS, absent, num_sms
+from ..backend import CUSTOM_OP_TAGS, absent, cdiv, next_pow2, num_sms
 from . import triton_kernels as K
 from .reference import check_x_add
 
@@ -62,10 +62,6 @@ _bwd = autotune(
 _ACC = {torch.float64: tl.float64}
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _log_n(cu_seqlens):
     """(number of documents, binary-search steps) for cu_seqlens (or (1, 0) without)."""
     if cu_seqlens is None:
@@ -80,9 +76,9 @@ def _bwd_chunk(t: int, b: int, c: int, device) -> int:
     if _INTERPRET:
         return 16
     sms = num_sms(device)
-    per_chunk = b * triton.cdiv(c, 256)
-    want = max(1, triton.cdiv(8 * sms, per_chunk))
-    return min(1024, max(64, _pow2(triton.cdiv(t, want))))
+    per_chunk = b * cdiv(c, 256)
+    want = max(1, cdiv(8 * sms, per_chunk))
+    return min(1024, max(64, next_pow2(cdiv(t, want))))
 
 
 def _state_strides(conv_state):
@@ -102,8 +98,8 @@ def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool, x_add=None):
     new_state = torch.empty(b, c, w - 1, device=x.device, dtype=x.dtype)
     n_seq, log_n = _log_n(cu_seqlens)
     dummy = x
-    grid = lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(c, meta["BC"]), b)  # noqa: E731
-    flags = dict(W=w, BS=_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
+    grid = lambda meta: (cdiv(t, meta["BT"]), cdiv(c, meta["BC"]), b)  # noqa: E731
+    flags = dict(W=w, BS=next_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
                  HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1,
                  ACC=_ACC.get(x.dtype, tl.float32))
     launch(_fwd, ("fwd", c, x.dtype, weight.dtype, *flags.values()), grid, (
@@ -126,13 +122,13 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     dx = torch.empty(b, t, c, device=x.device, dtype=x.dtype) if dx_out is None else dx_out
     dstate = torch.empty(b, c, w - 1, device=x.device, dtype=conv_state.dtype) if state_grad else None
     chunk = _bwd_chunk(t, b, c, x.device)
-    n_chunks = triton.cdiv(t, chunk)
+    n_chunks = cdiv(t, chunk)
     acc = _ACC.get(x.dtype, tl.float32)
     fdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     part = torch.empty(b * n_chunks, c, w + (bias is not None), device=x.device, dtype=fdt)
     n_seq, log_n = _log_n(cu_seqlens)
     dummy = x
-    grid = lambda meta: (n_chunks, triton.cdiv(c, meta["BC"]), b)  # noqa: E731
+    grid = lambda meta: (n_chunks, cdiv(c, meta["BC"]), b)  # noqa: E731
     flags = dict(W=w, HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None, HAS_ADD=x_add is not None,
                  VARLEN=cu_seqlens is not None, SILU=silu, STATE_GRAD=state_grad, ACC=acc)
     launch(_bwd, ("bwd", c, chunk, x.dtype, dy.dtype, weight.dtype, *flags.values()), grid, (
@@ -150,7 +146,7 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     dweight = torch.empty(c, w, device=x.device, dtype=fdt)
     dbias = torch.empty(c, device=x.device, dtype=fdt) if bias is not None else None
     ncol = c * part.shape[2]
-    K.conv_wsum_kernel[(triton.cdiv(ncol, 128),)](part, dweight, dbias if dbias is not None else dweight,
+    K.conv_wsum_kernel[(cdiv(ncol, 128),)](part, dweight, dbias if dbias is not None else dweight,
                                                    part.shape[0], ncol, part.stride(0), dweight.stride(0),
                                                    dweight.stride(1), W=w, HAS_BIAS=bias is not None, BR=16, BJ=128,
                                                    num_warps=4)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import next_pow2
+
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked lanes never produce inf - inf
 
 
@@ -60,7 +62,7 @@ def ce_rows_triton_(logits: torch.Tensor, targets: torch.Tensor, scale, ignore_i
     if n == 0:
         return lse, loss
     scale_t = torch.as_tensor(scale, dtype=torch.float32, device=logits.device).reshape(1)
-    block = min(4096, triton.next_power_of_2(V))
+    block = min(4096, next_pow2(V))
     _ce_rows_kernel[(n,)](logits, targets, scale_t, lse, loss, V, logits.stride(0), ignore_index,
                           WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
     return lse, loss

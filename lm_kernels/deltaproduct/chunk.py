@@ -26,9 +26,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
+from ..backend import cdiv, next_pow2
 from ._common import check_inputs
 from .bwd import _bwd_main_kernel, _bwd_qk_kernel, _bwd_wy_kernel
 from .bwd_state import _bwd_state_kernel
@@ -147,7 +147,7 @@ def _bq(BT: int, nh: int) -> int:
     """Token-tile rows: the tokens whose last sub-step lies in a chunk (~BT/nh), at least 32 (16-row tiles crashed an
     H100 with illegal addresses at nh = 4, a Hopper code-generation fault; BENCH.md "n_h = 4 on Hopper"). The extra
     rows are masked."""
-    return max(32, triton.next_power_of_2(triton.cdiv(BT, nh)))
+    return max(32, next_pow2(cdiv(BT, nh)))
 
 
 def _sizes(k, v, meta):
@@ -156,8 +156,8 @@ def _sizes(k, v, meta):
     cores)."""
     _, L, H, K = k.shape
     V = v.shape[-1]
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BK = max(16, next_pow2(K))
+    BV = min(64, max(16, next_pow2(V)))
     prec = "tf32x3" if k.dtype == torch.float32 else "tf32"
     return L, H, K, V, BK, BV, _bq(meta["BT"], meta["nh"]), prec
 
@@ -209,7 +209,7 @@ def _sequential(q, k, v, beta, h0, gc, Tm, w, aqk, meta, *, out, save, final):
     args = (q, k, w, gc, x(h0), x(o), x(ht), x(hs), x(vn), x(aqk), x(aqkt), v, Tm, beta, cu_rows, coff, scale)
     kw = dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BQ=BQ, BQP=max(BQ, 64), USE_H0=h0 is not None, STORE_FINAL=final,
               OUT=out, SAVE=save, INTRA=intra, PREC=prec)
-    _launch(_fwd_kernel, "fwd", lambda m: (triton.cdiv(V, m["BV"]), N, H), args, kw)
+    _launch(_fwd_kernel, "fwd", lambda m: (cdiv(V, m["BV"]), N, H), args, kw)
     return o, ht, hs, vn, aqkt
 
 
@@ -235,7 +235,7 @@ def _bwd(q, k, v, beta, g, h0, gc, Tm, do, dht, meta):
     dh = torch.empty(NT, H, K, V, dtype=k.dtype, device=dev)
     dvn = torch.empty_like(v)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    _launch(_bwd_state_kernel, "bwd_state", lambda m: (triton.cdiv(V, m["BV"]), N, H),
+    _launch(_bwd_state_kernel, "bwd_state", lambda m: (cdiv(V, m["BV"]), N, H),
             (q, k, w, gc, do, dht if dht is not None else gc, dh0 if dh0 is not None else gc, dh, dvn,
              aqkt if aqkt is not None else gc, cu_rows, coff, scale),
             dict(NH=nh, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BQ=BQ, USE_DHT=dht is not None, STORE_DH0=h0 is not None,
@@ -247,7 +247,7 @@ def _bwd(q, k, v, beta, g, h0, gc, Tm, do, dht, meta):
     if K >= 2 * SPLIT_BK:
         db = torch.empty_like(beta)
         BK1 = min(BK, SPLIT_BK)
-        NK = triton.cdiv(K, BK1)
+        NK = cdiv(K, BK1)
         dkp, dwp = torch.empty_like(k), torch.empty_like(k)
         dgp = torch.empty(NK, L, H, dtype=torch.float32, device=dev)
         _launch(_bwd_qk_kernel, "qk", (NK, NT, H),

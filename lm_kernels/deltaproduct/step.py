@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import cdiv, next_pow2
 from ._common import L2NORM_EPS
 
 
@@ -58,9 +59,9 @@ def deltaproduct_step_triton(state, q, k, v, beta, g=None, *, scale=None, use_qk
     o = torch.empty(b, h, V, dtype=v.dtype, device=v.device)
     if b * h == 0 or V == 0:
         return o, s_out
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(16, triton.next_power_of_2(V)), max(16, 4096 // BK))  # [BK, BV] fp32 state tile: 32 regs / thread
-    _step_kernel[(triton.cdiv(V, BV), b * h)](
+    BK = max(16, next_pow2(K))
+    BV = min(max(16, next_pow2(V)), max(16, 4096 // BK))  # [BK, BV] fp32 state tile: 32 regs / thread
+    _step_kernel[(cdiv(V, BV), b * h)](
         state.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(),
         g.contiguous() if g is not None else state, s_out, o, h, scale, L2NORM_EPS,
         NH=nh, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, L2=use_qk_l2norm, num_warps=4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import cdiv
 from .common import check_args, compute_dtype, seq_index
 from .triton_scan import (_bwd_chunk_kernel, _bwd_out_kernel, _bwd_pass_kernel, _fwd_chunk_kernel,
                           _fwd_out_kernel, _fwd_pass_kernel, launch_config)
@@ -36,13 +37,13 @@ def _forward(A, x, h0, seq, num_seqs, L, store_final, cd):
         fin = h0.clone() if h0 is not None else torch.zeros(num_seqs, nb, m, dtype=cd, device=dev)
     seq_arg = seq if seq is not None else x  # any pointer; unused when not varlen
     h0_arg = h0 if h0 is not None else x
-    grid = (triton_cdiv(nb, bn), nc, b)
+    grid = (cdiv(nb, bn), nc, b)
     rows = A.stride(-2) == m and A.stride(-1) == 1 and x.stride(-1) == 1
     common = dict(M=m, MP=mp, L=L, IS_VARLEN=seq is not None, A_ROWS=rows, HAS_H0=h0 is not None,
                   ACC=acc, num_warps=warps)
-    _fwd_chunk_kernel[(triton_cdiv(nb, bn_chunk), nc, b)](A, x, seq_arg, h0_arg, CT, YT, *A.stride(), *x.stride(),
+    _fwd_chunk_kernel[(cdiv(nb, bn_chunk), nc, b)](A, x, seq_arg, h0_arg, CT, YT, *A.stride(), *x.stride(),
                                                           t, nb, nc, BN=bn_chunk, **common)
-    _fwd_pass_kernel[(triton_cdiv(nb, bn), b)](CT, YT, S, nb, nc, M=m, MP=mp, BN=bn, ACC=acc,
+    _fwd_pass_kernel[(cdiv(nb, bn), b)](CT, YT, S, nb, nc, M=m, MP=mp, BN=bn, ACC=acc,
                                                num_warps=warps)
     _fwd_out_kernel[grid](A, x, seq_arg, h0_arg, S, h, fin if fin is not None else S,
                           *A.stride(), *x.stride(), t, nb, nc, BN=bn, STORE_FINAL=store_final, **common)
@@ -66,12 +67,12 @@ def _backward(A, h, h0, seq, CT, dh, dfin, L, need_dA, need_dh0, x_dtype, cd):
     seq_arg = seq if seq is not None else dh
     h0_arg = h0 if h0 is not None else dh
     dfin_arg = dfin.contiguous() if dfin is not None else dh
-    grid = (triton_cdiv(nb, bn), nc, b)
+    grid = (cdiv(nb, bn), nc, b)
     rows = A.stride(-2) == m and A.stride(-1) == 1
     flags = dict(M=m, MP=mp, L=L, BN=bn, IS_VARLEN=seq is not None, A_ROWS=rows, ACC=acc, num_warps=warps)
     _bwd_chunk_kernel[grid](A, dh, seq_arg, dfin_arg, RT, *A.stride(), t, nb, nc,
                             HAS_DFIN=dfin is not None, **flags)
-    _bwd_pass_kernel[(triton_cdiv(nb, bn), b)](CT, RT, U, nb, nc, M=m, MP=mp, BN=bn, ACC=acc,
+    _bwd_pass_kernel[(cdiv(nb, bn), b)](CT, RT, U, nb, nc, M=m, MP=mp, BN=bn, ACC=acc,
                                                num_warps=warps)
     _bwd_out_kernel[grid](A, dh, h, seq_arg, h0_arg, dfin_arg, U, dA if dA is not None else dh, dx,
                           dh0 if dh0 is not None else dh, *A.stride(), t, nb, nc,
@@ -79,9 +80,6 @@ def _backward(A, h, h0, seq, CT, dh, dfin, L, need_dA, need_dh0, x_dtype, cd):
                           NEED_DH0=need_dh0, **flags)
     return dA, dx, dh0
 
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 class _BlockScanFn(torch.autograd.Function):

@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..backend import next_pow2
+
 
 @triton.jit
 def _doc_info(SEQ, b, t, T, IS_VARLEN: tl.constexpr):
@@ -346,8 +348,8 @@ def launch_config(m: int, nb: int):
     forward chunk kernel, which also carries the chunk transition through a (BN, MP, MP, MP) product,
     uses BN_CHUNK <= BN.
     """
-    mp = triton.next_power_of_2(m)
-    cap = triton.next_power_of_2(nb)
+    mp = next_pow2(m)
+    cap = next_pow2(nb)
     if m in CONFIG_OVERRIDE:
         bn, bn_chunk, warps = CONFIG_OVERRIDE[m]
     else:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import autotune, launch
-from ..backend import CUSTOM_OP_TAGS, absent, num_sms, on_side
+from ..backend import CUSTOM_OP_TAGS, absent, cdiv, next_pow2, num_sms, on_side
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = not (_INTERPRET or os.environ.get("LM_RMSNORM_AUTOTUNE", "1") == "0")
@@ -161,8 +161,8 @@ def _bwd_rows(n_rows: int, n_groups: int, device) -> int:
     inside a loop step."""
     if _INTERPRET:
         return 3
-    want = max(1, triton.cdiv(8 * num_sms(device), n_groups))
-    return triton.cdiv(max(1, triton.cdiv(n_rows, want)), 8) * 8
+    want = max(1, cdiv(8 * num_sms(device), n_groups))
+    return cdiv(max(1, cdiv(n_rows, want)), 8) * 8
 
 
 def _rows(t, d):
@@ -199,7 +199,7 @@ def _fwd_launch(x, weight, eps, group, z=None, z_add=None, residual=None, write_
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(x2.shape[0], d // group, dtype=torch.float32, device=x.device) if write_rstd else None
     if x2.numel():
-        BG = triton.next_power_of_2(group)
+        BG = next_pow2(group)
         _rmsnorm_fwd_kernel[(x2.shape[0], d // group)](
             x2, z2, za2, weight.contiguous() if weight is not None else x2, y, r2, s if s is not None else y,
             rstd if rstd is not None else y, x2.stride(0), z2.stride(0), za2.stride(0), y.stride(0), r2.stride(0),
@@ -225,9 +225,9 @@ def rstd_from_sumsq(ss, group, eps):
     n, k = ss.shape
     rs = torch.empty(n, dtype=torch.float32, device=ss.device)
     if n:
-        bk = triton.next_power_of_2(k)
+        bk = next_pow2(k)
         br = max(1, min(128, 4096 // bk))
-        _rstd_from_sumsq_kernel[(triton.cdiv(n, br),)](ss, rs, n, k, 1.0 / group, float(eps), BR=br, BK=bk,
+        _rstd_from_sumsq_kernel[(cdiv(n, br),)](ss, rs, n, k, 1.0 / group, float(eps), BR=br, BK=bk,
                                                         num_warps=4)
     return rs
 
@@ -259,10 +259,10 @@ def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None,
     dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(x2.shape, dtype=z.dtype, device=x.device) if dz_out is None else dz_out.view(-1, d)
     chunk = _bwd_rows(n, ng, x.device)
-    n_chunks = triton.cdiv(n, chunk)
+    n_chunks = cdiv(n, chunk)
     part = torch.empty(n_chunks, d, dtype=torch.float32, device=x.device) if weight is not None else None
     if n:
-        bg = triton.next_power_of_2(group)
+        bg = next_pow2(group)
         flags = dict(BG=bg, HAS_ADD=z_add is not None, HAS_W=weight is not None, DY_SCALED=bool(dy_scaled))
         launch(_bwd_kernel(bg), (group, dy.dtype, x.dtype, z.dtype, *flags.values()), (n_chunks, ng), (
             dy2, x2, z2, za2, weight.contiguous() if weight is not None else x2, rstd.contiguous(), dx, dz,

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import next_pow2
+
 
 @triton.jit
 def _rope_kv_step_kernel(qkv, cos, sin, pos, q_out, kc, vc, H, HKV, HALF,
@@ -61,5 +63,5 @@ def rope_kv_step_triton(qkv, cos, sin, k_cache, v_cache, position, n_heads, n_kv
             qkv.stride(0), qkv.stride(2), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            BH=triton.next_power_of_2(half), num_warps=1)
+            BH=next_pow2(half), num_warps=1)
     return q

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import autotune, launch  # noqa: F401  (launch: the SSD launches call ln.launch)
+from ..backend import cdiv, next_pow2
 from .backward import dbdc_bwd_kernel, dcb_bwd_kernel, dstate_bwd_kernel
 from .backward_dx import dx_bwd_kernel
 from .chunk_scan import chunk_scan_fwd2_kernel, chunk_scan_fwd4_kernel
@@ -114,13 +115,8 @@ _dx_bwd = _tune([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _c
     dx_bwd_kernel)
 
 
-def cdiv(a, b):
-    """ceil(a / b) for ints (triton.cdiv is a jitted function: ~6 us of host time per call from Python)."""
-    return -(-a // b)
-
-
 def p2(v, lo=16):
-    return max(lo, triton.next_power_of_2(int(v)))
+    return max(lo, next_pow2(int(v)))
 
 
 def dot_dt(dtype):

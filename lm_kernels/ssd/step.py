@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import cdiv, next_pow2
 from .kernel_common import softplus
 
 
@@ -79,10 +80,10 @@ def ssd_step_triton(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_s
     if D is not None:
         D = D.contiguous()
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    BN = max(16, triton.next_power_of_2(n))
-    BP = min(max(16, triton.next_power_of_2(p)), max(16, 2048 // BN))  # [BP, BN] fp32 tile: 16 regs / thread
+    BN = max(16, next_pow2(n))
+    BP = min(max(16, next_pow2(p)), max(16, 2048 // BN))  # [BP, BN] fp32 tile: 16 regs / thread
     zz = z if z is not None else x
-    _ssd_step_kernel[(triton.cdiv(p, BP), b * h)](
+    _ssd_step_kernel[(cdiv(p, BP), b * h)](
         state, x, dt, A, B, C, D if D is not None else A, zz, dt_bias if dt_bias is not None else A, y, s_out,
         h, p, n, h // g, lo, hi if hi < float("inf") else 3.0e38,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(),

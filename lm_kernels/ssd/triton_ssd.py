@@ -26,12 +26,12 @@ from typing import Optional
 
 import torch
 
-from ..backend import CUSTOM_OP_TAGS, absent, join, on_side, side_stream
+from ..backend import CUSTOM_OP_TAGS, absent, cdiv, join, on_side, side_stream
 from . import launch as ln
 from .backward import gate_bwd_kernel
 from .backward_dx import dt_bwd_kernel, sum_rows_kernel
 from .common import check_scan_args, split_xbc
-from .launch import cdiv, dot_dt, dot_prec, limits, tune_key
+from .launch import dot_dt, dot_prec, limits, tune_key
 
 
 def state_dtype(dtype):

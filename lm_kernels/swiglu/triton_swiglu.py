@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import cdiv, next_pow2
+
 
 @triton.jit
 def _silu_mul_kernel(g, u, y, N, sg_r, sg_c, su_r, su_c, BLOCK: tl.constexpr):
@@ -30,8 +32,8 @@ def silu_mul_fwd(g, u):
     g2, u2 = _rows(g, n), _rows(u, n)
     y = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
     if g2.numel():
-        block = min(1024, triton.next_power_of_2(n))
-        _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
+        block = min(1024, next_pow2(n))
+        _silu_mul_kernel[(g2.shape[0], cdiv(n, block))](
             g2, u2, y, n, g2.stride(0), g2.stride(1), u2.stride(0), u2.stride(1), BLOCK=block,
             num_warps=max(1, min(8, block // 256)))
     return y.view(g.shape)
