@@ -51,7 +51,8 @@ _EAGER_FP32, _COMPILED_BF16 = (False, False), (True, True)
 # Mamba2 in every mode; the other capturable mixers (Mixer.capturable) in the two that differ most
 _CASES = [("lm_mamba2-tiny", tol, mode) for tol in (_BOUNDED, _FREE) for mode in (_EAGER_FP32, _COMPILED_BF16)] + [
     (preset, tol, mode) for preset in ("lm_llama-tiny", "lm_deltaproduct-tiny", "lm_lru-tiny", "lm_lru-tiny-hlru")
-    for tol, mode in ((_BOUNDED, _EAGER_FP32), (_FREE, _COMPILED_BF16))] + [("lm_lru-tiny-bdlru", _FREE, _COMPILED_BF16)]
+    for tol, mode in ((_BOUNDED, _EAGER_FP32), (_FREE, _COMPILED_BF16))] + [
+    ("lm_lru-tiny-bdlru", _FREE, _COMPILED_BF16)]
 
 
 @pytest.mark.parametrize("preset,tol,mode", _CASES, ids=[

@@ -17,9 +17,9 @@ one-off shapes (evaluation batches) cost no capture.
 
 Not captured (the plain map runs): CPU tensors, packed documents (their chunk tables are built on the host per batch),
 generation caches, mixers not marked capturable (Mixer.capturable: Mamba2's, Llama's, DeltaProduct's and the LRU
-family's are, each checked against the plain map on an H100; FP-Mamba's inner solve synchronises with the host), parameters that
-DeepSpeed ZeRO-3 gathers per forward, and a forward already inside a capture or under torch.compile. A capture that
-fails warns once and the model then solves uncaptured.
+family's are, each checked against the plain map on an H100; FP-Mamba's inner solve synchronises with the host),
+parameters that DeepSpeed ZeRO-3 gathers per forward, and a forward already inside a capture or under torch.compile.
+A capture that fails warns once and the model then solves uncaptured.
 """
 from __future__ import annotations
 

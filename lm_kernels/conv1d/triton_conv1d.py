@@ -147,9 +147,9 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     dbias = torch.empty(c, device=x.device, dtype=fdt) if bias is not None else None
     ncol = c * part.shape[2]
     K.conv_wsum_kernel[(cdiv(ncol, 128),)](part, dweight, dbias if dbias is not None else dweight,
-                                                   part.shape[0], ncol, part.stride(0), dweight.stride(0),
-                                                   dweight.stride(1), W=w, HAS_BIAS=bias is not None, BR=16, BJ=128,
-                                                   num_warps=4)
+                                            part.shape[0], ncol, part.stride(0), dweight.stride(0),
+                                            dweight.stride(1), W=w, HAS_BIAS=bias is not None, BR=16, BJ=128,
+                                            num_warps=4)
     dweight = dweight.to(weight.dtype)
     dbias = dbias.to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias, dstate

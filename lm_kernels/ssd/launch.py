@@ -116,7 +116,7 @@ _dx_bwd = _tune([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _c
 
 
 def p2(v, lo=16):
-    return max(lo, next_pow2(int(v)))
+    return max(lo, next_pow2(v))
 
 
 def dot_dt(dtype):
