@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.multirank
 
 REPO = Path(__file__).resolve().parents[1]
 

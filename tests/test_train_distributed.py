@@ -37,6 +37,7 @@ def _losses(run):
     return {r["step"]: r["loss"] for r in recs if "event" not in r}, recs
 
 
+@pytest.mark.multirank
 def test_two_rank_zero2_train_checkpoint_resume(tmp_path, tmp_path_factory):
     data = make_corpus(tmp_path_factory)
     run = tmp_path / "run"
@@ -290,6 +291,7 @@ open(run + f".rank{{rank}}.json", "w").write(json.dumps(out))
 """
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["signal", "clock"])
 def test_two_ranks_one_behind_stop_at_the_same_step(tmp_path, tmp_path_factory, mode):
     """Several ranks reading each step one step late (as on CUDA) decide together: a SIGTERM on rank 1 only, or

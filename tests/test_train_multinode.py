@@ -30,6 +30,7 @@ import yaml
 from train_checks import tiny_run_tree
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.multirank
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "scripts" / "launch.sh"
