@@ -253,7 +253,9 @@ def test_model_through_the_operator_equals_three_ops(implicit, packed, monkeypat
     assert len(calls) >= cfg.num_hidden_layers  # the first pass ran the operator in every layer
 
 
-def test_opcheck():
+@pytest.mark.parametrize("case,fold", [("adds_states", False), ("packed", False), ("adds_states", True),
+                                       ("packed", True)])
+def test_opcheck(case, fold):
     """torch.library.opcheck (schema, autograd registration, fakes, AOT dispatch) on both operators, with the norm
     applied and folded (one group, no weight); packed: not the AOT comparison (chunk slots the table leaves unused are
     uninitialised outputs, as for lm::ssd_scan_fwd)."""
@@ -263,28 +265,27 @@ def test_opcheck():
 
     ops = torch.ops.lm
     no_aot = ("test_schema", "test_autograd_registration", "test_faketensor")
-    for case, fold in (("adds_states", False), ("packed", False), ("adds_states", True), ("packed", True)):
-        (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
-        ng = di if fold else ng
-        cu = _cu(lens)
-        d = {k: v.float() for k, v in _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=4).items()}
-        if fold:
-            del d["norm_weight"]
-        names = ("zxbcdt", "add", "conv_weight", "conv_bias", "conv_state", "A", "D", "dt_bias",
-                 "initial_state", "norm_weight")
-        args = [d[k].requires_grad_() if k in d else None for k in names]
-        rest = [cu, [di, p, g, n, ng], chunk, 0.0, 2.0, 1e-5, True]
-        kw = dict(test_utils=no_aot) if lens else {}
-        opcheck(ops.mamba2_inner_fwd.default, (*args, *rest, True, fold), **kw)
-        plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        out = ops.mamba2_inner_fwd(*plain, *rest, True, fold)
-        y, ncs, fin = out[:3]
-        saved = list(out[3:])
-        if cu is None:
-            saved[4] = None  # the chunk table: only with packed documents
-        opcheck(ops.mamba2_inner_bwd.default,
-                (torch.randn_like(y), torch.randn_like(ncs), torch.randn_like(fin), *plain, cu, *saved,
-                 [di, p, g, n, ng], chunk, 0.0, 2.0, states, fold), **kw)
+    (b, t, di, p, g, n, w, ng, chunk), adds, states, lens = CASES[case]
+    ng = di if fold else ng
+    cu = _cu(lens)
+    d = {k: v.float() for k, v in _inputs(b, t, di, p, g, n, w, adds=adds, states=states, seed=4).items()}
+    if fold:
+        del d["norm_weight"]
+    names = ("zxbcdt", "add", "conv_weight", "conv_bias", "conv_state", "A", "D", "dt_bias",
+             "initial_state", "norm_weight")
+    args = [d[k].requires_grad_() if k in d else None for k in names]
+    rest = [cu, [di, p, g, n, ng], chunk, 0.0, 2.0, 1e-5, True]
+    kw = dict(test_utils=no_aot) if lens else {}
+    opcheck(ops.mamba2_inner_fwd.default, (*args, *rest, True, fold), **kw)
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    out = ops.mamba2_inner_fwd(*plain, *rest, True, fold)
+    y, ncs, fin = out[:3]
+    saved = list(out[3:])
+    if cu is None:
+        saved[4] = None  # the chunk table: only with packed documents
+    opcheck(ops.mamba2_inner_bwd.default,
+            (torch.randn_like(y), torch.randn_like(ncs), torch.randn_like(fin), *plain, cu, *saved,
+             [di, p, g, n, ng], chunk, 0.0, 2.0, states, fold), **kw)
 
 
 def test_bad_arguments_name_what_is_wrong():
