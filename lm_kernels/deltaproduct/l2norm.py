@@ -72,8 +72,8 @@ def _fwd(x, eps):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     r = torch.empty(R, dtype=torch.float32, device=x.device)
     if R:
-        _l2norm_fwd_kernel[(cdiv(R, _BR),)](x, y, r, R, T, Hn, sb, st, sh, eps, D=D,
-                                            BD=next_pow2(D), BR=_BR, num_warps=4)
+        _l2norm_fwd_kernel[(cdiv(R, _BR),)](x, y, r, R, T, Hn, sb, st, sh, eps, D=D, BD=next_pow2(D), BR=_BR,
+                                            num_warps=4)
     return x, y, r
 
 
@@ -92,8 +92,7 @@ class _L2NormFn(torch.autograd.Function):
         dy = dy.contiguous()
         dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
         if R:
-            _l2norm_bwd_kernel[(cdiv(R, _BR),)](y, r, dy, dx, R, D=D, BD=next_pow2(D), BR=_BR,
-                                                num_warps=4)
+            _l2norm_bwd_kernel[(cdiv(R, _BR),)](y, r, dy, dx, R, D=D, BD=next_pow2(D), BR=_BR, num_warps=4)
         return dx, None
 
 

@@ -43,8 +43,7 @@ def _forward(A, x, h0, seq, num_seqs, L, store_final, cd):
                   ACC=acc, num_warps=warps)
     _fwd_chunk_kernel[(cdiv(nb, bn_chunk), nc, b)](A, x, seq_arg, h0_arg, CT, YT, *A.stride(), *x.stride(),
                                                    t, nb, nc, BN=bn_chunk, **common)
-    _fwd_pass_kernel[(cdiv(nb, bn), b)](CT, YT, S, nb, nc, M=m, MP=mp, BN=bn, ACC=acc,
-                                        num_warps=warps)
+    _fwd_pass_kernel[(cdiv(nb, bn), b)](CT, YT, S, nb, nc, M=m, MP=mp, BN=bn, ACC=acc, num_warps=warps)
     _fwd_out_kernel[grid](A, x, seq_arg, h0_arg, S, h, fin if fin is not None else S,
                           *A.stride(), *x.stride(), t, nb, nc, BN=bn, STORE_FINAL=store_final, **common)
     return h, fin, CT
@@ -72,8 +71,7 @@ def _backward(A, h, h0, seq, CT, dh, dfin, L, need_dA, need_dh0, x_dtype, cd):
     flags = dict(M=m, MP=mp, L=L, BN=bn, IS_VARLEN=seq is not None, A_ROWS=rows, ACC=acc, num_warps=warps)
     _bwd_chunk_kernel[grid](A, dh, seq_arg, dfin_arg, RT, *A.stride(), t, nb, nc,
                             HAS_DFIN=dfin is not None, **flags)
-    _bwd_pass_kernel[(cdiv(nb, bn), b)](CT, RT, U, nb, nc, M=m, MP=mp, BN=bn, ACC=acc,
-                                        num_warps=warps)
+    _bwd_pass_kernel[(cdiv(nb, bn), b)](CT, RT, U, nb, nc, M=m, MP=mp, BN=bn, ACC=acc, num_warps=warps)
     _bwd_out_kernel[grid](A, dh, h, seq_arg, h0_arg, dfin_arg, U, dA if dA is not None else dh, dx,
                           dh0 if dh0 is not None else dh, *A.stride(), t, nb, nc,
                           HAS_H0=h0 is not None, HAS_DFIN=dfin is not None, NEED_DA=need_dA,

@@ -227,8 +227,7 @@ def rstd_from_sumsq(ss, group, eps):
     if n:
         bk = next_pow2(k)
         br = max(1, min(128, 4096 // bk))
-        _rstd_from_sumsq_kernel[(cdiv(n, br),)](ss, rs, n, k, 1.0 / group, float(eps), BR=br, BK=bk,
-                                                 num_warps=4)
+        _rstd_from_sumsq_kernel[(cdiv(n, br),)](ss, rs, n, k, 1.0 / group, float(eps), BR=br, BK=bk, num_warps=4)
     return rs
 
 
