@@ -1,7 +1,8 @@
 """Where the implicit solve may replay a captured CUDA graph of its map (lm.models.solve_graph.capturable), and
 solve_map's bookkeeping with a stand-in capture: a key is captured at its second forward, each forward's injection
 is copied in, a moved parameter makes a new key, old keys are dropped, a failed capture warns and turns capture off
-for the model. The replay itself is checked on a GPU (tests/test_solve_graph_gpu.py)."""
+for the model; the parallel prefill through the captured solve and committing pass (commit_map) fills the cache as
+the plain prefill does. The replay itself is checked on a GPU (tests/test_solve_graph_gpu.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,12 @@ def _stand_in_capture(monkeypatch):
     """solve_map's bookkeeping on CPU: the 'capture' records the entry and a 'replay' runs its map on the static
     copies (so a stale copy of the injection would show); no CUDA context."""
     captured = []
-    monkeypatch.setattr(solve_graph._Entry, "capture", lambda self: captured.append(self))
-    monkeypatch.setattr(solve_graph._Entry, "__call__", lambda self, z: self.f(self.z.copy_(z)).clone())
+
+    def run(self):
+        self.out, self.states = self._run()
+
+    monkeypatch.setattr(solve_graph._Entry, "capture", lambda self: (captured.append(self), run(self)))
+    monkeypatch.setattr(solve_graph._Entry, "replay", run)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     return captured
 
@@ -91,3 +96,35 @@ def test_a_failed_capture_warns_and_the_model_solves_uncaptured(monkeypatch):
     assert not isinstance(f, solve_graph._Entry)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert not solve_graph.capturable(model, types.SimpleNamespace(device=torch.device("cuda", 0)), None, None)
+
+
+@pytest.mark.parametrize("preset", ["lm_mamba2-tiny", "lm_llama-tiny"])
+def test_prefill_through_the_captured_commit_fills_the_cache_as_the_plain_prefill(preset, monkeypatch):
+    from lm.models import LMCache, modeling
+
+    captured = _stand_in_capture(monkeypatch)
+    model = _model(preset).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 12))
+    nxt = torch.randint(1, model.config.vocab_size, (2, 1))
+
+    def prefill_and_step(graphs):
+        monkeypatch.setattr(modeling, "capturable", lambda *a: graphs)
+        cache = LMCache(model.config.num_hidden_layers)
+        with torch.no_grad():
+            h = model(ids, cache=cache, use_cache=True).logits
+            step = model(nxt, cache=cache, use_cache=True).logits  # reads the committed states
+        return h, step, cache
+
+    ref_h, ref_step, ref_cache = prefill_and_step(False)
+    for call in range(3):  # the second call with this shape captures the solve's map and the committing pass
+        h, step, cache = prefill_and_step(True)
+        kinds = sorted(e.commit for e in captured)
+        assert kinds == ([] if call == 0 else [False, True])
+        torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+        torch.testing.assert_close(step, ref_step, rtol=0, atol=0)
+        assert cache.seen_tokens == ref_cache.seen_tokens == 13
+    commit = next(e for e in captured if e.commit)
+    # the states handed back are copies: the next replay does not overwrite a cache already handed out
+    for layer, d in cache.layers.items():
+        for k, v in d.items():
+            assert v.data_ptr() != commit.states[layer][k].data_ptr()

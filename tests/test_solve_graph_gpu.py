@@ -111,3 +111,31 @@ def test_parameters_that_move_are_captured_again(monkeypatch):
         b = plain(ids).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert len(solve_graph._GRAPHS[graphed.model][0]) == 2
+
+
+@pytest.mark.parametrize("preset", ["lm_mamba2-tiny", "lm_llama-tiny", "lm_deltaproduct-tiny", "lm_lru-tiny",
+                                    "lm_lru-tiny-hlru", "lm_lru-tiny-bdlru"])
+def test_prefill_through_the_captured_solve_and_commit_generates_as_the_plain_prefill(preset, monkeypatch):
+    """The parallel prefill on an empty cache replays the captured solve and the captured committing pass (from the
+    second prompt of a shape on): the prompt's logits and the tokens generated after it equal the plain prefill's."""
+    from lm.models import solve_graph
+
+    graphed, plain = _models(preset, {"max_iter": 4, "phantom_steps": 1}, False)
+    for m in (graphed, plain):
+        m.eval()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(1, graphed.config.vocab_size, (2, 40), device="cuda", generator=gen)
+            outs = []
+            for model, on in ((graphed, True), (plain, False)):
+                _graphs(monkeypatch, on)
+                logits = model(ids, use_cache=True).logits
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                     pad_token_id=0, eos_token_id=None)
+                outs.append((logits, seq))
+            torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-4)
+            assert torch.equal(outs[0][1], outs[1][1])
+    assert graphed.model not in solve_graph._FAILED_COMMIT, "the committing pass failed to capture (see the warning)"
+    graphs, _ = solve_graph._GRAPHS[graphed.model]
+    assert any(k[0] for k in graphs), "the committing pass was not captured"

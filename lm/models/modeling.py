@@ -34,7 +34,7 @@ from .config import ImplicitSettings, LMConfig
 from .decode import decoder_for, resolve_decode
 from .layers import RMSNorm, SwiGLU, add_rms_norm
 from .loss import linear_cross_entropy, logits_cross_entropy
-from .solve_graph import capturable, solve_map
+from .solve_graph import capturable, commit_map, solve_map
 
 try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as init
@@ -410,7 +410,17 @@ class LMModel(LMPreTrainedModel):
                       anderson=settings.anderson, **args)
         z0 = torch.zeros_like(emb)
         if cache.seen_tokens == 0 and not len(cache):
-            z, st = solve(self.fixed_point_map(inj, None, None, self._shared(emb, None, None)), z0, **solver)
+            # the simultaneous forward's solve, through its captured graph where it can (lm.models.solve_graph),
+            # and the committing pass captured too: issued from Python it would cost more than the replayed solve
+            shared = self._shared(emb, None, None)
+            f = self.fixed_point_map(inj, None, None, shared)
+            graphs = capturable(self, inj, None, None)
+            z, st = solve(solve_map(self, f, inj, shared, z0) if graphs else f, z0, **solver)
+            commit = commit_map(self, inj, shared, z) if graphs else None
+            if commit is not None:
+                h, cache.layers = commit(z)
+                cache.seen_tokens += emb.shape[1]
+                return h, st
         else:
             with cache.freeze():
                 z, st = solve(self.fixed_point_map(inj, cache), z0, **solver)
