@@ -1,15 +1,12 @@
 """lm: pretraining framework for expressive recurrent language models.
 
-`import lm` registers every model type (lm_llama, lm_mamba2, lm_deltaproduct, lm_fp_mamba, lm_lru) with
-transformers' AutoConfig / AutoModel / AutoModelForCausalLM. The `lm` command imports this package first
-(its entry point is lm.cli): there the registration waits for the code that needs it (which imports
-lm.models), so `lm --help`, `lm CMD --help` and early argument errors come without loading torch and
-transformers.
+After `import lm`, transformers' AutoConfig / AutoModel / AutoModelForCausalLM know every model type (lm_llama,
+lm_mamba2, lm_deltaproduct, lm_fp_mamba, lm_lru). `import lm` itself loads neither torch nor transformers: the
+registration runs when transformers' Auto classes are first imported, or at once if they already are
+(lm/_autoregister.py). `import lm.models` registers too.
 """
-import os as _os
-import sys as _sys
+from ._autoregister import install as _install
 
 __version__ = "0.1.0"
 
-if _os.path.basename((getattr(_sys, "argv", None) or [""])[0]) != "lm":
-    from . import models  # noqa: E402,F401  (registration)
+_install()
