@@ -1,8 +1,8 @@
 """Compiled training on a GPU gives eager's gradients: every family's tiny model with its blocks torch.compile'd (as
 `model.compile` in the trainer) against the same model eager, bf16 autocast, every parameter's gradient; and a norm
 followed by a linear layer compiled alone (float32). The GPU image's torch (2.11) lost the gradient through the
-RMSNorm's autograd Function when dynamo traced it (zero for x and the weight); under torch.compile the plain norm is
-now the traced formula and the gated norm a custom operator (lm.models.layers.rms_norm)."""
+RMSNorm's autograd Function when dynamo traced it (zero for x and the weight); under torch.compile the norms are now
+custom operators (lm.models.layers.rms_norm), compared here with eager models whose norms are the PyTorch formulas."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-def test_compiled_norm_then_linear_has_eager_gradients():
+def test_compiled_norm_then_linear_has_eager_gradients(monkeypatch):
     from lm.models.layers import RMSNorm
 
     torch.manual_seed(0)
@@ -25,7 +25,9 @@ def test_compiled_norm_then_linear_has_eager_gradients():
     x = torch.randn(2, 32, 64, device="cuda", requires_grad=True)
     leaves = [x, *mod.parameters()]
     gy = torch.randn(2, 32, 64, device="cuda")
+    monkeypatch.setenv("LM_RMSNORM_BACKEND", "reference")  # eager: the formula; compiled: the Triton operators
     ge = torch.autograd.grad(mod(x), leaves, gy)
+    monkeypatch.delenv("LM_RMSNORM_BACKEND")
     torch._dynamo.reset()
     gc = torch.autograd.grad(torch.compile(mod, fullgraph=True)(x), leaves, gy)
     for a, b in zip(gc, ge):
@@ -36,7 +38,7 @@ def test_compiled_norm_then_linear_has_eager_gradients():
                                              ("lm_deltaproduct-tiny", None), ("lm_fp_mamba-tiny", None),
                                              ("lm_mamba2-tiny", {"max_iter": 4, "phantom_steps": 1})],
                          ids=["llama", "mamba2", "deltaproduct", "fp_mamba", "mamba2-implicit"])
-def test_compiled_blocks_give_eager_gradients(preset, implicit):
+def test_compiled_blocks_give_eager_gradients(preset, implicit, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     import lm  # noqa: F401  (registration)
@@ -56,7 +58,11 @@ def test_compiled_blocks_give_eager_gradients(preset, implicit):
         return loss.item(), {n: p.grad for n, p in m.named_parameters()}
 
     torch._dynamo.reset()
+    # eager with the norms' PyTorch formulas (the compiled blocks run the norms' Triton operators): a wrong operator
+    # gradient differs from these, not only a lost one
+    monkeypatch.setenv("LM_RMSNORM_BACKEND", "reference")
     le, ge = grads(eager)
+    monkeypatch.delenv("LM_RMSNORM_BACKEND")
     lc, gc = grads(compiled)
     assert abs(lc - le) <= 1e-3 * abs(le), (lc, le)
     missing = [n for n in ge if ge[n] is not None and gc[n] is None]

@@ -1,9 +1,10 @@
 """Shared building blocks: RMSNorm (plain and gated), SwiGLU MLP, causal depthwise conv, rotary embedding.
 
 Everything here works on packed sequences (`cu_seqlens`) and with a generation cache (conv state). The math
-lives in functions; the modules only hold parameters. PyTorch, except the conv (a Triton kernel on CUDA), the gated
-RMSNorm (Triton custom operators on CUDA, forward and one-pass backward), and the plain RMSNorm forward and SwiGLU's
-silu(g) * u without autograd on CUDA (one Triton kernel each, for the launch-bound decode step).
+lives in functions; the modules only hold parameters. PyTorch, except the conv (a Triton kernel on CUDA), the
+RMSNorms (Triton custom operators on CUDA, forward and one-pass backward; the plain norm's forward kernel alone
+without autograd), and SwiGLU's silu(g) * u without autograd on CUDA (one Triton kernel, for the launch-bound decode
+step).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 # CPU (LM_CONV1D_BACKEND=reference|triton overrides); the models import it from here
 from lm_kernels.backend import resolve_backend
 from lm_kernels.conv1d import causal_conv1d  # noqa: F401
-from lm_kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton
+from lm_kernels.rmsnorm import gated_rms_norm_triton, rms_norm_autograd_triton, rms_norm_triton
 from lm_kernels.swiglu import silu_mul_triton
 from lm_kernels.varlen import position_in_document  # noqa: F401  (the models import it from here)
 
@@ -100,33 +101,54 @@ def _kernel_forward(op: str, *tensors) -> bool:
     return resolve_backend(op, None, ts[0].device) == "triton"
 
 
+def _norm_ops(x: torch.Tensor, *tensors) -> bool:
+    """Whether a plain norm runs the custom operators lm::rms_norm_fwd / _bwd (lm_kernels.rmsnorm): on the "rmsnorm"
+    backend triton (automatic on CUDA), not float64, under torch.compile or where an input needs a gradient. Traced
+    instead, inductor's backward of the formula cost several times the bytes it moves (Llama-350M: ~24 ms of a
+    190 ms step on an H100 for its 48 norms, where the one-pass backward's bytes take ~4 ms)."""
+    if x.dtype == torch.float64 or resolve_backend("rmsnorm", None, x.device) != "triton":
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, z: torch.Tensor | None = None,
-             group_size: int | None = None, z_add: torch.Tensor | None = None) -> torch.Tensor:
+             group_size: int | None = None, z_add: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
     """y = u / rms(u) * weight with u = x * silu(z + z_add) (z_add optional, of z's shape and dtype; or u = x without
-    z), per group of `group_size` channels (default: all); computed in at least float32 and returned in x's dtype.
+    z), per group of `group_size` channels (default: all); computed in at least float32 and returned in out_dtype
+    (default x's dtype).
 
     Gated (z given) with the "rmsnorm" backend triton (automatic on CUDA; not float64): the custom operators
     lm::gated_rms_norm_fwd / _bwd, eager and under torch.compile, with or without autograd (one forward kernel,
-    one-pass backward; z + z_add is formed inside the kernels). Otherwise z_add is added to z here, then: without
-    autograd on CUDA one Triton kernel (plain norms, see `_kernel_forward`); under torch.compile the formula, traced
-    (inductor fuses a plain norm with the residual add before it); else the formula with its own backward
-    (_RMSNormFn: saves only x, z and rstd)."""
+    one-pass backward; z + z_add is formed inside the kernels). Plain on that backend: the custom operators
+    lm::rms_norm_fwd / _bwd under torch.compile or with autograd (`_norm_ops`), the forward kernel alone otherwise
+    (generation, eval). Elsewhere (CPU, float64) z_add is added to z here, then: under torch.compile the formula,
+    traced; else the formula with its own backward (_RMSNormFn: saves only x, z and rstd)."""
     group = group_size or x.shape[-1]
     if z_add is not None and (z is None or z_add.shape != z.shape or z_add.dtype != z.dtype):
         raise ValueError(f"rms_norm: z_add must come with z and have its shape and dtype, got {tuple(z_add.shape)} "
                          f"{z_add.dtype}")
     if z is not None and x.dtype != torch.float64 and resolve_backend("rmsnorm", None, x.device) == "triton":
-        return gated_rms_norm_triton(x, z, weight, eps, group_size=group, z_add=z_add)
+        y = gated_rms_norm_triton(x, z, weight, eps, group_size=group, z_add=z_add)
+        return y if out_dtype is None else y.to(out_dtype)
+    if z is None and group == x.shape[-1]:
+        if _norm_ops(x, weight):
+            return rms_norm_autograd_triton(x, weight, eps, out_dtype=out_dtype)
+        if _kernel_forward("rmsnorm", x, weight):
+            return rms_norm_triton(x, weight, eps, out_dtype=out_dtype)
     if z_add is not None:
         z = z + z_add
     if torch.compiler.is_compiling():
         # the formula itself: inductor fuses it and AOTAutograd derives its backward. The autograd Function traced
         # by dynamo lost its gradient on the GPU image (torch 2.11, CUDA: zero gradients for x, z and the weight
         # of a compiled norm, tests/test_models_compile_gpu.py)
-        return _rms_norm_math(x, z, weight, group, eps)[0]
-    if z is None and _kernel_forward("rmsnorm", x, weight):
-        return rms_norm_triton(x, weight, eps, group_size=group_size)
-    return _RMSNormFn.apply(x, z, weight, group, eps)
+        y = _rms_norm_math(x, z, weight, group, eps)[0]
+    elif z is None and _kernel_forward("rmsnorm", x, weight):
+        y = rms_norm_triton(x, weight, eps, group_size=group_size)
+    else:
+        y = _RMSNormFn.apply(x, z, weight, group, eps)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -135,23 +157,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, out_dtype=None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype)
 
-    def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | None = None, out_dtype=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, self(x + h)): see `add_rms_norm`."""
-        return add_rms_norm(x, h, self.weight, self.eps)
+        return add_rms_norm(x, h, self.weight, self.eps, h_scale=h_scale, out_dtype=out_dtype)
 
 
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, rms_norm(s)) with s = x + h: a residual add and the norm that reads its sum, as one Triton kernel where
-    `rms_norm` runs one (the sum rounded to x's dtype before it is normed, as the separate add rounds it) and in one
-    graph under torch.compile, where inductor fuses them (one pass writing s and its norm)."""
-    if h.shape == x.shape and h.dtype == x.dtype and _kernel_forward("rmsnorm", x, h, weight):
-        y, s = rms_norm_triton(x, weight, eps, residual=h)
-        return s, y
-    x = x + h
-    return x, rms_norm(x, weight, eps)
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, h_scale: torch.Tensor | None = None,
+                 out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s) in out_dtype (default s's dtype)) with s = x + h, or s = x + (h * h_scale).to(h.dtype) with a
+    per-row scale h_scale (..., 1) (a block output whose rows' scale was left for here: Mamba2's folded norm): a
+    residual add and the norm that reads its sum in one pass, rounded as the separate ops round them, where
+    `rms_norm` runs Triton (the custom operators with autograd or under torch.compile, the forward kernel otherwise);
+    else the ops one by one (inductor fuses them under torch.compile)."""
+    if h.shape == x.shape and h.dtype != torch.float64:
+        if _norm_ops(x, h, weight, h_scale):
+            y, s = rms_norm_autograd_triton(x, weight, eps, residual=h, residual_scale=h_scale, out_dtype=out_dtype)
+            return s, y
+        if _kernel_forward("rmsnorm", x, h, weight):
+            y, s = rms_norm_triton(x, weight, eps, residual=h, residual_scale=h_scale, out_dtype=out_dtype)
+            return s, y
+    x = x + (h if h_scale is None else (h * h_scale).to(h.dtype))
+    return x, rms_norm(x, weight, eps, out_dtype=out_dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -189,7 +219,15 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if torch.is_grad_enabled():
+            # gate and up as one product: x's gradient is then one GEMM's, in the autocast dtype without a sum of two
+            # (so the norm before the MLP hands x on in that dtype: Block.forward); under autocast the weights' concat
+            # and cast are one pass (compiled), as their two casts were
+            w = torch.cat((self.gate_proj.weight, self.up_proj.weight))
+            g, u = F.linear(x, w).chunk(2, dim=-1)
+        else:  # no weight copy per call (generation's launch-bound steps)
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(g, u))
 
 
 def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,9 +159,10 @@ class Mamba2Mixer(Mixer):
             rstd = None
         if cache is not None:
             cache.update(self.layer_idx, conv=conv_state, ssm=ssm)
-        if rstd is not None:  # folded: out_proj with the norm weight in its own, then the rows' scale
-            pre = F.linear(y, self.out_proj.weight * self.norm.weight)
-            return (pre * rstd).to(pre.dtype)
+        if rstd is not None:
+            # folded: out_proj with the norm weight in its own; the rows' scale is handed to the block, whose residual
+            # add applies it in the same pass ((pre * rstd).to(pre.dtype) + x: Block.forward, add_rms_norm)
+            return F.linear(y, self.out_proj.weight * self.norm.weight), rstd
         return self.out_proj(y)
 
     def _step(self, x, injection, cache, state):

@@ -45,7 +45,9 @@ except ImportError:  # pragma: no cover
 class Mixer(nn.Module):
     """Interface of every token mixer.
 
-    forward(x, *, injection=None, cache=None, cu_seqlens=None) -> y, with x, y (b, t, hidden_size).
+    forward(x, *, injection=None, cache=None, cu_seqlens=None) -> y, with x, y (b, t, hidden_size); or (y', scale)
+    with y = (y' * scale).to(y'.dtype), scale (b, t, 1) float32 outside autograd, which the block applies in its
+    residual add (Mamba2's folded norm under torch.compile).
     `injection` (b, t, injection_dim) is added to the mixer's input projection; `cache` is an LMCache
     (the mixer reads/writes its layer's state); `cu_seqlens` marks packed documents (b == 1).
     """
@@ -109,19 +111,21 @@ class Block(nn.Module):
         mixer reads its input once: Mixer.reads_input_once)."""
         h = self.mixer(self.norm(x) if u is None else u, injection=injection, cache=cache, cu_seqlens=cu_seqlens,
                        **shared)
+        scale = None
+        if isinstance(h, tuple):  # (output, its rows' scale): Mamba2's folded norm leaves the scale to the add below
+            h, scale = h
+        # a norm whose output the next layer reads only through one projection, which autocast would cast, is written
+        # in the autocast dtype (half the bytes, no cast pass; with autograd its gradient comes back in that dtype and
+        # the norm's backward reads it as it is): the MLP's (SwiGLU: gate and up as one product) and, for_block, the
+        # next block's
+        hand = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         if self.mlp is not None:
-            x, v = self.mlp_norm.add_forward(x, h)  # x + h and its norm (one kernel without autograd on CUDA)
-            h = self.mlp(v)
+            x, v = self.mlp_norm.add_forward(x, h, scale, out_dtype=hand)  # x + h and its norm in one pass
+            h, scale = self.mlp(v), None
         if next_norm is None:
-            return x + h
+            return x + (h if scale is None else (h * scale).to(h.dtype))
         weight, eps, for_block = next_norm
-        x, u = add_rms_norm(x, h, weight, eps)
-        if for_block and torch.is_autocast_enabled(u.device.type):
-            # the next block reads u only through its input projection, which autocast would cast: cast it here,
-            # where the norm writes it (half the bytes, no cast pass in the next graph; with autograd the gradient
-            # comes back in this dtype and the norm's backward reads it as it is, no cast pass either)
-            u = u.to(torch.get_autocast_dtype(u.device.type))
-        return x, u
+        return add_rms_norm(x, h, weight, eps, h_scale=scale, out_dtype=hand if for_block else None)
 
 
 class Injection(nn.Module):

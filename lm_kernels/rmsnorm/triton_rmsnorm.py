@@ -34,16 +34,19 @@ _AUTOTUNE = not (_INTERPRET or os.environ.get("LM_RMSNORM_AUTOTUNE", "1") == "0"
 
 
 @triton.jit
-def _rmsnorm_fwd_kernel(x, z, za, w, y, r, s, rs, sx, sz, sza, sy, sr, ss, G, NG, eps, BG: tl.constexpr,
+def _rmsnorm_fwd_kernel(x, z, za, w, y, r, rsc, s, rs, sx, sz, sza, sy, sr, ss, G, NG, eps, BG: tl.constexpr,
                         HAS_Z: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr,
-                        WRITE_RSTD: tl.constexpr):
+                        HAS_RS: tl.constexpr, WRITE_RSTD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
     o = grp * G + tl.arange(0, BG)
     m = tl.arange(0, BG) < G
     u = tl.load(x + row * sx + o, mask=m, other=0.0).to(tl.float32)
     if HAS_R:  # the residual sum x + r, rounded to its dtype as the unfused add would round it, is what is normed
-        u = (u + tl.load(r + row * sr + o, mask=m, other=0.0).to(tl.float32)).to(s.dtype.element_ty)
+        b_r = tl.load(r + row * sr + o, mask=m, other=0.0)
+        if HAS_RS:  # r scaled per row first, rounded to r's dtype: (r * scale).to(r.dtype) + x
+            b_r = (b_r.to(tl.float32) * tl.load(rsc + row)).to(r.dtype.element_ty)
+        u = (u + b_r.to(tl.float32)).to(s.dtype.element_ty)
         tl.store(s + row * ss + o, u, mask=m)
         u = u.to(tl.float32)
     if HAS_Z:
@@ -127,6 +130,81 @@ def _gated_rmsnorm_bwd_kernel(dy, x, z, za, w, rs, dx, dz, part, sdy, sx, sz, sz
         tl.store(part + tl.program_id(0).to(tl.int64) * sp + cols, tl.sum(acc, 0), mask=cm)
 
 
+@triton.jit
+def _norm_bwd_rows(dy, ds, u, rs, r, rsc, r0, end, cols, cm, sdy, sds, su, sr, BR: tl.constexpr, HAS_DS: tl.constexpr,
+                   HAS_RS: tl.constexpr, WRITE_DRS: tl.constexpr):
+    """dy, ds, the normed input u, the residual r (in their dtypes; ds and r: dy again where absent), rstd and the
+    residual's row scale of rows r0 .. r0 + BR - 1 (< end)."""
+    rows = r0 + tl.arange(0, BR)
+    rm = rows < end
+    m = rm[:, None] & cm[None, :]
+    b_dy = tl.load(dy + rows[:, None] * sdy + cols[None, :], mask=m, other=0.0)
+    b_u = tl.load(u + rows[:, None] * su + cols[None, :], mask=m, other=0.0)
+    b_ds = b_dy
+    if HAS_DS:
+        b_ds = tl.load(ds + rows[:, None] * sds + cols[None, :], mask=m, other=0.0)
+    b_rs = tl.load(rs + rows, mask=rm, other=0.0)
+    b_r = b_dy
+    b_sc = b_rs
+    if HAS_RS:
+        b_sc = tl.load(rsc + rows, mask=rm, other=0.0)
+    if WRITE_DRS:
+        b_r = tl.load(r + rows[:, None] * sr + cols[None, :], mask=m, other=0.0)
+    return b_dy, b_ds, b_u, b_r, b_rs, b_sc
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(dy, ds, u, w, rs, r, rsc, dx, dr, drs, part, sdy, sds, su, sr, sdx, sdr, sp, N, G, NG, CHUNK,
+                        BG: tl.constexpr, BR: tl.constexpr, HAS_DS: tl.constexpr, HAS_W: tl.constexpr,
+                        WRITE_DR: tl.constexpr, HAS_RS: tl.constexpr, WRITE_DRS: tl.constexpr):
+    """The plain norm's backward (one group: the whole row, G channels) over rows [pid * CHUNK, min(N, (pid + 1) *
+    CHUNK)); per row, in float32: xhat = u * rstd (u: what was normed, the residual sum where there was one),
+    g = dy * w, t = rstd * (g - xhat * mean(g * xhat)) (+ ds, the gradient that reaches the sum from elsewhere):
+    dx = t. WRITE_DR: the residual's gradient too, t rounded to its dtype (g_r); with its row scale (HAS_RS, the
+    residual was (r * scale).to(r.dtype)) dr = g_r * scale, and (WRITE_DRS) the scale's gradient
+    drs[row] = sum(g_r * r).
+    dweight += dy * xhat, stored once per program as a float32 partial. BR rows per loop step, fetched one step
+    ahead (as the gated norm's backward)."""
+    start = tl.program_id(0).to(tl.int64) * CHUNK
+    end = tl.minimum(start + CHUNK, N)
+    cols = tl.arange(0, BG)
+    cm = cols < G
+    if HAS_W:
+        b_w = tl.load(w + cols, mask=cm, other=0.0).to(tl.float32)
+    acc = tl.zeros((BR, BG), dtype=tl.float32)
+    n_dy, n_ds, n_u, n_r, n_rs, n_sc = _norm_bwd_rows(dy, ds, u, rs, r, rsc, start, end, cols, cm, sdy, sds, su, sr,
+                                                      BR, HAS_DS, HAS_RS, WRITE_DRS)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        rm = rows < end
+        m = rm[:, None] & cm[None, :]
+        b_dy = n_dy.to(tl.float32)
+        b_u = n_u.to(tl.float32)
+        b_ds, b_r, rstd, b_sc = n_ds, n_r, n_rs, n_sc
+        n_dy, n_ds, n_u, n_r, n_rs, n_sc = _norm_bwd_rows(dy, ds, u, rs, r, rsc, r0 + BR, end, cols, cm, sdy, sds, su,
+                                                          sr, BR, HAS_DS, HAS_RS, WRITE_DRS)
+        xhat = b_u * rstd[:, None]
+        g = b_dy
+        if HAS_W:
+            acc += b_dy * xhat
+            g = g * b_w[None, :]
+        c = tl.sum(g * xhat, 1) / G
+        t = rstd[:, None] * (g - xhat * c[:, None])
+        if HAS_DS:
+            t += b_ds.to(tl.float32)
+        tl.store(dx + rows[:, None] * sdx + cols[None, :], t.to(dx.dtype.element_ty), mask=m)
+        if WRITE_DR:
+            g_r = t.to(dr.dtype.element_ty)
+            if HAS_RS:
+                g_f = g_r.to(tl.float32)
+                if WRITE_DRS:
+                    tl.store(drs + rows, tl.sum(g_f * b_r.to(tl.float32), 1), mask=rm)
+                g_r = (g_f * b_sc[:, None]).to(dr.dtype.element_ty)
+            tl.store(dr + rows[:, None] * sdr + cols[None, :], g_r, mask=m)
+    if HAS_W:
+        tl.store(part + tl.program_id(0).to(tl.int64) * sp + cols, tl.sum(acc, 0), mask=cm)
+
+
 # (rows per loop step BR, warps). A config is kept for a group block of BG channels where each thread holds 2, 4 or 8
 # elements of a row block (BR * BG / (32 * warps)), 4 first: for sm_90 (bf16, z_add, weight; cuobjdump) 4 elements
 # compile to 58-74 registers (64 for BG 2048 with the rows fetched ahead, triton 3.6: still 2 programs of 16 warps per
@@ -137,10 +215,11 @@ _EPT_PREFERENCE = (4, 8, 2)
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_kernel(BG: int):
-    """The backward kernel autotuned (key: group, z_add, weight, and the tensors' dtypes) over the configs that suit a
-    group block of BG channels; the fewest elements per thread if none does (BG > 4096). Interpreter: one small
-    config (BR = 128 / BG rows, at most 8) so that tiny test groups take several rows per step."""
+def _bwd_kernel(BG: int, plain: bool = False):
+    """The gated (or, `plain`, the plain) norm's backward kernel autotuned (key: group, the flags, and the tensors'
+    dtypes) over the configs that suit a group block of BG channels; the fewest elements per thread if none does
+    (BG > 4096). Interpreter: one small config (BR = 128 / BG rows, at most 8) so that tiny test groups take several
+    rows per step."""
     if _INTERPRET:
         pairs = [(max(1, min(8, 128 // BG)), 1)]
     else:
@@ -150,6 +229,9 @@ def _bwd_kernel(BG: int):
         if not _AUTOTUNE:
             pairs = pairs[:1]
     configs = [triton.Config(dict(BR=br), num_warps=w) for br, w in pairs]
+    if plain:
+        return autotune(configs=configs, key=["G", "HAS_DS", "HAS_W", "WRITE_DR", "HAS_RS", "WRITE_DRS"])(
+            _rmsnorm_bwd_kernel)
     return autotune(configs=configs, key=["G", "HAS_ADD", "HAS_W", "DY_SCALED"])(_gated_rmsnorm_bwd_kernel)
 
 
@@ -172,7 +254,7 @@ def _rows(t, d):
     return t.reshape(-1, d)
 
 
-def _check(x, weight, group, z=None, z_add=None, residual=None):
+def _check(x, weight, group, z=None, z_add=None):
     d = x.shape[-1]
     if d % group:
         raise ValueError(f"rms_norm: dim {d} is not a multiple of group_size {group}")
@@ -181,31 +263,33 @@ def _check(x, weight, group, z=None, z_add=None, residual=None):
     if z_add is not None and (z is None or z_add.shape != z.shape or z_add.dtype != z.dtype):
         raise ValueError(f"rms_norm: z_add must come with z and have its shape and dtype, got {tuple(z_add.shape)} "
                          f"{z_add.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"rms_norm: residual has shape {tuple(residual.shape)} and dtype {residual.dtype}, expected "
-                         f"x's {tuple(x.shape)} and {x.dtype}")
     if weight is not None and weight.shape != (d,):
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},)")
 
 
-def _fwd_launch(x, weight, eps, group, z=None, z_add=None, residual=None, write_rstd=False):
-    """(y, residual sum or None, rstd (rows, groups) float32 or None), y and the sum (rows, d) in x's dtype."""
+def _fwd_launch(x, weight, eps, group, z=None, z_add=None, residual=None, write_rstd=False, residual_scale=None,
+                out_dtype=None):
+    """(y, residual sum or None, rstd (rows, groups) float32 or None): y (rows, d) in out_dtype (default x's dtype),
+    the sum x + residual (times residual_scale per row, rounded to the residual's dtype, if given) in the dtype
+    PyTorch's add gives."""
     d = x.shape[-1]
     x2 = _rows(x, d)
     z2 = _rows(z, d) if z is not None else x2
     za2 = _rows(z_add, d) if z_add is not None else x2
     r2 = _rows(residual, d) if residual is not None else x2
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    rsc = residual_scale.reshape(-1).float().contiguous() if residual_scale is not None else None
+    y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
+    s = (torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+         if residual is not None else None)
     rstd = torch.empty(x2.shape[0], d // group, dtype=torch.float32, device=x.device) if write_rstd else None
     if x2.numel():
         BG = next_pow2(group)
         _rmsnorm_fwd_kernel[(x2.shape[0], d // group)](
-            x2, z2, za2, weight.contiguous() if weight is not None else x2, y, r2, s if s is not None else y,
-            rstd if rstd is not None else y, x2.stride(0), z2.stride(0), za2.stride(0), y.stride(0), r2.stride(0),
-            s.stride(0) if s is not None else 0, group, d // group, float(eps), BG=BG, HAS_Z=z is not None,
-            HAS_ADD=z_add is not None, HAS_W=weight is not None, HAS_R=residual is not None, WRITE_RSTD=write_rstd,
-            num_warps=min(16, max(1, BG // 512)))
+            x2, z2, za2, weight.contiguous() if weight is not None else x2, y, r2, rsc if rsc is not None else y,
+            s if s is not None else y, rstd if rstd is not None else y, x2.stride(0), z2.stride(0), za2.stride(0),
+            y.stride(0), r2.stride(0), s.stride(0) if s is not None else 0, group, d // group, float(eps), BG=BG,
+            HAS_Z=z is not None, HAS_ADD=z_add is not None, HAS_W=weight is not None, HAS_R=residual is not None,
+            HAS_RS=rsc is not None, WRITE_RSTD=write_rstd, num_warps=min(16, max(1, BG // 512)))
     return y, s, rstd
 
 
@@ -232,11 +316,16 @@ def rstd_from_sumsq(ss, group, eps):
 
 
 @torch.compiler.disable  # torch.compile: one opaque call
-def rms_norm_fwd(x, weight, eps, z=None, group_size=None, residual=None):
-    """See lm_kernels.rmsnorm. x (..., d) float16/bfloat16/float32, z and residual like x, weight (d,) or None."""
+def rms_norm_fwd(x, weight, eps, z=None, group_size=None, residual=None, residual_scale=None, out_dtype=None):
+    """See lm_kernels.rmsnorm. x (..., d) float16/bfloat16/float32, z like x, residual of x's shape (any of those
+    dtypes; the sum in the dtype PyTorch's add gives), residual_scale one value per row or None, weight (d,) or None;
+    y in out_dtype (default x's dtype)."""
     group = group_size or x.shape[-1]
-    _check(x, weight, group, z=z, residual=residual)
-    y, s, _ = _fwd_launch(x, weight, eps, group, z=z, residual=residual)
+    _check(x, weight, group, z=z)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")
+    y, s, _ = _fwd_launch(x, weight, eps, group, z=z, residual=residual, residual_scale=residual_scale,
+                          out_dtype=out_dtype)
     if residual is not None:
         return y.view(x.shape), s.view(x.shape)
     return y.view(x.shape)
@@ -281,6 +370,45 @@ def gated_rms_norm_bwd_launch(dy, x, z, z_add, weight, rstd, group, dz_out=None,
         if side is not None:
             part.record_stream(side)  # its memory is not reused before the side stream's sum is done
     return dx.view(x.shape), dz.view(z.shape), dweight
+
+
+def rms_norm_bwd_launch(dy, ds, u, weight, rstd, residual=None, residual_scale=None, dr_dtype=None):
+    """The plain norm's backward, one kernel pass over the rows and the sum of its weight partials: (du in u's dtype,
+    dr in dr_dtype or None, dscale (rows,) float32 or None, dweight in weight's dtype or None). u: what the forward
+    normed (the residual sum where there was one), rstd its (rows,) float32 rstd; ds: the gradient that reaches the
+    sum from elsewhere (added to du) or None. dr_dtype: also write the residual's gradient in that dtype (du rounded
+    to it); with residual_scale (rows,) (the residual was (residual * scale).to(its dtype)) it is the gradient of the
+    unscaled residual, and, where `residual` (unscaled) is given, dscale is the scale's."""
+    d = u.shape[-1]
+    u2, dy2 = _rows(u, d), _rows(dy, d)
+    ds2 = _rows(ds, d) if ds is not None else dy2
+    n = u2.shape[0]
+    has_rs = residual_scale is not None
+    drs = has_rs and residual is not None
+    if has_rs and dr_dtype is None:
+        raise ValueError("rms_norm_bwd_launch: a residual scale needs dr_dtype (the scaled residual's gradient)")
+    r2 = _rows(residual, d) if drs else dy2
+    rsc = residual_scale.reshape(-1).float().contiguous() if has_rs else None
+    du = torch.empty(u2.shape, dtype=u.dtype, device=u.device)
+    dr = torch.empty(u2.shape, dtype=dr_dtype, device=u.device) if dr_dtype is not None else None
+    dscale = torch.empty(n, dtype=torch.float32, device=u.device) if drs else None
+    chunk = _bwd_rows(n, 1, u.device)
+    n_chunks = cdiv(n, chunk)
+    part = torch.empty(n_chunks, d, dtype=torch.float32, device=u.device) if weight is not None else None
+    if n:
+        bg = next_pow2(d)
+        flags = dict(BG=bg, HAS_DS=ds is not None, HAS_W=weight is not None, WRITE_DR=dr is not None, HAS_RS=has_rs,
+                     WRITE_DRS=drs)
+        launch(_bwd_kernel(bg, True), (d, dy.dtype, u.dtype, ds2.dtype, dr_dtype, r2.dtype, *flags.values()),
+               (n_chunks, 1), (
+                   dy2, ds2, u2, weight.contiguous() if weight is not None else u2, rstd.reshape(-1).contiguous(),
+                   r2, rsc if has_rs else u2, du, dr if dr is not None else du, dscale if drs else u2,
+                   part if part is not None else du, dy2.stride(0), ds2.stride(0), u2.stride(0), r2.stride(0),
+                   du.stride(0), dr.stride(0) if dr is not None else 0, d, n, d, 1, chunk), flags)
+    dweight = None
+    if weight is not None:
+        dweight = part.sum(0).to(weight.dtype) if n else torch.zeros_like(weight)
+    return du.view(u.shape), dr.view(u.shape) if dr is not None else None, dscale, dweight
 
 
 # --- the custom operators -------------------------------------------------------------------------------------------
@@ -339,3 +467,92 @@ def gated_rms_norm(x, z, weight, eps, group_size=None, z_add=None):
     group = group_size or x.shape[-1]
     _check(x, weight, group, z=z, z_add=z_add)
     return torch.ops.lm.gated_rms_norm_fwd(x, z, z_add, weight, group, float(eps))[0]
+
+
+# lm::rms_norm_fwd / lm::rms_norm_bwd: the plain norm with autograd (training), eager and under torch.compile, where
+# the traced formula's backward cost several times its bytes (two inductor kernels with a float32 copy of the
+# activation between them): y = norm(x (+ residual, optionally scaled per row)) * weight, written in out_dtype (the
+# autocast dtype where the next layer reads it through one projection), the residual sum in the dtype PyTorch's add
+# gives; the backward is one pass that also adds the gradient reaching the sum from elsewhere.
+@torch.library.custom_op("lm::rms_norm_fwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
+def rms_norm_op_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], residual_scale: Optional[torch.Tensor],
+                    weight: Optional[torch.Tensor], eps: float, out_dtype: Optional[torch.dtype]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y in out_dtype (default x's), the sum s = x + residual (empty without residual), rstd (..., 1) float32)."""
+    d = x.shape[-1]
+    y, s, rstd = _fwd_launch(x, weight, eps, d, residual=residual, write_rstd=True, residual_scale=residual_scale,
+                             out_dtype=out_dtype)
+    return y.view(x.shape), s.view(x.shape) if s is not None else absent(x), rstd.view(*x.shape[:-1], 1)
+
+
+@rms_norm_op_fwd.register_fake
+def _(x, residual, residual_scale, weight, eps, out_dtype):
+    s = (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)) if residual is not None
+         else absent(x))
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), s, x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+
+
+@torch.library.custom_op("lm::rms_norm_bwd", mutates_args=(), tags=CUSTOM_OP_TAGS)
+def rms_norm_op_bwd(dy: torch.Tensor, ds: Optional[torch.Tensor], u: torch.Tensor, weight: Optional[torch.Tensor],
+                    rstd: torch.Tensor, residual: Optional[torch.Tensor], residual_scale: Optional[torch.Tensor],
+                    dr_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(du, dr (empty unless dr_dtype), dscale (empty unless residual_scale and residual), dweight (empty without
+    weight)): rms_norm_bwd_launch."""
+    du, dr, dscale, dweight = rms_norm_bwd_launch(dy, ds, u, weight, rstd, residual, residual_scale, dr_dtype)
+    return (du, dr if dr is not None else absent(u), dscale if dscale is not None else absent(u, torch.float32),
+            dweight if dweight is not None else absent(u))
+
+
+@rms_norm_op_bwd.register_fake
+def _(dy, ds, u, weight, rstd, residual, residual_scale, dr_dtype):
+    rows = u.numel() // u.shape[-1] if u.shape[-1] else 0
+    drs = residual_scale is not None and residual is not None
+    return (u.new_empty(u.shape), u.new_empty(u.shape, dtype=dr_dtype) if dr_dtype is not None else absent(u),
+            u.new_empty(rows, dtype=torch.float32) if drs else absent(u, torch.float32),
+            weight.new_empty(weight.shape) if weight is not None else absent(u))
+
+
+def _norm_setup_context(ctx, inputs, output):
+    x, residual, residual_scale, weight, _eps, _out_dtype = inputs
+    _y, s, rstd = output
+    u = s if residual is not None else x  # what was normed
+    # the unscaled residual only for the scale's gradient (Mamba2's folded norm hands its scale in without one)
+    scale_grad = residual_scale is not None and residual_scale.requires_grad
+    ctx.save_for_backward(u, weight, rstd, residual if scale_grad else None, residual_scale)
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)
+    ctx.x_dtype = x.dtype
+    ctx.r_dtype = residual.dtype if residual is not None else None
+
+
+def _norm_backward(ctx, dy, ds, _drstd):
+    u, weight, rstd, residual, scale = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if dy is None:
+        dy = torch.zeros(u.shape, dtype=u.dtype, device=u.device)
+    if ctx.r_dtype is None:  # no residual: the sum's output is an empty placeholder
+        ds = None
+    # the residual's gradient of its own only where it differs from the sum's: another dtype, or a scaled residual
+    own = ctx.r_dtype is not None and (need[1] or residual is not None) and (ctx.r_dtype != u.dtype or scale is not None)
+    du, dr, dscale, dweight = torch.ops.lm.rms_norm_bwd(dy, ds, u, weight, rstd, residual, scale,
+                                                        ctx.r_dtype if own else None)
+    dx = du if ctx.x_dtype == u.dtype else du.to(ctx.x_dtype)
+    dr = dr if own else du if ctx.r_dtype is not None else None
+    return (dx if need[0] else None, dr if need[1] else None,
+            dscale.view(scale.shape).to(scale.dtype) if residual is not None and need[2] else None,
+            dweight if weight is not None and need[3] else None, None, None)
+
+
+rms_norm_op_fwd.register_autograd(_norm_backward, setup_context=_norm_setup_context)
+
+
+def rms_norm_autograd(x, weight, eps, residual=None, residual_scale=None, out_dtype=None):
+    """See lm_kernels.rmsnorm: the plain norm through lm::rms_norm_fwd and its autograd formula; (y, s) with a
+    residual, else y."""
+    _check(x, weight, x.shape[-1])
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual has shape {tuple(residual.shape)}, expected x's {tuple(x.shape)}")
+    if residual_scale is not None and (residual is None or residual_scale.numel() != x.numel() // x.shape[-1]):
+        raise ValueError("rms_norm: residual_scale takes one value per row and needs a residual")
+    y, s, _ = torch.ops.lm.rms_norm_fwd(x, residual, residual_scale, weight, float(eps), out_dtype)
+    return (y, s) if residual is not None else y
