@@ -143,13 +143,14 @@ def dcb_bwd_kernel(dy_ptr, x_ptr, dtp_ptr, cs_ptr, Q_ptr, chunk_t0_ptr, chunk_le
 def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, Q_ptr, dB_ptr, dC_ptr,
                     dcs_ptr, chunk_t0_ptr, chunk_len_ptr,
                     T, H, P, N, NC, BT, R, G,
-                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dB_t,
+                    s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dB_b, s_dB_t, s_dB_g,
                     L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BN: tl.constexpr,
                     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DT: tl.constexpr):
     """Per (chunk, group, m-block x n-block): dC = sum_h e^{cs} dy S + Q B, dB = sum_h w x G' + Q^T C; and each
     head's dcs_m = dy_m . y_off_m = sum_n C_mn (e^{cs_m} dy_m S)_n from the dC product it forms anyway, the part
-    of the n block in its slot of dcs ((n blocks, H, B*T), summed by dt_bwd). dB and dC rows are s_dB_t apart (batch
-    stride T * s_dB_t): (b, t, g, n) tensors or the B / C columns of a (b, t, x | B | C) gradient. Grid (m-block x
+    of the n block in its slot of dcs ((n blocks, H, B*T), summed by dt_bwd). dB and dC are written through their
+    batch, time and group strides (the same for both; n contiguous): (b, t, g, n) tensors or the B / C columns of a
+    (b, t, x | B | C) gradient, whose size-1 time axis (t = 1) may carry any stride. Grid (m-block x
     n-block, group, chunk): the m-blocks of a chunk, which all read the chunk states S and their gradients of every
     head of the group, are neighbours and share them through L2."""
     pid_mn = tl.program_id(0)
@@ -212,8 +213,9 @@ def dbdc_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, ds
         Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
                      other=0.0).to(dtype)
         acc_dB = tl.dot(qT.to(dtype), Ck, acc_dB, input_precision=DOT_PREC)
-    out_off = (b * T + t0 + rows_m[:, None]) * s_dB_t + g * N + offs_n[None, :]
+    out_base = b.to(tl.int64) * s_dB_b + g * s_dB_g  # (a scalar: the tile's offsets below stay 32-bit)
+    out_off = (t0 + rows_m[:, None]) * s_dB_t + offs_n[None, :]
     mn = mmask[:, None] & nmask[None, :]
-    tl.store(dB_ptr + out_off, acc_dB.to(dB_ptr.dtype.element_ty), mask=mn)
-    tl.store(dC_ptr + out_off, acc_dC.to(dC_ptr.dtype.element_ty), mask=mn)
+    tl.store(dB_ptr + out_base + out_off, acc_dB.to(dB_ptr.dtype.element_ty), mask=mn)
+    tl.store(dC_ptr + out_base + out_off, acc_dC.to(dC_ptr.dtype.element_ty), mask=mn)
 

@@ -48,7 +48,8 @@ def _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, cle
 def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dstates_ptr, D_ptr,
                   dx_ptr, ddt_ptr, q_ptr, dD_ptr, dda_ptr, passing_ptr, chunk_t0_ptr, chunk_len_ptr,
                   T, H, P, N, NC, BT, R,
-                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_t, s_part,
+                  s_dy_b, s_dy_t, s_dy_h, s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_dx_b, s_dx_t, s_dx_h,
+                  s_part,
                   L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BPF: tl.constexpr, BNF: tl.constexpr,
                   HAS_D: tl.constexpr, D_HP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_DT: tl.constexpr):
@@ -57,8 +58,9 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dsta
     program with the chunk's last rows (the lightest row block of a full chunk) also forms the chunk's passing term
     e^a <G_{c+1}, S_c> from the G_{c+1} tile it holds (one float32 per chunk and head in passing). Grid
     (l-block, head, chunk): a (chunk, head)'s row blocks and then a chunk's heads run together (dy tiles, dstates
-    and the group's B / C rows come from L2). dx rows are s_dx_t apart (its batch stride T * s_dx_t): a (b, t, h,
-    p) tensor or the x columns of a (b, t, x | B | C) gradient."""
+    and the group's B / C rows come from L2). dx is written through its batch, time and head strides (channels
+    contiguous): a (b, t, h, p) tensor or the x columns of a (b, t, x | B | C) gradient, whose size-1 time axis
+    (t = 1) may carry any stride."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -123,7 +125,7 @@ def dx_bwd_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, dsta
         else:  # one D per head: one partial sum per program (summed by sum_rows_kernel)
             tl.store(dD_ptr + (pid_c.to(tl.int64) * tl.cdiv(L, BM) + pid_m) * s_part + h,
                      tl.sum(tl.sum(dyl * xl, 0), 0))
-    tl.store(dx_ptr + (b * T + t0 + rows_l[:, None]) * s_dx_t + h * P + offs_p[None, :],
+    tl.store(dx_ptr + b.to(tl.int64) * s_dx_b + h * s_dx_h + (t0 + rows_l[:, None]) * s_dx_t + offs_p[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=lp)
 
 

@@ -72,18 +72,20 @@ def _scan_rows(x_base, C_base, cb_base, cs_ptr, dtp_ptr, D_ptr, tok0, t0, clen, 
 
 
 @triton.jit
-def _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, P, s_z_b,
-             s_z_t, s_z_h, s_za_b, s_za_t, HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr,
-             STORE_SS: tl.constexpr):
+def _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows_m, mmask, offs_p, pmask, T, H, s_y_b, s_y_t,
+             s_y_h, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr,
+             HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr):
     """y (gated by z (+ z_add, the sum rounded to z's dtype as the gated norm rounds it) with HAS_Z), the pre-gate
     output (STORE_PRE) and with STORE_SS each row's sum of squares of the gated output over the head's P columns
     (the tile holds them all: BP >= P), from the pre-gate output rounded to its stored dtype: what the gated norm
-    would read back (the folded norm, lm_kernels.mamba2). z_add has z's head stride, its own batch / time strides."""
+    would read back (the folded norm, lm_kernels.mamba2). y and the pre-gate output share their batch / time / head
+    strides (s_y_*); z_add has z's head stride, its own batch / time strides; the sums of squares are (b * t, H)
+    float32, contiguous."""
     mp_mask = mmask[:, None] & pmask[None, :]
-    row = (b * T + t0 + rows_m).to(tl.int64)
-    y_off = row[:, None] * (H * P) + h * P + offs_p[None, :]
+    y_base = b.to(tl.int64) * s_y_b + h * s_y_h  # (a scalar: the tile's offsets below stay 32-bit)
+    y_off = (t0 + rows_m[:, None]) * s_y_t + offs_p[None, :]
     if STORE_PRE:
-        tl.store(ypre_ptr + y_off, acc.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
+        tl.store(ypre_ptr + y_base + y_off, acc.to(ypre_ptr.dtype.element_ty), mask=mp_mask)
     if HAS_Z:
         z_off = b * s_z_b + (t0 + rows_m[:, None]) * s_z_t + h * s_z_h + offs_p[None, :]
         zv = tl.load(z_ptr + z_off, mask=mp_mask, other=0.0).to(tl.float32)
@@ -95,8 +97,9 @@ def _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows_m, mmas
             acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
         acc = acc * zv * tl.sigmoid(zv)
         if STORE_SS:
+            row = (b * T + t0 + rows_m).to(tl.int64)
             tl.store(ss_ptr + row * H + h, tl.sum(tl.where(mp_mask, acc * acc, 0.0), 1), mask=mmask)
-    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
+    tl.store(y_ptr + y_base + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
 
 
 @triton.jit
@@ -104,6 +107,7 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            ypre_ptr, chunk_t0_ptr, chunk_len_ptr,
                            T, H, P, N, NC, BT, R, G,
                            s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t,
+                           s_y_b, s_y_t, s_y_h,
                            L: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr,
@@ -134,14 +138,14 @@ def chunk_scan_fwd2_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                          St, offs_p, pmask, offs_n, nmask, P, s_x_t, s_B_t,
                          L, BM, BK, HAS_D, D_HP, DOT_DT, DOT_PREC)
     rows_m = m0 + tl.arange(0, BM)
-    _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H, P,
-             s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS)
+    _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows_m, rows_m < clen, offs_p, pmask, T, H,
+             s_y_b, s_y_t, s_y_h, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS)
 
 
 @triton.jit
 def _fwd4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b, t0,
-               tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t,
-               L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
+               tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_y_b, s_y_t, s_y_h, s_z_b, s_z_t, s_z_h, s_za_b,
+               s_za_t, L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr, DOT_DT: tl.constexpr,
                DOT_PREC: tl.constexpr):
     """Row block j of chunk_scan_fwd4: acc holds e^{cs_r} C_m S^T + the below-diagonal sum in the frame of row r
@@ -166,8 +170,8 @@ def _fwd4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, yp
         else:
             Dv = tl.load(D_ptr + h).to(tl.float32)
         acc += Dv * xm.to(tl.float32)
-    _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows, mmask, offs_p, pmask, T, H, P, s_z_b, s_z_t,
-             s_z_h, s_za_b, s_za_t, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS)
+    _store_y(y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, acc, b, t0, h, rows, mmask, offs_p, pmask, T, H, s_y_b, s_y_t,
+             s_y_h, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS)
     return xm, cs_m, dt_m
 
 
@@ -209,15 +213,16 @@ def _fwd4_cb01(cb_base, clen, m, xt0, xt1, f1, L: tl.constexpr, BM: tl.constexpr
 
 @triton.jit
 def _fwd4_close(acc, e, m, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr,
-                z_ptr, za_ptr, ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
-                s_za_b, s_za_t, L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr,
-                HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr,
-                DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
+                z_ptr, za_ptr, ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_y_b, s_y_t, s_y_h, s_z_b,
+                s_z_t, s_z_h, s_za_b, s_za_t, L: tl.constexpr, BM: tl.constexpr, HAS_D: tl.constexpr,
+                D_HP: tl.constexpr, HAS_Z: tl.constexpr, STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr,
+                STORE_SS: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
     """Row block m >= 2 after its below-diagonal sum acc (frame of cs_r = e): add the state term e^{cs_r} C_m S^T,
     then _fwd4_block (returns what it returns)."""
     acc += _fwd4_cs_term(C_base, St, t0, clen, m, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e)
     return _fwd4_block(acc, e, m, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b,
-                       t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, L, BM,
+                       t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_y_b, s_y_t, s_y_h, s_z_b, s_z_t, s_z_h,
+                       s_za_b, s_za_t, L, BM,
                        HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT, DOT_PREC)
 
 
@@ -226,6 +231,7 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
                            ypre_ptr, chunk_t0_ptr, chunk_len_ptr,
                            T, H, P, N, NC, BT, R, G,
                            s_x_b, s_x_t, s_x_h, s_B_b, s_B_t, s_B_g, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t,
+                           s_y_b, s_y_t, s_y_h,
                            L: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr,
                            BNF: tl.constexpr, HAS_D: tl.constexpr, D_HP: tl.constexpr, HAS_Z: tl.constexpr,
                            STORE_PRE: tl.constexpr, HAS_ZADD: tl.constexpr, STORE_SS: tl.constexpr,
@@ -262,9 +268,9 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     # row block 0: state term (cs_r = 0) and the diagonal tile
     acc = _fwd4_cs_term(C_base, St, t0, clen, 0, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC)
     xm, cs_m, dt_m = _fwd4_block(acc, 0.0, 0, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, za_ptr,
-                                 ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
-                                 s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT,
-                                 DOT_PREC)
+                                 ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_y_b, s_y_t, s_y_h,
+                                 s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD,
+                                 STORE_SS, DOT_DT, DOT_PREC)
     if clen <= BM:
         return
     # row block 1: r = ref(0)
@@ -272,9 +278,9 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     acc = _fwd4_cs_term(C_base, St, t0, clen, 1, offs_n, nmask, s_B_t, BM, DOT_DT, DOT_PREC) * tl.exp(e0)
     acc = tl.dot(_fwd4_cb(cb_base, clen, 1, 0, L, BM, DOT_DT), xt0, acc, input_precision=DOT_PREC)
     xm, cs_m, dt_m = _fwd4_block(acc, e0, 1, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, ypre_ptr, z_ptr, za_ptr,
-                                 ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b, s_z_t, s_z_h,
-                                 s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT,
-                                 DOT_PREC)
+                                 ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_y_b, s_y_t, s_y_h,
+                                 s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD,
+                                 STORE_SS, DOT_DT, DOT_PREC)
     if L == 2 * BM:  # two row blocks: the whole chunk is done
         return
     if clen <= 2 * BM:
@@ -285,8 +291,8 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     acc = _fwd4_cb01(cb_base, clen, 2, xt0, xt1, f1, L, BM, DOT_DT, DOT_PREC)
     xm, cs_m, dt_m = _fwd4_close(acc, e1, 2, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr,
                                  y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask,
-                                 s_x_t, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE,
-                                 HAS_ZADD, STORE_SS, DOT_DT, DOT_PREC)
+                                 s_x_t, s_y_b, s_y_t, s_y_h, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, L, BM, HAS_D, D_HP,
+                                 HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT, DOT_PREC)
     if clen <= 3 * BM:
         return
     # row block 3: r = ref(2)
@@ -294,7 +300,7 @@ def chunk_scan_fwd4_kernel(x_ptr, CB_ptr, C_ptr, dtp_ptr, cs_ptr, states_ptr, D_
     acc = _fwd4_cb01(cb_base, clen, 3, xt0, xt1, f1, L, BM, DOT_DT, DOT_PREC)
     acc = tl.dot(_fwd4_cb(cb_base, clen, 3, 2, L, BM, DOT_DT), xt2, acc * tl.exp(e2 - e1), input_precision=DOT_PREC)
     _fwd4_close(acc, e2, 3, C_base, St, offs_n, nmask, s_B_t, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr,
-                y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_z_b,
-                s_z_t, s_z_h, s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD, STORE_SS, DOT_DT,
-                DOT_PREC)
+                y_ptr, ypre_ptr, z_ptr, za_ptr, ss_ptr, b, t0, tok0, clen, h, T, H, P, offs_p, pmask, s_x_t, s_y_b,
+                s_y_t, s_y_h, s_z_b, s_z_t, s_z_h, s_za_b, s_za_t, L, BM, HAS_D, D_HP, HAS_Z, STORE_PRE, HAS_ZADD,
+                STORE_SS, DOT_DT, DOT_PREC)
 

@@ -77,8 +77,7 @@ def ssd_step_triton(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_s
     y = torch.empty(b, h, p, dtype=x.dtype, device=x.device)
     if b * h * p == 0:
         return y, s_out
-    if D is not None:
-        D = D.contiguous()
+    A, D, dt_bias = (v.contiguous() if v is not None else None for v in (A, D, dt_bias))  # indexed per head
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     BN = max(16, next_pow2(n))
     BP = min(max(16, next_pow2(p)), max(16, 2048 // BN))  # [BP, BN] fp32 tile: 16 regs / thread

@@ -44,12 +44,20 @@ def cb_dtype(dtype):
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
+def contiguous_params(A, D, dt_bias):
+    """A (H,), D (H,) or (H, P) and dt_bias (H,) as the kernels index them, contiguous (a copy only of a strided view:
+    a parameter is contiguous already). None stays None."""
+    return tuple(v.contiguous() if v is not None else None for v in (A, D, dt_bias))
+
+
 def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_limit, want_final, save, z_add=None,
              want_ss=False):
     """(y, final state or None, dt / cumsum, chunk start states, pre-gate output or None, sums of squares or None).
     z_add (z's shape): added to z (the sum rounded to z's dtype). want_ss (with z): also each row's sum of
     squares of the gated output per head, (b * t, H) float32, from the pre-gate output rounded to y's dtype (the
-    folded gated norm, lm_kernels.mamba2)."""
+    folded gated norm, lm_kernels.mamba2). The kernels read x, B, C, z, z_add and dt through their batch / time / head
+    strides (last dim contiguous: _prep) and write y through its own."""
+    A, D, dt_bias = contiguous_params(A, D, dt_bias)
     dev = x.device
     H, P, N, L = pl.H, pl.P, pl.N, pl.L
     has_limit, lo, hi = limits(dt_limit)
@@ -84,7 +92,8 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
                  ss if ss is not None else dtp, y, ypre if ypre is not None else y,
                  pl.chunk_t0, pl.chunk_len, pl.T, H, P, N, pl.NC, pl.BT, pl.R, pl.G,
                  x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-                 zz.stride(0), zz.stride(1), zz.stride(2), za.stride(0), za.stride(1))
+                 zz.stride(0), zz.stride(1), zz.stride(2), za.stride(0), za.stride(1), y.stride(0), y.stride(1),
+                 y.stride(2))
     flags = dict(L=L, BNF=pl.BNF, HAS_D=D is not None, D_HP=D is not None and D.dim() == 2, HAS_Z=z is not None,
                  STORE_PRE=store_pre, HAS_ZADD=z_add is not None, STORE_SS=want_ss, IS_VARLEN=pl.varlen,
                  DOT_PREC=prec, DOT_DT=ddt)
@@ -109,7 +118,9 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     dbdc_bwd beside dx_bwd (each pair is independent; dstate_bwd is bound by its chunk chain, not by the GPU's
     throughput). defer: dt_bwd and the sums of the partials go to `side` too, and the caller joins it before it
     reads ddt, dA, dt_bias's or D's gradient (Mamba2's conv backward runs beside them); else they run on the current
-    stream."""
+    stream. Every (batch, time, head) tensor is read and written through its strides (dx, dB and dC too: the
+    column views of dxbc have a time stride of their own at t = 1), with a contiguous last dim."""
+    A, D, dt_bias = contiguous_params(A, D, dt_bias)
     dev = x.device
     H, P, N, L, G, R = pl.H, pl.P, pl.N, pl.L, pl.G, pl.R
     dtp, cs = dtcs.unbind(0)
@@ -157,6 +168,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dx = torch.empty(pl.b, pl.T, H, P, dtype=x.dtype, device=dev)
         dB = torch.empty(pl.b, pl.T, G, N, dtype=B.dtype, device=dev)
         dC = torch.empty(pl.b, pl.T, G, N, dtype=C.dtype, device=dev)
+    assert dB.stride() == dC.stride()  # dbdc_bwd writes both through dB's strides
     ddt_dir = torch.empty(H, pl.BT, dtype=torch.float32, device=dev)
     # e^a <G_{c+1}, S_c> per (chunk, head): dx_bwd's program with a chunk's last rows writes it, so no zeroing
     passing = torch.empty(pl.NCB, H, dtype=torch.float32, device=dev)
@@ -176,7 +188,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
             dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, dcs, pl.chunk_t0, pl.chunk_len,
             pl.T, H, P, N, pl.NC, pl.BT, R, G,
             dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-            B.stride(0), B.stride(1), B.stride(2), dB.stride(1)),
+            B.stride(0), B.stride(1), B.stride(2), dB.stride(0), dB.stride(1), dB.stride(2)),
             dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_DBDC, IS_VARLEN=pl.varlen, DOT_PREC=prec,
                  DOT_DT=ddt_))
     ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
@@ -184,7 +196,7 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
         dx, ddt_dir, qrow, dD_part, dda, passing, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R,
         dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2), dx.stride(1), part.stride(0)),
+        B.stride(0), B.stride(1), B.stride(2), dx.stride(0), dx.stride(1), dx.stride(2), part.stride(0)),
         dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BNF=pl.BNF, HAS_D=D is not None,
              D_HP=D is not None and D.dim() == 2, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
     join(side)
