@@ -81,6 +81,11 @@ def _bwd_chunk(t: int, b: int, c: int, device) -> int:
     return min(1024, max(64, next_pow2(cdiv(t, want))))
 
 
+def _vectors(bias, cu_seqlens):
+    """bias (c,) and cu_seqlens as the kernels index them, contiguous (a copy only of a strided view)."""
+    return tuple(v.contiguous() if v is not None else None for v in (bias, cu_seqlens))
+
+
 def _state_strides(conv_state):
     return (0, 0, 0) if conv_state is None else conv_state.stride()
 
@@ -91,9 +96,11 @@ def _add_strides(x_add):
 
 def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool, x_add=None):
     """y (b, t, c) contiguous in x's dtype and the new conv state (b, c, w-1) in x's dtype, of the input
-    x (+ x_add)."""
+    x (+ x_add). x, x_add, the weight, the conv state and y are indexed through their strides (channels
+    contiguous for x, x_add and y)."""
     b, t, c = x.shape
     w = weight.shape[-1]
+    bias, cu_seqlens = _vectors(bias, cu_seqlens)
     y = torch.empty(b, t, c, device=x.device, dtype=x.dtype)
     new_state = torch.empty(b, c, w - 1, device=x.device, dtype=x.dtype)
     n_seq, log_n = _log_n(cu_seqlens)
@@ -117,6 +124,7 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     contiguous, any batch / time strides: a column block of a larger gradient), else into a new tensor."""
     b, t, c = x.shape
     w = weight.shape[-1]
+    bias, cu_seqlens = _vectors(bias, cu_seqlens)
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     dx = torch.empty(b, t, c, device=x.device, dtype=x.dtype) if dx_out is None else dx_out
