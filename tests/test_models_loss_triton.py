@@ -120,7 +120,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from lm_kernels.cross_entropy.triton_ce import _ce_rows_kernel
 sig = {"x_ptr": "*bf16", "t_ptr": "*i64", "scale_ptr": "*fp32", "lse_ptr": "*fp32", "loss_ptr": "*fp32",
-       "V": "i32", "stride_row": "i64", "ignore_index": "i32", "WRITE_GRAD": "constexpr", "BLOCK_V": "constexpr"}
+       "V": "i32", "stride_row": "i64", "stride_t": "i64", "ignore_index": "i32", "WRITE_GRAD": "constexpr",
+       "BLOCK_V": "constexpr"}
 for wg in (True, False):
     src = triton.compiler.ASTSource(fn=_ce_rows_kernel, signature=sig, constexprs={"WRITE_GRAD": wg, "BLOCK_V": 4096})
     try:

@@ -16,7 +16,7 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked lanes never prod
 
 
 @triton.jit
-def _ce_rows_kernel(x_ptr, t_ptr, scale_ptr, lse_ptr, loss_ptr, V, stride_row, ignore_index,
+def _ce_rows_kernel(x_ptr, t_ptr, scale_ptr, lse_ptr, loss_ptr, V, stride_row, stride_t, ignore_index,
                     WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
@@ -32,7 +32,7 @@ def _ce_rows_kernel(x_ptr, t_ptr, scale_ptr, lse_ptr, loss_ptr, V, stride_row, i
         m = m_new
     mx = tl.max(m, axis=0)
     lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), axis=0))
-    t = tl.load(t_ptr + row)
+    t = tl.load(t_ptr + row * stride_t)
     valid = t != ignore_index
     t_safe = tl.where(valid, t, 0)
     xt = tl.load(base + t_safe).to(tl.float32)
@@ -63,6 +63,6 @@ def ce_rows_triton_(logits: torch.Tensor, targets: torch.Tensor, scale, ignore_i
         return lse, loss
     scale_t = torch.as_tensor(scale, dtype=torch.float32, device=logits.device).reshape(1)
     block = min(4096, next_pow2(V))
-    _ce_rows_kernel[(n,)](logits, targets, scale_t, lse, loss, V, logits.stride(0), ignore_index,
+    _ce_rows_kernel[(n,)](logits, targets, scale_t, lse, loss, V, logits.stride(0), targets.stride(0), ignore_index,
                           WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
     return lse, loss
