@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One GPU run for issue 29 (generation at recurrent speed), results in $OUT:
+# One GPU run of the generation checks and timings, results in $OUT:
 #   1. tests/test_generate_gpu.py (CUDA-graph decode = eager tokens, graph = static logits, reuse / K/V growth /
 #      beams, implicit fixed-iteration step, graph faster than eager, the decode kernels = their PyTorch forms) and
 #      the SSD decode step kernel at Mamba2-350M shapes (tests/test_ssd_gpu.py); about 40 s
-#   2. lm bench generate at the issue's shapes (B 1/16/64, prompt 512/2048, 256 new tokens; lm_llama-350m,
+#   2. lm bench generate at the reference shapes (B 1/16/64, prompt 512/2048, 256 new tokens; lm_llama-350m,
 #      lm_mamba2-350m, lm_deltaproduct-392m-nh2, implicit lm_mamba2-350m, transformers' eager Llama-350M) ->
 #      $OUT/bench_generate.json. GEN_BENCH_ARGS overrides the bench's arguments (e.g. "--batch 1 --prompt 512").
 # Usage: OUT=/tmp/out bash scripts/gpu_generate.sh      (about 5 minutes on an H100: a B 1/16 x prompt 512 run with

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue #25's GPU loss check: 200 optimizer steps on the default corpus (the Shakespeare shards, prepared on the CPU
-# machine and carried: CORPUS) with this tree and with an older one (BEFORE: `git archive <commit>` unpacked), bf16,
-# plain engine, same seed and data order; per-step losses side by side in $OUT/losses.json and a table.
-#   Mamba2-130M explicit: now compiled, now eager, before eager (the compiled path before had the RMSNorm gradient
-#   bug, lm/train/BENCH.md session 15); implicit (4+1) Mamba2-130M and DeltaProduct-213M n_h=2: now compiled,
-#   before eager. "now eager vs now compiled" is the size of compile / reduction-order noise.
+# Per-step losses of this tree against an older one on a GPU: 200 optimizer steps on the default corpus (the
+# Shakespeare shards, prepared on the CPU machine and carried: CORPUS) with this tree and with an older one (BEFORE:
+# `git archive <commit>` unpacked), bf16, plain engine, same seed and data order; per-step losses side by side in
+# $OUT/losses.json and a table.
+#   Mamba2-130M explicit: now compiled, now eager, before eager (a compiled path of an older tree may carry its own
+#   bugs: torch 2.11's compiled RMSNorm once dropped its gradient); implicit (4+1) Mamba2-130M and DeltaProduct-213M
+#   n_h=2: now compiled, before eager. "now eager vs now compiled" is the size of compile / reduction-order noise.
 # Run from the repository root: OUT=/tmp/l CORPUS=.corpus/shakespeare BEFORE=.before bash scripts/gpu_losses.sh
 # Env: STEPS (200), SEQ (1024), MICRO (8), SEED (0), CASES (all: m2, m2i, dp; dpe: DeltaProduct now eager and before eager).
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Scaling over GPUs (issue #28): the same training at 1, 2, 4 and 8 GPUs (as many as `nvidia-smi -L` lists, up
+# Scaling over GPUs: the same training at 1, 2, 4 and 8 GPUs (as many as `nvidia-smi -L` lists, up
 # to 8) for Mamba2-350M and Llama-1.3B, explicit and implicit (4+1): bf16, DeepSpeed ZeRO-2, synthetic data
 # (data.source: synthetic, no corpus), the same global batch at every world size (micro x 2048 x 8 tokens:
 # gradient accumulation 8/N), torch.compile on. Writes $OUT/scaling.json (per case and world size: tokens/s per

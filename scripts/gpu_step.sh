@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #25's one GPU measurement of the training step (about 8 min on one H100), results in $OUT:
+# One GPU measurement of the training step (about 8 min on one H100), results in $OUT:
 #   1. lm bench train: Mamba2-350M explicit and implicit (4+1), Llama-350M, DeltaProduct-392M n_h=2; compiled
 #      blocks, micro-batch 16 x 2048, bf16, plain engine, per-kernel profile of 2 steps   -> bench_train.json
 #   2. the implicit map's no-grad vs grad forward (and forward+backward) of Mamba2-350M, with the
@@ -45,6 +45,6 @@ else  # the training cases failed: the floors of the presets alone
   FLOOR_ARGS=(--preset lm_mamba2-350m --micro "$MICRO")
 fi
 [ "${STEP_DRY:-0}" = 1 ] && FLOOR_ARGS+=(--rates 700,3000)
-timeout $(( $(left) > 20 ? $(left) : 20 )) $PY -m lm.benchmarks.floor "${FLOOR_ARGS[@]}" --out "$OUT/floor.json" \
+timeout $(( $(left) > 20 ? $(left) : 20 )) $PY scripts/dev/floor.py "${FLOOR_ARGS[@]}" --out "$OUT/floor.json" \
   2>&1 | tee "$OUT/floor.txt" | head -120
 echo "== done ($(( $(date +%s) - T0 )) s)"

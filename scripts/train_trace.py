@@ -12,7 +12,7 @@ overlapping counted once), and the device and host tables. `--trace` also writes
 its Python stack: torch's synchronising operations (`torch.cuda.set_sync_debug_mode`: `.item()`, `bool()` of a
 device tensor, copies to or from pageable memory, ...) and explicit device, stream and event synchronizations.
 Writes OUT/sync_rank{r}.txt, most frequent first, as counts per step. A step that never waits lets the host queue
-the next one while the device runs (lm/train/BENCH.md, session 21).
+the next one while the device runs (several ranks at the plain engine's tokens/s per GPU: docs/performance.md).
 """
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def test_gpu_fp32_small_heads_16_token_chunks(nh, chunk):
 def test_gpu_bf16_small_heads(nh, K, V):
     """bf16 with value heads under 64 (the synthetic-task presets use head_dim 32): the sequential backward then runs
     32- / 16-wide V blocks. (Launched at one stage with 4 warps such blocks give wrong gradients or illegal addresses
-    on an H100 with triton 3.6, session 9; `_launch` never falls back to that config. The defaults run 2 stages.)"""
+    on an H100 with triton 3.6; `_launch` never falls back to that config. The defaults run 2 stages.)"""
     check_varlen(nh, K, V)
 
 

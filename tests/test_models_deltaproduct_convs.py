@@ -41,7 +41,9 @@ def test_separate_convs_equal_one_conv(dtype, implicit, packed, gated, monkeypat
 
 def test_separate_convs_save_less(monkeypatch):
     """k and v reach the op without reshape copies, so the step saves less (counted once per storage)."""
-    from lm.benchmarks.saved import saved_tensors, summarize
+    from dev_tools import load
+
+    saved_tensors, summarize = load("saved").saved_tensors, load("saved").summarize
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(False, False)).train()

@@ -1,5 +1,7 @@
 """`lm bench NAME [args]`: run the benchmark module lm.benchmarks.NAME (kernel and training benchmarks; GPU for
-timings), and the per-kernel device-time breakdown those modules share."""
+timings), and the per-kernel device-time breakdown those modules share. `--quick` / `--tiny` (the benchmarks' CPU
+smoke modes) run the Triton kernels in triton's interpreter on a machine without CUDA. Developer tools (the step's
+floor, saved-tensor accounting, Nsight Compute and sm_90 compile statistics) are in scripts/dev/."""
 from __future__ import annotations
 
 import os
@@ -23,9 +25,16 @@ def main(argv: list[str]) -> int:
         print(f"lm bench: unknown benchmark {name!r}; available: {', '.join(available)}", file=sys.stderr)
         return 2
     module = f"lm.benchmarks.{name}"
-    if "--quick" in argv[1:] and os.environ.get("TRITON_INTERPRET") != "1":
-        # the CPU-interpreter mode must be set before triton is first imported, which `lm` has done by now
-        return subprocess.call([sys.executable, "-m", module, *argv[1:]], env={**os.environ, "TRITON_INTERPRET": "1"})
+    if {"--quick", "--tiny"} & set(argv[1:]) and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if not torch.cuda.is_available():
+            # the smoke modes run the kernels in triton's CPU interpreter, which must be chosen before triton is
+            # first imported: in a process of their own unless triton is not imported yet
+            if "triton" in sys.modules:
+                return subprocess.call([sys.executable, "-m", module, *argv[1:]],
+                                       env={**os.environ, "TRITON_INTERPRET": "1"})
+            os.environ["TRITON_INTERPRET"] = "1"
     sys.argv = [module, *argv[1:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0

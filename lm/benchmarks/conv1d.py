@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
-from unittest import mock
 
 import torch
 
@@ -94,23 +92,6 @@ def autotuned_configs():
     return out
 
 
-def parse_variants(specs):
-    """["name=VAR=VALUE,VAR=VALUE", ...] -> [(name, {VAR: VALUE})]."""
-    out = []
-    for spec in specs:
-        name, _, rest = spec.partition("=")
-        env = {}
-        for kv in filter(None, rest.split(",")):
-            k, eq, v = kv.partition("=")
-            if not eq or not k.startswith("LM_CONV1D_"):
-                raise ValueError(f"--variants: {kv!r} in {spec!r} is not LM_CONV1D_VAR=VALUE")
-            env[k] = v
-        if not name or not env:
-            raise ValueError(f"--variants: {spec!r} is not NAME=LM_CONV1D_VAR=VALUE[,...]")
-        out.append((name, env))
-    return out
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -122,13 +103,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--variants", nargs="*", default=[],
-                    help="extra runs of ours under environment switches, each NAME=VAR=VALUE[,VAR=VALUE...] "
-                         "(e.g. rows64=LM_CONV1D_BWD_ROWS=64); read at each call")
-    ap.add_argument("--profile", action="store_true",
-                    help="per-kernel device time of ours' fwd+bwd (torch.profiler; default path and each variant)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device time of ours' fwd+bwd (torch.profiler)")
     args = ap.parse_args(argv)
-    variants = parse_variants(args.variants)
 
     from lm_kernels.conv1d import causal_conv1d, causal_conv1d_reference
 
@@ -181,25 +157,6 @@ def main(argv=None):
             for gname, gv, gr in zip(("dx", "dweight", "dbias"), grads, g32):
                 times[f"{gname}_rel_vs_fp32"] = rel(gv, gr)
             row[pname] = times
-        for vname, venv in variants:  # ours again under each variant's switches (read at each call)
-            with mock.patch.dict(os.environ, venv):
-                try:
-                    times, fb = timings(ours, x, weight, bias, cu, gy, args.warmup, args.rep)
-                    grads = fb()
-                    for gname, gv, gr in zip(("dx", "dweight", "dbias"), grads, g32):
-                        times[f"{gname}_rel_vs_fp32"] = rel(gv, gr)
-                    if args.profile and device == "cuda":
-                        times["profile_fwd_bwd"] = kernel_times(fb)
-                except Exception as e:  # noqa: BLE001
-                    times = {"error": f"{type(e).__name__}: {e}"[:500]}
-            row[f"ours[{vname}]"] = dict(times, env=venv)
-            if "fwd_ms" in times:
-                print(f"{name:28s} {'ours[' + vname + ']':15s} {times['fwd_nograd_ms']:11.4f} {times['fwd_ms']:9.4f} "
-                      f"{times['fwd_bwd_ms']:9.4f}  dx {times['dx_rel_vs_fp32']:.1e} dw {times['dweight_rel_vs_fp32']:.1e}")
-            else:
-                print(f"{name:28s} ours[{vname}] failed: {times['error'][:120]}")
-            if "profile_fwd_bwd" in times:
-                print("    " + ", ".join(f"{k[:40]} {v:.4f}" for k, v in list(times["profile_fwd_bwd"].items())[:8]))
         o = row.get("ours", {})
         if args.profile and device == "cuda" and "fwd_ms" in o:
             o["profile_fwd_bwd"] = kernel_times(timings(ours, x, weight, bias, cu, gy, 1, 1)[1])

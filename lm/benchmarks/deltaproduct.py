@@ -10,8 +10,8 @@ against a float64 reference on a slice of the batch (relative error, forward and
 fla is optional: without it only our numbers are reported. --quick runs tiny shapes (CPU interpreter).
 
 On CUDA it also prints each compiled kernel's registers and spills (triton's metadata). --decode times the
-decode step instead. scripts/gpu_deltaproduct.sh runs it with the GPU tests; lm_kernels/deltaproduct/BENCH.md has
-the results.
+decode step instead. `bash scripts/gpu_session.sh kernels` runs it on a GPU machine; the current figures are in
+docs/performance.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Registers / spills / shared memory of the SSD forward kernels compiled for sm_90 on a machine without a GPU,
 specialised exactly as they are launched at a bench shape.
 
-    python scripts/sm90/ssd_stats.py [--shape B8_T2048] [--kernels chunk_scan_fwd4_kernel state_fwd_kernel]
+    python scripts/dev/sm90/ssd_stats.py [--shape B8_T2048] [--kernels chunk_scan_fwd4_kernel state_fwd_kernel]
         [--configs "BP=64,num_warps=4,maxnreg=168" ...] [--backward]
 
 Run it in a process without TRITON_INTERPRET. The forward runs on CPU tensors of the bench shape with every
@@ -9,7 +9,7 @@ launch intercepted (nothing runs); each launch's arguments go through triton's o
 ("cuda", 90, 32), so pointer alignment and integer divisibility are specialised as on the GPU, then it is
 compiled and read with cuobjdump / ptxas -v (shipped with triton). The GPU image's triton is 3.6: put
 `pip install --no-deps --target /tmp/t36 triton==3.6.0` first on PYTHONPATH to get the H100's numbers (3.9's
-code generation differs, lm_kernels/ssd/PERF.md). --configs replaces the launch's meta-parameters / options.
+code generation differs). --configs replaces the launch's meta-parameters / options.
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 """Driver for Nsight Compute: one forward + backward of the SSD (or the DeltaProduct op) per labelled case
 inside a profiler range.
 
-    ncu --profile-from-start off --clock-control none --set detailed python scripts/ncu_ssd.py \
+    ncu --profile-from-start off --clock-control none --set detailed python scripts/dev/ncu_ssd.py \
         [--shape B8_T2048] [--cases "ours=" "mamba="] [--nograd]
-    ... python scripts/ncu_ssd.py --op deltaproduct --nh 2 --cases "ours=" "fla="   (B8 T2048 H16 K128 V256 bf16;
+    ... python scripts/dev/ncu_ssd.py --op deltaproduct --nh 2 --cases "ours=" "fla="   (B8 T2048 H16 K128 V256 bf16;
         fla's chunk_gated_delta_product runs its forward only: its backward is refused on triton 3.6 Hopper)
 
 Every case is first run `--warmup` times outside the range (autotuning, compilation), then once inside it,

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Nsight Compute profile of the SSD kernels on the GPU machine (scripts/ncu_ssd.py drives one forward +
+# Nsight Compute profile of the SSD kernels on the GPU machine (scripts/dev/ncu_ssd.py drives one forward +
 # backward per case; carry .gpu for mamba_ssm's sources). Writes $OUT/ncu_<tag>.txt (ncu's details page)
 # and prints one line per kernel: duration, SM / memory throughput, L2 hit rate, occupancy, registers.
 #   NCU_CASES="ours= ours_noautotune=LM_SSD_AUTOTUNE=0 mamba="  NCU_SET=detailed  NCU_TIMEOUT_S=240  NCU_ARGS="--nograd"
-#   DeltaProduct: NCU_ARGS="--op deltaproduct --nh 2" NCU_CASES="ours= fla=" (session 8: 143 s; fla from .gpu/wheels)
-# NCU_SOURCE=1 (scripts/gpu_ssd_ncu_src.sh): source level instead, set "full" (warp stall reasons, per-SASS-
+#   DeltaProduct: NCU_ARGS="--op deltaproduct --nh 2" NCU_CASES="ours= fla=" (about 143 s; fla from .gpu/wheels)
+# NCU_SOURCE=1 (scripts/dev/gpu_ssd_ncu_src.sh): source level instead, set "full" (warp stall reasons, per-SASS-
 # instruction samples) for the kernels of NCU_KERNELS (default "regex:dx_bwd"): writes $OUT/ncu_src_<tag>.txt
 # (details) and $OUT/sass_<tag>.csv (source page).
 set -u
@@ -24,7 +24,7 @@ if [ "${NCU_SOURCE:-0}" = "1" ]; then
   REP=/tmp/ncu_$TAG
   timeout "${NCU_TIMEOUT_S:-240}" "$NCU" --profile-from-start off --clock-control none --set full \
     --import-source yes --kernel-name "${NCU_KERNELS:-regex:dx_bwd}" -f -o "$REP" \
-    python3 scripts/ncu_ssd.py --cases "${CASES[@]}" ${NCU_ARGS:-} >"$OUT/ncu_run_$TAG.log" 2>&1
+    python3 scripts/dev/ncu_ssd.py --cases "${CASES[@]}" ${NCU_ARGS:-} >"$OUT/ncu_run_$TAG.log" 2>&1
   echo "ncu rc=$? in $(( $(date +%s) - T )) s"
   "$NCU" --import "$REP.ncu-rep" --page details >"$OUT/ncu_src_$TAG.txt" 2>&1
   "$NCU" --import "$REP.ncu-rep" --page source --csv --print-source sass >"$OUT/sass_$TAG.csv" 2>"$OUT/sass_$TAG.err" \
@@ -36,7 +36,7 @@ fi
 TAG=${NCU_TAG:-fb}
 read -r -a CASES <<<"${NCU_CASES:-ours= mamba=}"
 timeout "${NCU_TIMEOUT_S:-240}" "$NCU" --profile-from-start off --clock-control none --set "${NCU_SET:-detailed}" \
-  ${NCU_EXTRA:-} python3 scripts/ncu_ssd.py --cases "${CASES[@]}" ${NCU_ARGS:-} >"$OUT/ncu_$TAG.txt" 2>&1
+  ${NCU_EXTRA:-} python3 scripts/dev/ncu_ssd.py --cases "${CASES[@]}" ${NCU_ARGS:-} >"$OUT/ncu_$TAG.txt" 2>&1
 echo "ncu rc=$? in $(( $(date +%s) - T )) s"
 python3 - "$OUT/ncu_$TAG.txt" <<'PY'
 import re, sys

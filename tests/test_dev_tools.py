@@ -1,15 +1,20 @@
-"""The step benchmarks' CPU parts: saved-tensor accounting (lm bench saved), the floor (lm bench floor) and the
-no-grad / grad forward timing mode of lm bench train."""
+"""The developer tools of scripts/dev/ on CPU: what a training step saves for its backward (saved.py), the step's
+floor (floor.py) and the sm_90 compile statistics' launch capture (sm90/ssd_stats.py)."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from lm.benchmarks.floor import layer_stages, step_floor
-from lm.benchmarks.saved import OUTSIDE, build, origins, saved_tensors, summarize
+from dev_tools import DEV, load
 from lm.models.presets import load_config
+
+saved = load("saved")
+OUTSIDE, build, origins, saved_tensors, summarize = (saved.OUTSIDE, saved.build, saved.origins, saved.saved_tensors,
+                                                     saved.summarize)
+layer_stages, step_floor = load("floor").layer_stages, load("floor").step_floor
 
 
 def test_saved_counts_each_storage_once_and_by_layer():
@@ -51,7 +56,7 @@ def test_saved_counts_only_what_the_backward_holds(monkeypatch):
 
 def test_saved_cli_json(tmp_path):
     out = tmp_path / "s.json"
-    p = subprocess.run([sys.executable, "-m", "lm.benchmarks.saved", "--preset", "lm_llama-tiny", "--overrides",
+    p = subprocess.run([sys.executable, str(DEV / "saved.py"), "--preset", "lm_llama-tiny", "--overrides",
                         "num_hidden_layers=1", "--seq-len", "16", "--vocab", "64", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -81,14 +86,26 @@ def test_floor_counts_the_gemm_flops():
     assert 2.1 < big["over_explicit"] < 2.3
 
 
-def test_forward_ratio_mode(tmp_path):
-    out = tmp_path / "fr.json"
-    p = subprocess.run([sys.executable, "-m", "lm.benchmarks.train", "--forward-ratio", "--size", "tiny",
-                        "--seq-len", "32", "--micro", "1", "--steps", "2", "--warmup", "1", "--precision", "fp32",
-                        "--out", str(out)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    r = json.loads(out.read_text())
-    assert r["nograd_forward_ms"] > 0 and r["forward_backward_ms"] > 0
-    assert 0 < r["nograd_forward_host_ms"] <= r["nograd_forward_ms"]
-    assert "captured_nograd_forward_ms" not in r  # (CPU: nothing captured)
-    assert r["implied_implicit_4p1_over_explicit"] > 1
+_CAPTURE = """
+import sys
+sys.path.insert(0, 'scripts/dev/sm90')
+import torch
+from ssd_stats import capture_forward
+names = [fn.__name__ for fn, _, _ in capture_forward((1, 64, 2, 16, 16, 1, 32), dtype=torch.float32, backward=True)]
+print(' '.join(names))
+"""
+
+
+def test_sm90_stats_script_captures_every_launch_of_forward_and_backward():
+    """scripts/dev/sm90/ssd_stats.py intercepts the launches of one forward + backward (what it compiles for sm_90 on a
+    machine without a GPU): it follows triton_ssd's _forward / _backward, so a change to their signatures or to
+    the launched kernels shows here rather than when the tool is next needed. Its own process: without
+    TRITON_INTERPRET (the launches are JITFunction.run's)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _CAPTURE], cwd=DEV.parents[1], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    names = p.stdout.split()
+    for k in ("dtcb_fwd_kernel", "state_fwd_kernel", "dstate_bwd_kernel", "dcb_bwd_kernel", "dx_bwd_kernel",
+              "dbdc_bwd_kernel", "dt_bwd_kernel", "sum_rows_kernel"):
+        assert k in names, (k, names)

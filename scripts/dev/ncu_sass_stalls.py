@@ -1,9 +1,9 @@
 """Warp-stall samples per SASS instruction from an Nsight Compute source page (the sass_<tag>.csv that
-scripts/gpu_ssd_ncu_src.sh writes): the stall reasons of one kernel in total, and its top instructions with their
+scripts/dev/gpu_ssd_ncu_src.sh writes): the stall reasons of one kernel in total, and its top instructions with their
 index, share of all samples, execution count and main reasons. Loops show as higher execution counts; a load's
 latency shows on the first instruction that uses its data (often the STS that stages it for an MMA).
 
-    python scripts/ncu_sass_stalls.py sass_dp2.csv _fwd_h_o_v2_kernel [--top 40]
+    python scripts/dev/ncu_sass_stalls.py sass_dp2.csv _fwd_h_o_v2_kernel [--top 40]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Registers / spills / shared memory of the DeltaProduct chunk kernels compiled for sm_90 on a machine without a GPU.
 
-    python scripts/sm90/deltaproduct_stats.py [--nh 1 2 3] [--kernels main dh ..] [--configs BV/warps/stages ..]
+    python scripts/dev/sm90/deltaproduct_stats.py [--nh 1 2 3] [--kernels main dh ..] [--configs BV/warps/stages ..]
         [--K 128] [--V 256] [--chunk 64] [--dtype bf16|fp16|fp32]
 
 Run it in a process without TRITON_INTERPRET (triton ships ptxas and cuobjdump). The numbers come from the local

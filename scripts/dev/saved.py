@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What a training step keeps for its backward: the tensors autograd saves, by layer and by origin (CPU is enough).
 
-    lm bench saved --preset lm_mamba2-tiny --implicit '{"max_iter": 4, "phantom_steps": 1}'
-    lm bench saved --preset lm_deltaproduct-392m-nh2 --overrides hidden_size=128 num_heads=2 head_dim=64 \
+    python scripts/dev/saved.py --preset lm_mamba2-tiny --implicit '{"max_iter": 4, "phantom_steps": 1}'
+    python scripts/dev/saved.py --preset lm_deltaproduct-392m-nh2 --overrides hidden_size=128 num_heads=2 head_dim=64 \
         num_hidden_layers=2 intermediate_size=352 --seq-len 128 --triton --compile
 
 One forward + backward of the model under `torch.autograd.graph.saved_tensors_hooks`; every saved tensor is
@@ -193,7 +193,7 @@ def main() -> int:
 
         if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
             env = {**os.environ, "TRITON_INTERPRET": "1"}
-            return subprocess.call([sys.executable, "-m", "lm.benchmarks.saved", *sys.argv[1:]], env=env)
+            return subprocess.call([sys.executable, __file__, *sys.argv[1:]], env=env)
     if args.triton:
         for op in ("SSD", "CONV1D", "DELTAPRODUCT", "LRU"):
             os.environ.setdefault(f"LM_{op}_BACKEND", "triton")

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The floor of a training step: per layer, each GEMM's FLOPs at the measured matmul rate and the bytes that must
-move at the measured bandwidth, beside the measured per-kernel profile (issue #25, item 1).
+move at the measured bandwidth, beside the measured per-kernel profile (a developer tool: how far a step is from what
+the hardware allows).
 
-    lm bench floor --cases-json bench_train.json              # GPU: measure the rates, print a table per case
-    lm bench floor --preset lm_mamba2-350m --rates 700,3000   # any machine: given TFLOP/s and GB/s
+    python scripts/dev/floor.py --cases-json bench_train.json              # GPU: measure the rates, a table per case
+    python scripts/dev/floor.py --preset lm_mamba2-350m --rates 700,3000   # any machine: given TFLOP/s and GB/s
 
 A layer is split into stages that are each either bound by its math or by its memory traffic, so a stage's floor
 is max(FLOPs / matmul rate, bytes / bandwidth) and the layer's floor is their sum:
@@ -183,7 +184,7 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--rates", default=None, help="TFLOP/s,GB/s instead of measuring (no GPU needed)")
     ap.add_argument("--top", type=int, default=25, help="measured kernels to list beside each table")
-    ap.add_argument("--out", default=None, help="JSON with the rates and the floors")
+    ap.add_argument("--output", "--out", dest="out", default=None, help="JSON with the rates and the floors")
     args = ap.parse_args()
 
     cases = []

@@ -3,7 +3,7 @@
 matmul again in the backward) against "grad_in_forward" (Triton row kernel, gradient formed in the forward),
 and the unfused logits path where it fits. bf16, do_bench median (ms); prints a table, --json writes it.
 
-    lm bench loss --tokens 32768 --hidden 1024 --vocab 50304 --json loss.json
+    python scripts/dev/loss.py --tokens 32768 --hidden 1024 --vocab 50304 --json loss.json
 """
 from __future__ import annotations
 
