@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lm {name}: this command is not available in this build ({mod} missing)", file=sys.stderr)
             return 2
         raise
-    return int(getattr(module, fn)(rest) or 0)
+    try:
+        return int(getattr(module, fn)(rest) or 0)
+    except ValueError as err:  # the project's bad-input error: its message says what was wrong and what to do
+        print(f"lm {name}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

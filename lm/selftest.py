@@ -4,7 +4,9 @@ Per family (explicit Mamba2, Llama, DeltaProduct, FP-Mamba, LRU, and implicit Ma
 loss and gradients), greedy `generate` (explicit models: the generated tokens equal the argmax of one full forward),
 `save_pretrained` / `from_pretrained` (equal logits); then one training step through the trainer on a small prepared
 corpus (written here, default tokenizer) with its Hugging Face export, and lm-eval's HFLM on a local task built
-from that corpus. Prints the versions of the dependencies and one line per check; exits 1 if any check failed.
+from that corpus. Prints the versions of the dependencies and one line per check as it finishes; a check whose
+optional dependency is not installed (lm-eval: the `eval` extra) is listed as skipped with the command that installs
+it. Exits 1 if any check failed.
 `scripts/check_latest.sh` runs it in a fresh environment with the newest release of every dependency.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata as md
+import importlib.util
 import io
 import json
 import sys
@@ -139,8 +142,20 @@ def _lm_eval(tmp: Path, data: Path, export: Path) -> None:
     assert 0 <= acc <= 1, res["results"]
 
 
-def run(families: list[str] | None = None, trainer: bool = True, lm_eval: bool = True) -> list[dict]:
-    """Run the checks; returns one record per check: {"what", "check", "ok", "seconds", "error"}."""
+# optional checks: (module, what it is, how to install it)
+OPTIONAL = {"lm-eval": ("lm_eval", "lm-eval", "pip install -e '.[eval]'")}
+
+
+def missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def run(families: list[str] | None = None, trainer: bool = True, lm_eval: bool = True, report=None) -> list[dict]:
+    """Run the checks; returns one record per check: {"what", "check", "ok", "seconds", "error"} (+ "skipped":
+    the reason, for a check whose optional dependency is missing). `report(rec)` is called as each one ends."""
     import warnings
 
     import lm  # noqa: F401  (registers the model types)
@@ -153,12 +168,20 @@ def run(families: list[str] | None = None, trainer: bool = True, lm_eval: bool =
         rec = {"what": what, "check": name, "ok": True, "seconds": 0.0, "error": ""}
         try:
             fn()
-        except Exception as err:  # a selftest reports every failure instead of stopping at the first
+        except (Exception, SystemExit) as err:  # a selftest reports every failure instead of stopping at the first
             rec.update(ok=False, error=f"{type(err).__name__}: {err}".splitlines()[0][:300],
                        traceback=traceback.format_exc())
         rec["seconds"] = round(time.time() - t0, 2)
         records.append(rec)
+        if report is not None:
+            report(rec)
         return rec["ok"]
+
+    def skip(what, name, reason):
+        rec = {"what": what, "check": name, "ok": True, "seconds": 0.0, "error": "", "skipped": reason}
+        records.append(rec)
+        if report is not None:
+            report(rec)
 
     with tempfile.TemporaryDirectory(prefix="lm-selftest-") as d:
         tmp = Path(d)
@@ -171,9 +194,19 @@ def run(families: list[str] | None = None, trainer: bool = True, lm_eval: bool =
             box = {}
             if check("trainer", "prepare-data", lambda: box.update(data=_corpus(tmp))) and trainer:
                 ok = check("trainer", "train 2 steps + export", lambda: box.update(hf=_train_step(tmp, box["data"])))
-                if ok and lm_eval:
+                module, label, install = OPTIONAL["lm-eval"]
+                if ok and lm_eval and missing(module):
+                    skip("lm-eval", "HFLM on local tasks", f"{label} not installed: {install}")
+                elif ok and lm_eval:
                     check("lm-eval", "HFLM on local tasks", lambda: _lm_eval(tmp, box["data"], box["hf"]))
     return records
+
+
+def line(r: dict) -> str:
+    """A check's result as one line."""
+    if r.get("skipped"):
+        return f"skip {r['what']:16s} {r['check']:24s} {'':7s} {r['skipped']}"
+    return f"{'ok  ' if r['ok'] else 'FAIL'} {r['what']:16s} {r['check']:24s} {r['seconds']:6.1f}s  {r['error']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,14 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     vers = versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()), flush=True)
-    records = run(args.families.split(",") if args.families else None, trainer=not args.no_trainer,
-                  lm_eval=not args.no_lm_eval)
-    for r in records:
-        print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['what']:16s} {r['check']:24s} {r['seconds']:6.1f}s  {r['error']}")
+
+    def report(r):
+        print(line(r), flush=True)
         if args.verbose and not r["ok"]:
-            print(r["traceback"])
+            print(r["traceback"], flush=True)
+
+    records = run(args.families.split(",") if args.families else None, trainer=not args.no_trainer,
+                  lm_eval=not args.no_lm_eval, report=report)
     failed = [r for r in records if not r["ok"]]
-    print(f"{len(records) - len(failed)} passed, {len(failed)} failed")
+    skipped = [r for r in records if r.get("skipped")]
+    print(f"{len(records) - len(failed) - len(skipped)} passed, {len(failed)} failed"
+          + (f", {len(skipped)} skipped" if skipped else ""))
+    for r in skipped:
+        print(f"missing: {r['skipped']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"versions": vers, "results": [
             {k: v for k, v in r.items() if k != "traceback"} for r in records]}, indent=1))

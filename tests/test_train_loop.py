@@ -104,7 +104,7 @@ def test_curriculum_switch_resume_export_plot(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("one_behind", [False, True], ids=["read_at_once", "read_one_behind"])
-def test_nan_steps_skipped_then_stop(tmp_path, corpus, monkeypatch, one_behind):
+def test_nan_steps_skipped_then_stop(tmp_path, corpus, monkeypatch, capfd, one_behind):
     import lm.train.trainer as trainer
 
     monkeypatch.setattr(trainer, "_one_behind", lambda dist: one_behind)
@@ -123,8 +123,15 @@ def test_nan_steps_skipped_then_stop(tmp_path, corpus, monkeypatch, one_behind):
         return nan_at({2})(step, micro, out)
 
     run = tmp_path / "one"
-    with pytest.warns(RuntimeWarning, match="step 3 skipped"):
-        train(_cfg(run, corpus), hooks={"after_forward": spy})
+    capfd.readouterr()
+    train(_cfg(run, corpus), hooks={"after_forward": spy})
+    printed = capfd.readouterr()
+    out = printed.out + printed.err
+    # the warning once, on a line of its own (not the warnings module's second copy with a source line)
+    skip_lines = [line for line in out.splitlines() if "step 3 skipped" in line]
+    assert skip_lines == ["warning: step 3 skipped (non-finite loss; parameters unchanged), 1 in a row (limit "
+                          "train.max_bad_steps=5)"], out
+    assert "RuntimeWarning" not in out
     losses, recs = _losses(run)
     assert [r["step"] for r in recs if r.get("event") == "skip"] == [3]
     assert len(losses) == 6 and all(isinstance(losses[s], float) for s in (1, 2, 4, 5, 6))
@@ -132,13 +139,19 @@ def test_nan_steps_skipped_then_stop(tmp_path, corpus, monkeypatch, one_behind):
 
     # K bad steps in a row stop the run; the checkpoint written before is intact
     run = tmp_path / "many"
-    with pytest.raises(TrainingStopped, match=r"3 steps in a row.*step_00000002.*intact"):
-        with pytest.warns(RuntimeWarning):
-            train(_cfg(run, corpus, train={"max_bad_steps": 3}, checkpoint={"every_steps": 2}),
-                  hooks={"after_forward": nan_at({2, 3, 4, 5})})
+    with pytest.raises(TrainingStopped, match=r"3 steps in a row.*step_00000002.*intact.*then resume from it"):
+        train(_cfg(run, corpus, train={"max_bad_steps": 3}, checkpoint={"every_steps": 2}),
+              hooks={"after_forward": nan_at({2, 3, 4, 5})})
     from lm.train.checkpoint import resolve
 
     assert resolve(run).name == "step_00000002"
+
+    # without a checkpoint the advice is to start again, not to resume
+    run = tmp_path / "none"
+    with pytest.raises(TrainingStopped, match=r"no checkpoint was written, so there is nothing to resume.*start the "
+                                              r"run again") as err:
+        train(_cfg(run, corpus, train={"max_bad_steps": 2}), hooks={"after_forward": nan_at({1, 2, 3, 4, 5})})
+    assert "then resume" not in str(err.value)
 
 
 def test_parameters_unchanged_on_skipped_step(tmp_path, corpus):

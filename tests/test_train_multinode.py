@@ -3,8 +3,8 @@
 - torchrun: two launcher processes (`NNODES=2 NODE_RANK=0|1 GPUS_PER_NODE=1 scripts/launch.sh torchrun`), one
   c10d rendezvous endpoint on 127.0.0.1. A tiny implicit Mamba2 trains under DeepSpeed ZeRO-2 (synthetic data)
   and checkpoints (one ZeRO partition per rank); resumed from its mid-run checkpoint by two nodes again, the
-  losses continue exactly as in the uninterrupted run; resumed by one process (world size 1) it is refused
-  with a message naming both world sizes and what to do, and nothing is written.
+  losses continue exactly as in the uninterrupted run; resumed by one process with another global batch it is
+  refused with a message naming both and what to do, and nothing is written.
 - DeepSpeed's launcher: a hostfile with two entries for this machine (`localhost slots=1`, `127.0.0.1 slots=1`:
   DeepSpeed refuses the same name twice) and `NODE_RANK=0|1 scripts/launch.sh deepspeed`, i.e. `deepspeed
   --hostfile ... --no_ssh --node_rank i` started on every node; it resumes the same checkpoint, with the same
@@ -13,8 +13,7 @@
   is not tested: this machine has no pdsh and no ssh server, and that path differs only in how the per-node
   command is started.
 
-Resuming at another world size through DeepSpeed's universal checkpoint is not offered: the refusal says to
-resume with the saved number of ranks or to start a new run from the exported weights (model.init_from).
+Resuming at another world size (same global batch) is tests/test_train_resume.py's.
 """
 import json
 import os
@@ -92,7 +91,7 @@ def _copy_checkpoint(src_run, tag, dst_run):
     (dst_run / "checkpoints" / "latest").write_text(tag + "\n")
 
 
-def test_two_nodes_localhost_train_resume_and_refuse_other_world_size(tmp_path):
+def test_two_nodes_localhost_train_resume_and_refuse_other_global_batch(tmp_path):
     run = tmp_path / "run"
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(tiny_run_tree(run, {
@@ -116,16 +115,16 @@ def test_two_nodes_localhost_train_resume_and_refuse_other_world_size(tmp_path):
                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= names, names
         assert json.loads((ck / "manifest.json").read_text())["world_size"] == 2
 
-    # one process (world size 1) is refused before it writes anything
+    # one process with another global batch is refused before it writes anything
     run2 = tmp_path / "run2"
     _copy_checkpoint(run, "step_00000003", run2)
     before = sorted(p.name for p in run2.rglob("*"))
-    p = subprocess.run([sys.executable, "-m", "lm.train", str(cfg), f"run_dir={run2}", "--resume"], cwd=tmp_path,
-                       env=_env(), capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "lm.train", str(cfg), f"run_dir={run2}", "train.global_batch_tokens=256",
+                        "--resume"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-4000:]
     msg = p.stderr
-    assert "written with world size 2" in msg and "this run has world size 1" in msg, msg[-2000:]
-    assert "Resume with 2 ranks" in msg and "--nnodes" in msg and "model.init_from" in msg, msg[-2000:]
+    assert "trained with train.global_batch_tokens=128, this config has 256" in msg, msg[-2000:]
+    assert "set train.global_batch_tokens=128 to resume" in msg and "model.init_from" in msg, msg[-2000:]
     assert sorted(p.name for p in run2.rglob("*")) == before
 
     # two nodes again: steps 4..6 exactly as in the uninterrupted run

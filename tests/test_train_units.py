@@ -30,8 +30,11 @@ def test_config_rejects_unknown_keys_wrong_types_and_ranges(tmp_path):
         _cfg(train={"micro_batch_size": "eight"})
     with pytest.raises(ValueError, match=r"train.micro_batch_size: must be >= 1"):
         _cfg(train={"micro_batch_size": 0})
-    with pytest.raises(ValueError, match=r"set exactly one of train.tokens and train.steps"):
+    with pytest.raises(ValueError, match=r"both train.steps=10 and train.tokens=100 are set .*add train.tokens=null "
+                                         r"to train 10 steps, or train.steps=null"):
         _cfg(train={"tokens": 100})
+    with pytest.raises(ValueError, match=r"set one of train.tokens and train.steps"):
+        _cfg(train={"steps": None})
     with pytest.raises(ValueError, match=r"schedule.kind"):
         _cfg(schedule={"kind": "linear"})
     with pytest.raises(ValueError, match=r"'last_phase' needs a curriculum"):

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
                          "passes); 'all' = the shapes of the others")
     ap.add_argument("--decode", default="auto", help="decode path of the lm models: auto | graph | static | eager")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--out", default=None, help="JSON output")
+    ap.add_argument("--output", "--out", dest="out", default=None, help="JSON output")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny presets, B 1,2, prompt 16, 6 tokens")
     args = ap.parse_args(argv)
 

@@ -129,7 +129,7 @@ def time_ssd(fn, b, t, h, p, n, dev, tiny):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench_lru.json")
+    ap.add_argument("--output", "--out", dest="out", default="bench_lru.json")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--ms", default="2,4,8")

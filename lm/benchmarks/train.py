@@ -346,7 +346,7 @@ def main() -> int:
                     help="model.compile (torch.compile per block); both: each case eager, then compiled")
     ap.add_argument("--peak-flops", type=float, default=989e12)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per case")
-    ap.add_argument("--out", default=None, help="JSON file for the results")
+    ap.add_argument("--output", "--out", dest="out", default=None, help="JSON file for the results")
     ap.add_argument("--profile", type=int, default=0,
                     help="torch.profiler over this many steps after the warmup: per-kernel device ms per step")
     ap.add_argument("--forward-ratio", action="store_true",

@@ -10,7 +10,8 @@ FORMATS = ("fla",)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lm convert", description=__doc__.split("\n")[0].strip("`"))
+    ap = argparse.ArgumentParser(prog="lm convert", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     way = ap.add_mutually_exclusive_group(required=True)
     way.add_argument("--from", dest="src_format", choices=FORMATS,
                      help="SRC is a checkpoint of this format (fla: a gated_deltaproduct folder); write an lm folder")

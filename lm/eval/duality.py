@@ -73,7 +73,8 @@ def prefill_agreement(model, prompt, new_tokens: int, **generate_kwargs) -> dict
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="lm duality", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="lm duality", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("--data", default="data/shakespeare")
     ap.add_argument("--split", default="val")

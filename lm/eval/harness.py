@@ -22,7 +22,7 @@ PAPER_TASKS = ["lambada_openai", "hellaswag", "piqa", "arc_easy", "arc_challenge
 # Which accuracy the papers report per task (acc_norm where the Mamba/GLA tables use it).
 REPORTED_METRIC = {"hellaswag": "acc_norm", "arc_challenge": "acc_norm", "lm_local_continuation": "acc_norm"}
 LOCAL_TASKS_HINT = ("the local tasks need their data: run `python -m lm.eval.local_tasks --data data/shakespeare "
-                    "--out data/lm_tasks` and pass --include-path data/lm_tasks")
+                    "--output data/lm_tasks` and pass --include-path data/lm_tasks")
 
 
 def _import_lm_eval():
@@ -31,7 +31,8 @@ def _import_lm_eval():
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError as e:
-        raise SystemExit(f"lm eval needs lm-eval-harness: pip install -e '.[eval]' ({e})") from e
+        raise ValueError(f"lm-eval is not installed ({e}): pip install -e '.[eval]' (or pip install "
+                         "'lm-eval[hf]')") from None
     return lm_eval, HFLM, TaskManager
 
 

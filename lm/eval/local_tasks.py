@@ -1,6 +1,6 @@
 """Offline lm-eval tasks built from a prepared corpus's held-out split.
 
-    python -m lm.eval.local_tasks --data data/shakespeare --out data/lm_tasks
+    python -m lm.eval.local_tasks --data data/shakespeare --output data/lm_tasks
     lm eval CKPT --tasks lm_local_lastword,lm_local_continuation --include-path data/lm_tasks
     lm eval CKPT --tasks lm_local_generate --include-path data/lm_tasks [--decode eager]   (generation)
     lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True \
@@ -93,9 +93,10 @@ def build_local_tasks(data_dir, out_dir, *, n_lastword: int = 200, n_continuatio
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lm.eval.local_tasks", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lm.eval.local_tasks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="data/shakespeare", help="prepared data folder (lm prepare-data)")
-    ap.add_argument("--out", default="data/lm_tasks")
+    ap.add_argument("--output", "--out", dest="out", default="data/lm_tasks", help="folder to write the tasks to")
     ap.add_argument("--n", type=int, default=200, help="examples per task")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
-    ap.add_argument("--out", default=None, help="output folder (default: CKPT)")
+    ap.add_argument("--output", "--out", dest="out", default=None, help="output folder (default: CKPT)")
     args = ap.parse_args(argv)
 
     from lm.data.reader import TokenDataset

@@ -257,36 +257,69 @@ def save(root: Path, step: int, *, engine, reader, dist, keep_last: int, client:
 
 
 def check_resumable(ckpt: Path, dist) -> dict:
-    """The checkpoint's client.json when this run's ranks and engine can load it; ValueError otherwise."""
+    """The checkpoint's client.json when this run's engine can load it; ValueError otherwise. Another number of
+    ranks is fine (lm.train.resume: ZeRO's partitions are re-split through DeepSpeed's universal checkpoint)."""
     client = read_client(ckpt)
-    if client["world_size"] != dist.world:
-        # The engine's files hold the optimizer state split over the ranks that wrote them (DeepSpeed ZeRO
-        # partitions; the data position of each rank): they load only into the same world size.
-        saved = client["world_size"]
-        raise ValueError(
-            f"checkpoint.resume: {ckpt} was written with world size {saved} ({saved} ranks), this run has world size "
-            f"{dist.world}; its optimizer state and data position are split over {saved} ranks and load only into "
-            f"{saved}. Resume with {saved} ranks in all (nodes x processes per node = {saved}, e.g. torchrun --nnodes "
-            f"N --nproc_per_node M with N*M = {saved}); or, to go on at {dist.world}, start a new run from its "
-            f"weights: `lm export {ckpt} --output DIR`, then model.init_from=DIR (the optimizer state and the "
-            f"schedule restart)")
+    if client["engine"] == "torch" and dist.world > 1:
+        raise ValueError(f"checkpoint.resume: {ckpt} was written by the plain PyTorch engine, which runs one process; "
+                         f"this run has {dist.world} ranks. Resume it in one process, or go on at {dist.world} ranks "
+                         f"from its weights: `lm export {ckpt} --output DIR`, then model.init_from=DIR in another "
+                         "run_dir (the optimizer state and the schedule start afresh)")
     if client["engine"] != dist.engine:
         raise ValueError(f"checkpoint.resume: {ckpt} was written by the {client['engine']} engine, this run uses "
                          f"{dist.engine}; set train.engine={client['engine']}")
     return client
 
 
+def reshards(ckpt: Path, client: dict, dist) -> bool:
+    """Whether resuming `ckpt` in this run re-splits its ZeRO optimizer partitions (another number of ranks)."""
+    from .resume import partitioned
+
+    return client["world_size"] != dist.world and partitioned(ckpt)
+
+
+def _unreadable(ckpt: Path, err: Exception) -> ValueError:
+    return ValueError(f"checkpoint {ckpt} could not be loaded ({type(err).__name__}: {err}); it may be corrupt: "
+                      "resume from an earlier one with checkpoint.resume=<path>")
+
+
 def load(ckpt: Path, *, engine, reader, dist) -> dict:
-    """Restore engine (model, optimizer), data position and RNG state from a verified checkpoint; its client.json."""
+    """Restore engine (model, optimizer), data position and RNG state from a verified checkpoint; its client.json.
+    At another number of ranks the ZeRO partitions go through DeepSpeed's universal checkpoint, written by rank 0
+    into the staging area and removed once every rank has loaded it (the engine was built for it: build_engine's
+    `universal`)."""
+    from . import resume
+
     client = check_resumable(ckpt, dist)
+    saved_world = int(client["world_size"])
+    universal = None
+    if reshards(ckpt, client, dist):
+        universal = resume.universal_dir(ckpt.parent, ckpt.name)
+        dist.on_main(lambda: str(resume.to_universal(ckpt, universal)))
     try:
-        engine.load(ckpt)
-        rank_state = torch.load(ckpt / f"client_rank{dist.rank}.pt", weights_only=False)
+        engine.load(ckpt, universal=universal)
+        own = ckpt / f"client_rank{dist.rank % saved_world}.pt"
+        rank_state = torch.load(own, weights_only=False)
+        if dist.rank >= saved_world:  # the data position is global: rank 0's (resume.data_state maps it)
+            rank_state["data"] = torch.load(ckpt / "client_rank0.pt", weights_only=False)["data"]
     except ValueError:
         raise
+    except RuntimeError as err:
+        if "state_dict" not in str(err):
+            raise _unreadable(ckpt, err) from None
+        # the files were read (their hashes matched the manifest): the weights are of another model
+        detail = "; ".join(line.strip() for line in str(err).splitlines()[1:4])
+        raise ValueError(f"checkpoint.resume: the weights in {ckpt} do not fit this config's model ({detail} ...). "
+                         f"The checkpoint's model is described by {ckpt / 'config.json'}: resume with the run's "
+                         "model settings, or start a new run in another run_dir. The checkpoint is intact; nothing "
+                         "was changed.") from None
     except Exception as err:  # noqa: BLE001 - a damaged file: say which checkpoint
-        raise ValueError(f"checkpoint {ckpt} could not be loaded ({type(err).__name__}: {err}); it may be corrupt: "
-                         "resume from an earlier one with checkpoint.resume=<path>") from None
-    reader.load_state_dict(rank_state["data"])
+        raise _unreadable(ckpt, err) from None
+    finally:
+        if universal is not None:
+            dist.barrier()
+            if dist.is_main:
+                shutil.rmtree(universal.parent, ignore_errors=True)
+    reader.load_state_dict(resume.data_state(rank_state["data"], saved_world, dist.world))
     _set_rng_state(rank_state["rng"])
     return client

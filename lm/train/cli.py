@@ -23,10 +23,14 @@ DEFAULT_CONFIG = "default"  # the packaged lm/configs/train/default.yaml
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lm train", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    # the usage line is argparse's; the rest of this module's doc is the description
+    ap = argparse.ArgumentParser(prog="lm train", description=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value")
     ap.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    ap.add_argument("--allow-change", action="append", default=[], metavar="KEY[,KEY]",
+                    help="with --resume: accept these keys differing from the checkpoint's config although they "
+                         "define the run (model, data, ...; checkpoint.allow_change)")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -46,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         config_path = DEFAULT_CONFIG
     if args.resume:
         overrides.append("checkpoint.resume=true")
+    keys = [k.strip() for item in args.allow_change for k in item.split(",") if k.strip()]
+    if keys:
+        overrides.append(f"checkpoint.allow_change={json.dumps(keys)}")
 
     import torch
 

@@ -12,6 +12,7 @@ a list of Phase (each with its ImplicitSettings), the objects the model's `set_s
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -105,6 +106,9 @@ class CheckpointSection:
     resume: Union[bool, str] = False         # true: the run's latest checkpoint; "auto": it if any; or a path
     export: bool = True                      # HF export (run_dir/hf) at the end
     at_end: bool = True                      # checkpoint at the end (false: benchmarks)
+    # keys (or sections) a resume may change although they define the run (lm.train.resume.FIXED): e.g.
+    # [data.path] after the shards moved; `lm train --allow-change KEY`
+    allow_change: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -380,8 +384,12 @@ def validate(cfg: TrainConfig) -> None:
     else:
         _need(0 <= s.decay_start <= 1, "schedule.decay_start", "must be a fraction in [0, 1] or 'last_phase'",
               s.decay_start)
-    _need((t.tokens is None) != (t.steps is None), "train.tokens",
-          "set exactly one of train.tokens and train.steps", (t.tokens, t.steps))
+    if t.tokens is not None and t.steps is not None:  # e.g. train.steps=N over a recipe that sets train.tokens
+        raise ValueError(f"train.steps: both train.steps={t.steps} and train.tokens={t.tokens} are set (a recipe "
+                         "sets one of them); the run's length is one of the two: add train.tokens=null to train "
+                         f"{t.steps} steps, or train.steps=null to train {t.tokens} tokens")
+    _need(t.tokens is not None or t.steps is not None, "train.tokens",
+          "set one of train.tokens and train.steps (the run's length)", (t.tokens, t.steps))
     if t.tokens is not None:
         _need(t.tokens > 0 and math.isfinite(t.tokens), "train.tokens", "must be > 0", t.tokens)
     if t.steps is not None:
@@ -399,6 +407,15 @@ def validate(cfg: TrainConfig) -> None:
         _need(t.num_threads >= 1, "train.num_threads", "must be >= 1", t.num_threads)
     _need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = only at the end)", c.every_steps)
     _need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", c.keep_last)
+    from .resume import FIXED, NEVER
+
+    for key in c.allow_change:
+        _need(isinstance(key, str) and not any(key == n or n.startswith(key + ".") for n in NEVER),
+              "checkpoint.allow_change", f"takes dotted config keys; {', '.join(NEVER)} never changes in a run "
+              "(start a new run from its weights instead)", c.allow_change)
+        _need(any(f == key or f.startswith(key + ".") or key.startswith(f + ".") for f in FIXED),
+              "checkpoint.allow_change", f"{key!r} is not a key a resume keeps (those are {', '.join(FIXED)}; "
+              "every other key may change on resume without it)", c.allow_change)
     _need(lg.every_steps >= 1, "log.every_steps", "must be >= 1", lg.every_steps)
     _need(lg.peak_flops > 0, "log.peak_flops", "must be > 0", lg.peak_flops)
     _need(e.every_steps >= 0, "eval.every_steps", "must be >= 0", e.every_steps)
@@ -406,6 +423,8 @@ def validate(cfg: TrainConfig) -> None:
     _need(e.sample_tokens >= 0, "eval.sample_tokens", "must be >= 0", e.sample_tokens)
     _need(e.tasks_limit is None or e.tasks_limit >= 1, "eval.tasks_limit", "must be None or >= 1", e.tasks_limit)
     _need(e.tasks_batch_size >= 1, "eval.tasks_batch_size", "must be >= 1", e.tasks_batch_size)
+    _need(not e.task_list or importlib.util.find_spec("lm_eval") is not None, "eval.tasks",
+          "needs lm-eval, which is not installed: pip install -e '.[eval]'", e.tasks)
     for k in ("max_minutes", "stop_after_minutes"):
         v = getattr(t, k)
         _need(v is None or (v > 0 and math.isfinite(v)), f"train.{k}", "must be null or a number of minutes > 0", v)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import sys
+from pathlib import Path
 
 import torch
 
@@ -35,19 +37,42 @@ def resolve_auto_engine(world: int, deepspeed_config: str | None, deepspeed_avai
     return "deepspeed" if want and deepspeed_available else "torch"
 
 
-def engine_kind(train_section) -> str:
-    """The engine this process will run (train.engine, with auto resolved), before any process group exists."""
+def engine_kind(train_section, resumed_engine: str | None = None) -> str:
+    """The engine this process will run (train.engine, with auto resolved), before any process group exists.
+    `resumed_engine`: the engine that wrote the checkpoint the run resumes from, which auto keeps (a DeepSpeed run
+    resumed by one process goes on under DeepSpeed, with its optimizer state)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     engine = train_section.engine
+    if engine == "auto" and resumed_engine == "deepspeed" and deepspeed_available():
+        return "deepspeed"
     if engine == "auto":
         engine = resolve_auto_engine(world, train_section.deepspeed_config, deepspeed_available())
     return engine
 
 
+def _say_if_deepspeed_compiles() -> None:
+    """DeepSpeed's CPU backend compiles its shared-memory communication op at its first start on a machine (about
+    2 minutes on 2 cores, silent): say so before it starts, unless torch's extension cache holds it already."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from torch.utils.cpp_extension import _get_build_directory
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None:
+            return
+        folder = _get_build_directory(builder.NAME, verbose=False)
+        if any(Path(folder).glob(f"{builder.NAME}*.so")):
+            return
+    except Exception:  # noqa: BLE001 - only a notice: never stop a run over it
+        return
+    print(f"DeepSpeed compiles its CPU communication op {builder.NAME} now (the first DeepSpeed start on this "
+          f"machine, about 2 minutes; cached in {folder})", file=sys.stderr, flush=True)
+
+
 class Dist:
     """Rank, world size, device and the engine kind of this process (initialises DeepSpeed's process group)."""
 
-    def __init__(self, train_section):
+    def __init__(self, train_section, resumed_engine: str | None = None):
         t = train_section
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -58,7 +83,7 @@ class Dist:
         self.device = torch.device(f"cuda:{self.local_rank}") if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        engine = engine_kind(t)
+        engine = engine_kind(t, resumed_engine)
         if engine == "deepspeed" and not deepspeed_available():
             raise ValueError("train.engine: deepspeed is not installed (pip install deepspeed, or the `train` extra); "
                              "use train.engine=torch for a single process")
@@ -78,6 +103,8 @@ class Dist:
             import deepspeed
 
             if not torch.distributed.is_initialized():  # kept for a later train() in this process (shutdown())
+                if not cuda and self.rank == 0:
+                    _say_if_deepspeed_compiles()
                 deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
 
     @property

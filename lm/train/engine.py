@@ -7,7 +7,8 @@
         set lr, clip, step; a step whose gradients (or, torch engine, micro losses) are not finite is skipped
         (applied false). The torch engine with the fused AdamW returns both as device tensors and decides
         the skip on the device (no host sync in the step); otherwise they are Python values.
-    engine.save(staging_root, tag) / engine.load(ckpt_dir)
+    engine.save(staging_root, tag) / engine.load(ckpt_dir, universal=None)   (universal: DeepSpeed's universal
+        form of the checkpoint, for another number of ranks: lm.train.resume)
     engine.module                                   (the model)
 
 Checkpoint files go through `writer(path)` (checkpoint.HashingWriter: the manifest's content hash is computed
@@ -77,7 +78,7 @@ class TorchEngine:
         with writer(d / "model_optim.pt") as f:
             torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, f)
 
-    def load(self, ckpt: Path) -> None:
+    def load(self, ckpt: Path, universal: Path | None = None) -> None:
         path = ckpt / "model_optim.pt"
         if not path.is_file():
             raise ValueError(f"checkpoint {ckpt} has no model_optim.pt: it was not written by the torch engine "
@@ -88,7 +89,9 @@ class TorchEngine:
 
 
 def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: int, world_size: int,
-                     grad_clip: float, precision: str, zero_stage: int) -> dict:
+                     grad_clip: float, precision: str, zero_stage: int, universal: bool = False) -> dict:
+    """The DeepSpeed config of a run; `universal`: its checkpoint is loaded from DeepSpeed's universal form (a
+    resume at another number of ranks, lm.train.resume)."""
     cfg: dict = {}
     if base:
         from ..resources import config_path
@@ -117,6 +120,8 @@ def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: i
     cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": zero_stage}
     for k in ("optimizer", "scheduler"):  # ours are built in code
         cfg.pop(k, None)
+    if universal:
+        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
     return cfg
 
 
@@ -260,11 +265,14 @@ class DeepSpeedEngine:
         finally:
             del ce.save  # the class's method again
 
-    def load(self, ckpt: Path) -> None:
+    def load(self, ckpt: Path, universal: Path | None = None) -> None:
         if not any(ckpt.glob("mp_rank_*_model_states.pt")):
             raise ValueError(f"checkpoint {ckpt} has no DeepSpeed model states: it was not written by the "
                              "DeepSpeed engine (use train.engine=torch to resume it)")
-        path, _ = self.engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+        if universal is not None and not self.engine.load_universal_checkpoint():
+            raise ValueError("a universal checkpoint needs an engine built with deepspeed_config(universal=True)")
+        src = universal if universal is not None else ckpt
+        path, _ = self.engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
         if path is None:
             raise ValueError(f"DeepSpeed could not load checkpoint {ckpt}")

@@ -1,4 +1,5 @@
-"""Run logging on rank 0: a JSONL metrics file, an optional wandb run, a tqdm bar, MFU and memory.
+"""Run logging on rank 0: a JSONL metrics file, an optional wandb run, MFU and memory (what is printed:
+console.py).
 
 Every line of RUN/metrics.jsonl is one JSON object: a step record ({"step", "tokens", "loss", "lr",
 "grad_norm", "tokens_per_s", "mfu", "flops_per_token", "step_time", "mem_gb", "phase", "fp/<stat>",
@@ -144,30 +145,3 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
             except ValueError:  # the last line of a killed run can be cut short
                 continue
     return out
-
-
-class Progress:
-    """A tqdm bar over optimizer steps (rank 0, when enabled): loss, lr, tokens/s; tqdm shows the ETA."""
-
-    def __init__(self, total: int, initial: int, enabled: bool):
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr)
-
-    def update(self, n: int = 1, **postfix) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix({k: v for k, v in postfix.items()}, refresh=False)
-            self.bar.update(n)
-
-    def write(self, msg: str) -> None:
-        if self.bar is not None:
-            self.bar.write(msg, file=sys.stderr)
-        else:
-            print(msg, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -166,15 +166,15 @@ def model_parameters(cfg: TrainConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="lm synth", description="train and evaluate a model on a synthetic state-tracking task",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+        prog="lm synth", description=__doc__.split("\n\n", 1)[1],  # (the usage line is argparse's)
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", nargs="?", help="recipe YAML (lm/configs/synth/*.yaml, or its name)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides with dotted keys, e.g. model.implicit.max_iter=8")
     ap.add_argument("--dry-run", action="store_true", help="print the training config and model size; do not train")
     ap.add_argument("--list-tasks", action="store_true", help="list the registered tasks and their parameters")
     ap.add_argument("--compare", nargs="+", metavar="RUN", help="overlay finished runs (folders or results.json) "
                     "in one PNG (--out) instead of training")
-    ap.add_argument("--out", default="synth_compare.png", help="PNG path for --compare")
+    ap.add_argument("--output", "--out", dest="out", default="synth_compare.png", help="PNG path for --compare")
     ap.add_argument("--metric", default=None, help="metric for --compare (default: the task's)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_intermixed_args(argv)

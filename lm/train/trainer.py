@@ -23,7 +23,6 @@ import json
 import math
 import random
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,10 +38,12 @@ from .data import build_data, build_task_data, to_model_inputs
 from .distributed import Dist, resolve_auto_engine, shutdown  # noqa: F401  (re-exported)
 from .engine import DeepSpeedEngine, TorchEngine, deepspeed_config
 from .evaluation import Evaluator
-from .metrics import MetricsLogger, Progress, StepWindow, memory_gb
+from .console import Console
+from .metrics import MetricsLogger, StepWindow, memory_gb
 from .model import build_model, check_model_settings, load_model_config
 from .optim import make_optimizer
 from .preempt import Preempted, StopSignals
+from .resume import check_config
 from .rundir import RunLock, archive_metrics, truncate_metrics
 from .schedule import lr_at, warmup_steps_of
 
@@ -86,6 +87,19 @@ def find_resume(cfg: TrainConfig, dist: Dist) -> Path | None:
     return Path(found)
 
 
+def _resumed_engine(cfg: TrainConfig) -> str | None:
+    """The engine that wrote the checkpoint a resume will load (read before any process group exists, without
+    hashing: find_resume verifies it), or None."""
+    resume = cfg.checkpoint.resume
+    if resume is False:
+        return None
+    try:
+        found = ckpt.resolve(cfg.run_dir if resume in (True, "auto") else resume, hashes=False)
+        return ckpt.read_client(found).get("engine")
+    except (ValueError, OSError, KeyError):
+        return None  # no checkpoint (or a broken one): find_resume says what is wrong
+
+
 def build_run_data(cfg: TrainConfig, dist: Dist):
     """(train reader, make_val(n) -> batches, tokenizer or None, data vocabulary size)."""
     if cfg.data.source == "task":  # a synthetic task (lm.data.synthetic.source)
@@ -94,14 +108,16 @@ def build_run_data(cfg: TrainConfig, dist: Dist):
                       world_size=dist.world)
 
 
-def build_engine(cfg: TrainConfig, model, dist: Dist, plan: Plan):
+def build_engine(cfg: TrainConfig, model, dist: Dist, plan: Plan, universal: bool = False):
+    """The engine; `universal`: it loads a checkpoint of another number of ranks (lm.train.resume)."""
     t = cfg.train
     optimizer = make_optimizer(model, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                weight_decay=cfg.optim.weight_decay, device=dist.device)
     if dist.engine == "deepspeed":
         ds_cfg = deepspeed_config(base=t.deepspeed_config, micro_batch_size=t.micro_batch_size,
                                   accumulation=plan.accumulation, world_size=dist.world,
-                                  grad_clip=cfg.optim.grad_clip, precision=t.precision, zero_stage=t.zero_stage)
+                                  grad_clip=cfg.optim.grad_clip, precision=t.precision, zero_stage=t.zero_stage,
+                                  universal=universal)
         return DeepSpeedEngine(model, optimizer, ds_cfg)
     return TorchEngine(model, optimizer, accumulation=plan.accumulation, grad_clip=cfg.optim.grad_clip,
                        precision=t.precision, device=dist.device)
@@ -121,15 +137,20 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     model_config = load_model_config(cfg)  # the preset, read once
     phases = curriculum_phases(cfg.curriculum, model_config.model_type)
     check_model_settings(cfg, model_config, phases)
-    dist = Dist(t)
+    dist = Dist(t, resumed_engine=_resumed_engine(cfg))
     plan = Plan.of(cfg, dist.world)
     resume_from = find_resume(cfg, dist)
+    resumed = None
     if resume_from is not None:
-        done = ckpt.read_client(resume_from)["step"]
+        client = ckpt.read_client(resume_from)
+        changes = check_config(resume_from, client, cfg)  # another model or data: refused here
+        done = client["step"]
         if done >= plan.total_steps:
             return {"finished": True, "steps": done, "total_steps": plan.total_steps, "run_dir": cfg.run_dir,
                     "checkpoint": str(resume_from), "tokens": done * plan.tokens_per_step}
-        ckpt.check_resumable(resume_from, dist)  # same ranks and engine
+        ckpt.check_resumable(resume_from, dist)  # the same engine
+        resumed = _Resumed(resume_from, changes, int(client["world_size"]),
+                           ckpt.reshards(resume_from, client, dist))
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
@@ -140,13 +161,24 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     dist.on_main(lambda: bool(lock.acquire()))  # every rank gets rank 0's refusal, if any
     try:
         with StopSignals(cfg.run_dir) as signals:
-            return _run(cfg, dist, plan, phases, model, data, resume_from, signals, hooks or {})
+            return _run(cfg, dist, plan, phases, model, data, resumed, signals, hooks or {})
     finally:
         lock.release()
 
 
-def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_from, signals, hooks) -> dict:
+@dataclass
+class _Resumed:
+    """The checkpoint a run resumes from: its path, the config changes since it (lines), the number of ranks that
+    wrote it, and whether its ZeRO partitions are re-split for this number of ranks."""
+    path: Path
+    changes: list
+    world_size: int
+    reshard: bool
+
+
+def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resumed, signals, hooks) -> dict:
     t = cfg.train
+    resume_from = resumed.path if resumed is not None else None
     run_dir, root = Path(cfg.run_dir), ckpt.checkpoints_root(cfg.run_dir)
     train_reader, make_val, tokenizer, _ = data
     task_hook = None
@@ -157,7 +189,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
         hooks = {**hooks, "after_forward": _chain(hooks.get("after_forward"), task_hook.after_forward)}
     model.to(dist.device)
     model.train()
-    engine = build_engine(cfg, model, dist, plan)
+    engine = build_engine(cfg, model, dist, plan, universal=resumed is not None and resumed.reshard)
     model = engine.module
 
     total_steps = plan.total_steps
@@ -192,13 +224,18 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
     logger.log({"event": "start", "step": step, "total_steps": total_steps, "total_tokens": total_steps *
                 plan.tokens_per_step, "accumulation": plan.accumulation, "world_size": dist.world,
                 "engine": dist.engine, "device": str(dist.device), "params": n_params,
-                "resumed_from": str(resume_from) if resume_from else None})
-    progress = Progress(total_steps, step, enabled=dist.is_main and cfg.log.progress)
+                "resumed_from": str(resume_from) if resume_from else None,
+                **({"resumed_world_size": resumed.world_size, "config_changes": resumed.changes} if resumed else {})})
+    progress = Console(total_steps, step, enabled=dist.is_main, progress=cfg.log.progress)
     if dist.is_main:
         progress.write(f"lm train: {model.config.model_type} {n_params / 1e6:.2f}M params, {total_steps} steps x "
                        f"{t.global_batch_tokens} tokens ({plan.accumulation} x {t.micro_batch_size} x "
                        f"{cfg.data.seq_len} x {dist.world} ranks), engine {dist.engine} on {dist.device}"
-                       + (f", resumed at step {step}" if step else ""))
+                       + (f", resumed at step {step}" if step else "")
+                       + (f" (written by {resumed.world_size} ranks)" if resumed and resumed.world_size != dist.world
+                          else ""))
+        for line in resumed.changes if resumed else ():
+            progress.write(f"changed since the checkpoint: {line}")
     evaluator = Evaluator(cfg.eval, model, make_val, tokenizer, dist, logger, progress, precision=t.precision,
                           seed=t.seed, tokens_per_step=plan.tokens_per_step)
     window = StepWindow(cfg.data.seq_len, plan.tokens_per_step, cfg.log.peak_flops, dist.world)
@@ -250,7 +287,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resume_f
                 if task_hook.reached_target(p.step):
                     stopped = "target accuracy"
             logger.log(rec)
-            _show(progress, p.step, rec)
+            progress.step(p.step, rec)
         return bool(stops)
 
     one_behind = _one_behind(dist)
@@ -449,26 +486,19 @@ def _skipped(step, nonfinite, bad_in_row, limit, dist, progress, logger, run_dir
     why = "non-finite loss" if nonfinite else "non-finite gradient"
     msg = (f"warning: step {step} skipped ({why}; parameters unchanged), "
            f"{bad_in_row} in a row (limit train.max_bad_steps={limit})")
-    if dist.is_main:
-        progress.write(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    progress.write(msg)  # rank 0, once, on its own line (metrics.jsonl gets the event)
     logger.log({"event": "skip", "step": step, "reason": why, "in_a_row": bad_in_row})
     if bad_in_row >= limit:
         logger.log({"event": "stopped", "step": step, "reason": f"{bad_in_row} non-finite steps in a row"})
         logger.close()
         progress.close()
         latest = ckpt.latest_tag(run_dir)
-        kept = (f"the last checkpoint ({ckpt.checkpoints_root(run_dir) / latest}) is intact" if latest
-                else "no checkpoint was written")
+        if latest:
+            kept = (f"the last checkpoint ({ckpt.checkpoints_root(run_dir) / latest}) is intact. Lower optim.lr or "
+                    "optim.grad_clip, or check the data, then resume from it (--resume)")
+        else:
+            kept = ("no checkpoint was written, so there is nothing to resume. Lower optim.lr or optim.grad_clip, "
+                    "or check the data, then start the run again (checkpoint.every_steps keeps checkpoints along "
+                    "the way)")
         raise TrainingStopped(
-            f"stopped at step {step}: {bad_in_row} steps in a row had a non-finite loss or gradient; {kept}. "
-            "Lower optim.lr or optim.grad_clip, or check the data, then resume.")
-
-
-def _show(progress, step: int, rec: dict) -> None:
-    """The progress bar's postfix: loss, lr, tokens/s and the solver's iterations (model or FP-Mamba layers)."""
-    postfix = {"loss": f"{rec['loss']:.3f}", "lr": f"{rec['lr']:.2e}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
-    it = rec.get("fp/iterations", rec.get("fp/layer_iterations"))
-    if it is not None:
-        postfix["it"] = f"{it:.1f}"
-    progress.update(step - progress.bar.n if progress.bar is not None else 0, **postfix)
+            f"stopped at step {step}: {bad_in_row} steps in a row had a non-finite loss or gradient; {kept}.")
