@@ -190,7 +190,7 @@ def main(argv=None):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
-    names = args.shapes or ["B8_T2048", "B2_T8192"]  # BENCHMARKS.md's shapes unless named
+    names = args.shapes or ["B8_T2048", "B2_T8192"]  # the shapes of docs/performance.md unless named
     shapes = TINY if args.tiny else {k: v for k, v in SHAPES.items() if k in names}
     peer = not args.no_peer
     if peer:
