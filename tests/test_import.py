@@ -52,3 +52,42 @@ model = AutoModelForCausalLM.from_pretrained({str(saved_tiny)!r})
 print(type(cfg).__name__, type(model).__name__, any(type(f).__module__.startswith("lm.") for f in sys.meta_path))
 """)
     assert out.split() == ["LMLlamaConfig", "LMLlamaForCausalLM", "False"]  # the watching finder removed itself
+
+
+def test_no_environment_read_or_written_at_import():
+    """Imports every module of lm and lm_kernels with os.environ replaced by a recorder; any read or
+    write made from a file of lm/ while importing is an error (what a process does is chosen per call, not frozen
+    when a module is first imported). (lm_kernels/ is not covered yet: four of its modules read TRITON_INTERPRET and
+    their autotune switches at import.)"""
+    out = _run("""
+        import os, sys, pkgutil, importlib, traceback
+        ours = (os.path.join(os.getcwd(), "lm") + os.sep,)
+        hits = set()
+
+        class Recorder(type(os.environ)):
+            def _note(self, key):  # the innermost caller outside os / collections.abc is the reader
+                for frame in reversed(traceback.extract_stack()[:-2]):
+                    if not frame.filename.endswith(("os.py", "<frozen os>", "_collections_abc.py", "_collections_abc>")):
+                        if frame.filename.startswith(ours):
+                            hits.add(f"{os.path.relpath(frame.filename)}:{frame.lineno} {key}")
+                        return
+            def __getitem__(self, key):
+                self._note(key); return super().__getitem__(key)
+            def __setitem__(self, key, value):
+                self._note(key); super().__setitem__(key, value)
+            def __contains__(self, key):
+                self._note(key); return super().__contains__(key)
+
+        env = os.environ
+        os.environ = Recorder(env._data, env.encodekey, env.decodekey, env.encodevalue, env.decodevalue)
+        import lm, lm.cli, lm.models, lm_kernels
+        mods = [m.name for m in pkgutil.walk_packages(lm.__path__, "lm.") if not m.name.endswith("__main__")]
+        for m in mods + [m.name for m in pkgutil.walk_packages(lm_kernels.__path__, "lm_kernels.")]:
+            try:
+                importlib.import_module(m)
+            except ImportError as e:  # optional peers (fla)
+                if "fla" not in str(e):
+                    raise
+        print("\\n".join(sorted(hits)))
+        """, env={"TRITON_INTERPRET": "1"})
+    assert out.strip() == "", "environment read or written at import:\n" + out
