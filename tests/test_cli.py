@@ -173,3 +173,13 @@ def test_deepspeed_first_cpu_start_is_announced(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "built"))
     _say_if_deepspeed_compiles()
     assert capsys.readouterr().err == ""
+
+
+def test_readme_lm_eval_line_batches_as_lm_eval_does():
+    """lm-eval's own CLI runs at batch size 1 unless told (4x slower than `lm eval`): the README's line sets the
+    batch size of `lm eval`."""
+    lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("lm_eval ")]
+    assert lines, "the README's lm_eval line"
+    src = (REPO / "lm" / "eval" / "harness.py").read_text()
+    assert 'ap.add_argument("--batch-size", type=int, default=16)' in src  # lm eval's default
+    assert all("--batch_size 16" in line for line in lines), lines

@@ -4,7 +4,7 @@
     lm eval CKPT --tasks lm_local_lastword,lm_local_continuation --include-path data/lm_tasks
     lm eval CKPT --tasks lm_local_generate --include-path data/lm_tasks [--decode eager]   (generation)
     lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True \
-        --tasks lm_local_lastword --include_path data/lm_tasks
+        --tasks lm_local_lastword --include_path data/lm_tasks --batch_size 16
 
 The task YAMLs ship in this package (lm/eval/tasks/) as templates; building writes the JSONL data and
 copies of the YAMLs pointing at it. The standard tasks (lambada_openai, hellaswag, ...) need their
