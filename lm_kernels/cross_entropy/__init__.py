@@ -3,10 +3,10 @@
     lse, loss = ce_rows_(logits, targets, scale, ignore_index=-100, write_grad=True)
     lse, loss = ce_rows_reference_(...same...)
 
-logits (n, V) bf16/fp16/fp32, rows contiguous; targets (n,) int64. Per row: lse = logsumexp(logits) and
-loss = lse - logits[target] (0 where target == ignore_index), both fp32 (n,). With write_grad the logits are
-overwritten by scale * (softmax(logits) - onehot(target)) in their own dtype (0 on ignored rows): the
-gradient of scale * sum(loss) with respect to the logits. The softmax math is fp32.
+logits (n, V) bf16/fp16/fp32, rows contiguous (any row stride); targets (n,) int64, any stride. Per row:
+lse = logsumexp(logits) and loss = lse - logits[target] (0 where target == ignore_index), both fp32 (n,). With
+write_grad the logits are overwritten by scale * (softmax(logits) - onehot(target)) in their own dtype (0 on
+ignored rows): the gradient of scale * sum(loss) with respect to the logits. The softmax math is fp32.
 
 `ce_rows_` is the Triton kernel (one program per row, two passes over it: an online max / sum, then the
 gradient), used on CUDA; on CPU it runs under TRITON_INTERPRET=1 (tests). `ce_rows_reference_` is the

@@ -5,9 +5,10 @@ cache, as one Triton kernel.
 
 qkv (b, 1, (n_heads + 2 n_kv) * d): the fused projection's output (q | k | v, heads of d channels), read through
 its strides; cos, sin (1, d) float32: the rotary tables of this step's position (half-rotation layout, as
-`lm.models.layers.rotary_cos_sin`); k_cache, v_cache (b, n_kv, capacity, d): the static cache's buffers; position
-(1,) long: the slot of the new token (a device tensor, so that the step can be captured in a CUDA graph). Returns
-q rotated, (b, n_heads, 1, d) in qkv's dtype; k rotated and v are written at slot `position` of the buffers.
+`lm.models.layers.rotary_cos_sin`); k_cache, v_cache (b, n_kv, capacity, d): the static cache's buffers (written
+through their strides, any layout); position (1,) long: the slot of the new token (a device tensor, so that the
+step can be captured in a CUDA graph). Returns q rotated, (b, n_heads, 1, d) in qkv's dtype; k rotated and v are
+written at slot `position` of the buffers.
 
 Backends (lm_kernels.backend.resolve_backend, op "rope"; LM_ROPE_BACKEND=reference|triton overrides):
 "reference" (`rope_kv_step_reference`: the PyTorch form the attention runs everywhere else, ~14 kernels: table
