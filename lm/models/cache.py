@@ -19,16 +19,31 @@ Two kinds of cache:
 A dynamic cache that generation is decoding with a static decoder is *bound* to it: its states live in the
 decoder's buffers between steps. Any other use of the cache (a mixer reading it, reordering beams, ...)
 first copies them back (`_unbind`).
+
+Left padding (`attention_mask` with zeros, transformers' convention): pads are identity steps of every recurrent
+state, so a recurrent state needs nothing more; attention's cached keys of pads stay in the K/V tensors and are
+masked. The cache keeps which of its tokens are real (`real`, recorded by the model's forward for each new chunk of
+tokens), from which attention's key mask and each row's token positions (rotary embedding: a row's first real token
+is at position 0, as that prompt alone) follow. A static cache holds the same as device buffers (`real` over its
+K/V slots and the pad count of each row, filled when a decoder binds a cache), which a captured step reads.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 # Cache entries that grow with the sequence, and along which dim: attention's keys and values (b, h, s, d).
 # Every other entry is a fixed-size recurrent state.
 SEQ_DIM = {"k": 2, "v": 2}
+
+
+def mask_positions(real: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its row (b, s) from the row's real-token mask: the count of real tokens before it
+    (pads, before a row's first real token, at 0), so that a left-padded prompt's tokens have the positions they
+    have alone."""
+    return (real.long().cumsum(-1) - 1).clamp_(min=0)
 
 
 class LMCache:
@@ -44,6 +59,10 @@ class LMCache:
         # "static" | "graph" | None: the one-token decode path generation asked for (see lm.models.decode)
         self.decode: str | None = None
         self._bound = None  # the StaticDecoder holding this cache's states between decode steps
+        # (b, n) bool, True at real tokens, over the first n tokens (every later one is real); None: no pads.
+        # Static caches: (b, capacity) over the K/V slots, with `pads` (b,) long, each row's count of pad slots
+        self.real: torch.Tensor | None = None
+        self.pads: torch.Tensor | None = None
         # static caches only
         self.static = False
         self.position: torch.Tensor | None = None  # (1,) long: position of the first new token
@@ -51,21 +70,60 @@ class LMCache:
         self._step_tensors = None  # (positions, {dtype: attention mask}) of the current step, see begin_step
 
     @classmethod
-    def static_like(cls, layers: dict, capacity: int, device) -> "LMCache":
+    def static_like(cls, layers: dict, capacity: int, device, padded: bool = False) -> "LMCache":
         """A static cache with buffers shaped like `layers` (a dynamic cache's entries); K/V get `capacity`
-        slots along their sequence dim. Buffers start at zero."""
+        slots along their sequence dim. Buffers start at zero. `padded`: for caches of left-padded prompts, also
+        the pad buffers `real` and `pads` (where there are K/V slots to mask; see `load_mask`)."""
         st = cls(len(layers))
         st.static = True
         st.capacity = capacity
         st.position = torch.zeros(1, dtype=torch.long, device=device)
+        batch = None
         for i, d in layers.items():
             st.layers[i] = {}
             for k, v in d.items():
                 shape = list(v.shape)
+                batch = shape[0]
                 if k in SEQ_DIM:
                     shape[SEQ_DIM[k]] = capacity
                 st.layers[i][k] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        if padded and capacity and batch is not None:
+            st.real = torch.ones(batch, capacity, dtype=torch.bool, device=device)
+            st.pads = torch.zeros(batch, dtype=torch.long, device=device)
         return st
+
+    def load_mask(self, real: torch.Tensor | None) -> None:
+        """Static caches with pad buffers: take the real-token mask (b, n) of a dynamic cache's n tokens (None: all
+        real); the slots after them are real (decode tokens)."""
+        if self.real is None:
+            return
+        self.real.fill_(True)
+        if real is not None:
+            self.real[:, :real.shape[1]].copy_(real)
+        torch.sum(~self.real, dim=1, out=self.pads)
+
+    def record_mask(self, mask: torch.Tensor | None, t: int) -> None:
+        """Dynamic caches: note which of the next t tokens are real (mask (b, t) bool, None: all), before they are
+        processed."""
+        if mask is None:
+            return
+        if self.static:
+            raise ValueError("a static cache takes decode tokens only, which are never pads: run a left-padded "
+                             "prompt on a dynamic cache (generate does)")
+        seen = self.seen_tokens
+        prev = self.key_mask(0)
+        if prev is None:
+            prev = mask.new_ones(mask.shape[0], seen)
+        self.real = torch.cat([prev, mask], dim=1)
+
+    def key_mask(self, t: int) -> torch.Tensor | None:
+        """Dynamic caches: (b, seen + t) bool, True at the real tokens among the cached ones and the next t, or None
+        where all are real. (A static cache masks its pad slots in `attention_mask`: None.)"""
+        if self.real is None or self.static:
+            return None
+        n = self.seen_tokens + t
+        real = self.real[:, :n]
+        return F.pad(real, (0, n - real.shape[1]), value=True) if real.shape[1] < n else real
 
     # --- used by mixers -----------------------------------------------------------------------------
     def get(self, layer_idx: int) -> dict[str, torch.Tensor]:
@@ -122,21 +180,28 @@ class LMCache:
 
     def attention_mask(self, t: int, dtype, device) -> torch.Tensor:
         """Static caches: the (t, capacity) additive mask of this step in `dtype`: 0 where new token i (at position
-        `position` + i) sees slot j <= its position, -inf on the later (unwritten) slots. Made once per step and
-        dtype: additive rather than bool, since SDPA turns a bool mask into this one on every call (3 kernels per
-        layer)."""
+        `position` + i) sees slot j <= its position, -inf on the later (unwritten) slots; with pad buffers (b, 1, t,
+        capacity), -inf also on each row's pad slots. Made once per step and dtype: additive rather than bool, since
+        SDPA turns a bool mask into this one on every call (3 kernels per layer)."""
         q_pos, masks = self._step(t, device)
         mask = masks.get(dtype)
         if mask is None:
             seen = torch.arange(self.capacity, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            if self.real is not None:  # (b, 1, t, capacity)
+                seen = (seen.unsqueeze(0) & self.real.unsqueeze(1)).unsqueeze(1)
             mask = masks[dtype] = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
                 ~seen, float("-inf"))
         return mask
 
     def positions(self, t: int, device) -> torch.Tensor:
-        """Positions (t,) of the next t tokens: from `seen_tokens` (dynamic) or the `position` tensor (static)."""
+        """Positions of the next t tokens: (t,) from `seen_tokens` (dynamic) or the `position` tensor (static); where
+        the cache holds pads (b, t), each row's own (`mask_positions`), the slot less the row's pads."""
         if self.static:
-            return self._step(t, device)[0]
+            slots = self._step(t, device)[0]
+            return slots if self.real is None else slots.unsqueeze(0) - self.pads.unsqueeze(1)
+        real = self.key_mask(t)
+        if real is not None:
+            return mask_positions(real)[:, -t:] if t else real.new_zeros(real.shape[0], 0, dtype=torch.long)
         return torch.arange(self.seen_tokens, self.seen_tokens + t, device=device)
 
     def begin_step(self, t: int) -> None:
@@ -181,6 +246,8 @@ class LMCache:
         for d in self.layers.values():
             for k, v in d.items():
                 d[k] = fn(v)
+        if self.real is not None:
+            self.real = fn(self.real)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda v: v.index_select(0, beam_idx.to(v.device)))

@@ -17,6 +17,10 @@ decoder's buffers once and stay there while tokens are decoded (see lm.models.ca
 per model and batch size and reused by later `generate` calls, so a graph is captured once per shape.
 Attention's K/V buffers have room for `capacity` positions; a cache that outgrows them is copied into
 larger buffers (room for twice as many new tokens) and the step is captured again.
+
+A cache of left-padded prompts (LMCache.real) decodes on a decoder of its own (the key's `padded`): its static cache
+holds the pad mask as buffers, loaded when a cache binds, and its step masks each row's pad slots and rotates at each
+row's own positions (a step that reads those buffers, captured apart from the unpadded one).
 """
 from __future__ import annotations
 
@@ -48,16 +52,17 @@ def resolve_decode(mode: str | None, device: torch.device) -> str | None:
     return None if mode == "eager" else mode
 
 
-def decoder_for(model, batch: int, graph: bool) -> "StaticDecoder":
-    """The model's decoder for this batch size and mode (made on first use)."""
+def decoder_for(model, batch: int, graph: bool, padded: bool = False) -> "StaticDecoder":
+    """The model's decoder for this batch size and mode (made on first use); `padded` for caches of left-padded
+    prompts (see the module docstring)."""
     p = model.get_input_embeddings().weight
-    key = (batch, graph, p.device, p.dtype, p.data_ptr(), torch.is_autocast_enabled(p.device.type))
+    key = (batch, graph, padded, p.device, p.dtype, p.data_ptr(), torch.is_autocast_enabled(p.device.type))
     table = _DECODERS.setdefault(model, {})
     dec = table.get(key)
     if dec is None:
         if len(table) >= MAX_DECODERS:
             table.pop(next(iter(table))).release()
-        dec = table[key] = StaticDecoder(model, batch, graph)
+        dec = table[key] = StaticDecoder(model, batch, graph, padded)
     return dec
 
 
@@ -68,10 +73,11 @@ def release_decoders(model) -> None:
 
 
 class StaticDecoder:
-    def __init__(self, model, batch: int, graph: bool):
+    def __init__(self, model, batch: int, graph: bool, padded: bool = False):
         self._model = weakref.ref(model)
         self.batch = batch
         self.use_graph = graph
+        self.padded = padded
         self.cache: LMCache | None = None  # the static cache (buffers)
         self.ids: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
@@ -98,7 +104,7 @@ class StaticDecoder:
         if any(k in SEQ_DIM for d in layers.values() for k in d):
             old = self.cache.capacity if self.cache is not None else 0
             cap = -(-max(needed + HEADROOM, 2 * old) // 64) * 64
-        self.cache = LMCache.static_like(layers, cap, dev)
+        self.cache = LMCache.static_like(layers, cap, dev, padded=self.padded)
         self.ids = torch.zeros(self.batch, 1, dtype=torch.long, device=dev)
         self.graph = self.logits = None
         self._signature = self._layout(layers)
@@ -121,6 +127,7 @@ class StaticDecoder:
             for k, v in d.items():
                 buf = self.cache.layers[i][k]
                 (buf.narrow(SEQ_DIM[k], 0, v.shape[SEQ_DIM[k]]) if k in SEQ_DIM else buf).copy_(v)
+        self.cache.load_mask(cache.key_mask(0))
         cache.layers = {}
         cache._bound = self
         self._owner = weakref.ref(cache)

@@ -33,7 +33,7 @@ from lm_kernels.varlen import cpu_offsets
 
 from .config import LMConfig
 from .layers import RMSNorm, causal_conv1d, dt_init
-from .modeling import LMForCausalLM, LMModel, Mixer, init
+from .modeling import LMForCausalLM, LMModel, Mixer, init, mask_pads
 
 
 CHUNK_SIZES = (16, 32, 64)  # what lm_kernels.deltaproduct's Triton path accepts
@@ -163,7 +163,7 @@ class DeltaProductMixer(Mixer):
         return 2 * self.H * self.nh * per_row
 
     def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
-                      cu_seqlens_cpu=None) -> dict:
+                      cu_seqlens_cpu=None, key_mask=None) -> dict:
         """With packed documents, the offsets on the CPU (a CPU int tensor, a graph input of a compiled block like the
         offsets themselves): the chunk op builds its chunk tables from their values on the host (and checks them
         there), so that no layer copies the offsets back from the device. Where the forward has no CPU copy, they
@@ -182,7 +182,7 @@ class DeltaProductMixer(Mixer):
         return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0]
                 for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, cu_seqlens_cpu=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, cu_seqlens_cpu=None, attention_mask=None):
         b, t, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
@@ -190,6 +190,13 @@ class DeltaProductMixer(Mixer):
         proj = self.in_proj(x)
         if injection is not None:
             proj = proj + injection
+        if attention_mask is not None:
+            # pads as identity steps (Mixer): q, k, v 0 (the short convs' input: before a row's first real token a
+            # fresh start's zero history), beta's and the forget gate's pre-activations -inf (beta = sigmoid = 0:
+            # no Householder step; log g = -exp(A_log) softplus(-inf) = 0: no decay), the output gate 0
+            s = self.split
+            proj = mask_pads(proj, attention_mask, [(self.conv_dim, 0.0), (s[3], float("-inf")),
+                                                    (s[4], float("-inf")), (s[5], 0.0)])
         qkv, beta, a, gate = proj.split([self.conv_dim, *self.split[3:]], dim=-1)
         state = cache.get(self.layer_idx) if cache is not None else {}
         conv_state = None

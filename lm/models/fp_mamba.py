@@ -48,7 +48,7 @@ from ..fixed_point import FixedPointStats, phantom, solve
 from .channel_mixers import ACTIVATIONS, KRONECKER_NORMS, MIXER_TYPES, make_channel_mixer
 from .config import LMConfig
 from .layers import GatedRMSNorm, causal_conv1d, dt_init, position_in_document
-from .modeling import LMForCausalLM, LMModel, Mixer, init
+from .modeling import LMForCausalLM, LMModel, Mixer, init, mask_pads
 
 MIXER_INPUTS = ("concat", "sum", "x")
 
@@ -261,10 +261,18 @@ class FPMambaMixer(Mixer):
         return (iterations + 3.0 * (self.fp_config.n_backwards - 1)) * per_iter
 
     # --- pieces -------------------------------------------------------------------------------------
-    def _inputs(self, x, injection, conv_state, cu_seqlens):
+    def _inputs(self, x, injection, conv_state, cu_seqlens, attention_mask=None):
         zxbcdt = self.in_proj(x)
         if injection is not None:
             zxbcdt = zxbcdt + injection
+        if attention_mask is not None:
+            # pads as identity steps (Mixer): xBC 0 (the conv's input), dt -inf (softplus 0: the SSM state passes
+            # unchanged), z 0; the iterate at pads is held at 0 by layer_map
+            if self.dt_limit[0] > 0:
+                raise ValueError(f"attention_mask with pads needs dt_limit's low end 0 (a pad is a step with dt = 0), "
+                                 f"got dt_limit={self.dt_limit}: run the prompts one by one or without padding")
+            zxbcdt = mask_pads(zxbcdt, attention_mask, [(self.d_inner + self.conv_dim, 0.0),
+                                                        (self.nheads, float("-inf"))])
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         new_conv = None
         if self.conv1d is not None:
@@ -281,10 +289,13 @@ class FPMambaMixer(Mixer):
         return x + ys if kind == "sum" else x
 
     def layer_map(self, inp: _Inputs, y, *, y_first=None, state=None, keep=None, cu_seqlens=None,
-                  token=False, return_state=False, max_seqlen=None):
+                  token=False, return_state=False, max_seqlen=None, attention_mask=None):
         """One application of the layer map y^{l-1} -> y^l (module docstring). Returns (y^l, SSM final state
         or None). `token=True`: a single token (t == 1) through ssd_step from `state` (zeros if None).
-        `max_seqlen` (with cu_seqlens): the model has checked the offsets, the scan does not read them again."""
+        `max_seqlen` (with cu_seqlens): the model has checked the offsets, the scan does not read them again.
+        `attention_mask` (b, t) bool, False at pads (whose inputs `_inputs` has made identity steps): y^l is 0 at the
+        pads, so their iterate stays at y^0 = 0, out of the solver's residual (a row stops as its real tokens alone
+        would), and the first real token's y_{t-1} is a fresh start's 0."""
         b, t, _ = y.shape
         ys = shift_right(y, y_first, keep)
         xt = inp.x
@@ -314,7 +325,10 @@ class FPMambaMixer(Mixer):
                                       initial_state=state, cu_seqlens=cu_seqlens, return_final_state=return_state,
                                       max_seqlen=max_seqlen)
         gate = None if self.z_y_proj is not None else inp.z
-        return self.norm(out.reshape(b, t, self.d_inner), gate), new_state
+        y_new = self.norm(out.reshape(b, t, self.d_inner), gate)
+        if attention_mask is not None:
+            y_new = y_new.masked_fill(~attention_mask.unsqueeze(-1), 0.0)
+        return y_new, new_state
 
     def _output(self, y, inp, y_first=None, keep=None):
         if self.z_y_proj is not None:
@@ -341,17 +355,19 @@ class FPMambaMixer(Mixer):
             del self._stats[0]
 
     # --- modes --------------------------------------------------------------------------------------
-    def iterate(self, x, *, injection=None, cu_seqlens=None, max_seqlen=None, keep=None):
+    def iterate(self, x, *, injection=None, cu_seqlens=None, max_seqlen=None, keep=None, attention_mask=None):
         """Parallel mode on the normalised layer input x (b, t, hidden). Returns (y after the n_backwards
         steps, the detached fixed point y*, stats, the layer's x-only inputs, the document mask or None);
         y and y* are (b, t, d_inner), before the output gate / out_proj. `keep` (t,): the document mask (False at
-        document starts) where the model has formed it (shared_inputs), else formed here from cu_seqlens."""
-        inp, _ = self._inputs(x, injection, None, cu_seqlens)
+        document starts) where the model has formed it (shared_inputs), else formed here from cu_seqlens.
+        `attention_mask` (b, t): False at pads (see layer_map)."""
+        inp, _ = self._inputs(x, injection, None, cu_seqlens, attention_mask)
         if cu_seqlens is not None and keep is None:
             keep = position_in_document(x.shape[1], cu_seqlens, x.device) > 0
 
         def f(y):
-            return self.layer_map(inp, y, keep=keep, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)[0]
+            return self.layer_map(inp, y, keep=keep, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                  attention_mask=attention_mask)[0]
 
         y0 = inp.x.new_zeros(inp.x.shape)
         y_star, st = solve(f, y0, **self._solver_args())
@@ -359,7 +375,7 @@ class FPMambaMixer(Mixer):
         return y, y_star, st, inp, keep
 
     def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
-                      cu_seqlens_cpu=None) -> dict:
+                      cu_seqlens_cpu=None, key_mask=None) -> dict:
         """With packed documents: the document mask `keep` (t,) (False at document starts), formed once per forward
         outside the compiled blocks (its document lookup, a searchsorted on a slice of the offsets, is one that
         torch 2.11's inductor cannot lower inside a block's graph), and the longest document's length (a host int),
@@ -372,31 +388,35 @@ class FPMambaMixer(Mixer):
             out["max_seqlen"] = max_seqlen
         return out
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None, keep=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None, keep=None,
+                attention_mask=None):
         if cache is not None:
-            return self._sequential(x, injection, cache, cu_seqlens)
+            return self._sequential(x, injection, cache, cu_seqlens, attention_mask)
         y, _, st, inp, keep = self.iterate(x, injection=injection, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                           keep=keep)
+                                           keep=keep, attention_mask=attention_mask)
         self._record(st)
         return self._output(y, inp, keep=keep)
 
-    def _sequential(self, x, injection, cache, cu_seqlens):
-        """Token by token against the committed state (generation); see the module docstring."""
+    def _sequential(self, x, injection, cache, cu_seqlens, attention_mask=None):
+        """Token by token against the committed state (generation); see the module docstring. `attention_mask`
+        (b, t): False at the pads of left-padded prompts (see layer_map)."""
         if cu_seqlens is not None:
             raise ValueError("FP-Mamba: cu_seqlens (packed documents) is not supported with a generation cache")
         state = cache.get(self.layer_idx)
-        inp, conv = self._inputs(x, injection, state.get("conv"), None)
+        inp, conv = self._inputs(x, injection, state.get("conv"), None, attention_mask)
         ssm, y_prev = state.get("ssm"), state.get("y")
         args = self._solver_args()
         if x.shape[1] > 1 and (cache.prefill or self.fp_config.prefill) == "parallel":
-            return self._parallel_prefill(inp, conv, ssm, y_prev, args, cache)
+            return self._parallel_prefill(inp, conv, ssm, y_prev, args, cache, attention_mask)
         outs = []
         for i in range(x.shape[1]):
             tok = inp.token(i)
             last = {}
+            mask = attention_mask[:, i:i + 1] if attention_mask is not None else None
 
-            def f(y, tok=tok, y_prev=y_prev, ssm=ssm, last=last):
-                y_new, last["ssm"] = self.layer_map(tok, y, y_first=y_prev, state=ssm, token=True)
+            def f(y, tok=tok, y_prev=y_prev, ssm=ssm, last=last, mask=mask):
+                y_new, last["ssm"] = self.layer_map(tok, y, y_first=y_prev, state=ssm, token=True,
+                                                    attention_mask=mask)
                 return y_new
 
             y_star, st = solve(f, tok.x.new_zeros(tok.x.shape), **args)
@@ -408,14 +428,15 @@ class FPMambaMixer(Mixer):
         return torch.cat(outs, dim=1)
 
 
-    def _parallel_prefill(self, inp, conv, ssm, y_prev, args, cache):
+    def _parallel_prefill(self, inp, conv, ssm, y_prev, args, cache, attention_mask=None):
         """`prefill="parallel"`: all prompt tokens iterate together from the cached state (as the parallel
         mode), then the committing step(s) return the final state. Agrees with the per-token prefill to
         about the tolerance, not exactly (different iterates reach the fixed point)."""
         last = {}
 
         def f(y):
-            y_new, last["ssm"] = self.layer_map(inp, y, y_first=y_prev, state=ssm, return_state=True)
+            y_new, last["ssm"] = self.layer_map(inp, y, y_first=y_prev, state=ssm, return_state=True,
+                                                attention_mask=attention_mask)
             return y_new
 
         y_star, st = solve(f, inp.x.new_zeros(inp.x.shape), **args)

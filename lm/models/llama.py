@@ -71,12 +71,21 @@ class Attention(Mixer):
         # causal QK^T and AV: 2 matmuls of (t x d) average length t/2, 2 FLOPs per MAC
         return 2 * 2 * self.n_heads * self.head_dim * seq_len / 2
 
-    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None, cu_seqlens_cpu=None) -> dict:
+    def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None, cu_seqlens_cpu=None,
+                      key_mask=None) -> dict:
         """The rotary tables (cos, sin), float32 (t, head_dim), computed once per model forward; with packed documents
         also each token's document and position in it (`packed`), and the longest document's length (a host int:
         varlen_causal_attention then reads nothing from the device). The document lookup (a searchsorted on the
-        offsets) stays out of the compiled blocks: inductor (torch 2.11) cannot lower it on a slice of the offsets."""
+        offsets) stays out of the compiled blocks: inductor (torch 2.11) cannot lower it on a slice of the offsets.
+        With pads (positions (b, t), key_mask (b, s)): each row's tables (b, t, head_dim) and `attn_mask` (b, 1, t, s)
+        bool, causal over the real keys; each query also sees itself, so that a pad's query (which no real token
+        precedes in a left-padded row) has a key and its output stays finite."""
         out = {}
+        if key_mask is not None:
+            s = key_mask.shape[1]
+            keys = torch.arange(s, device=device)
+            query = torch.arange(s - t, s, device=device).unsqueeze(1)  # each new token's index among the s
+            out["attn_mask"] = ((keys <= query) & key_mask.unsqueeze(1) | (keys == query)).unsqueeze(1)
         if cu_seqlens is not None and positions is None:
             doc, positions = document_and_position(t, cu_seqlens, device)
             out["packed"] = (doc, positions)
@@ -87,15 +96,20 @@ class Attention(Mixer):
             out["max_seqlen"] = max_seqlen
         return out
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None, max_seqlen=None, packed=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None, max_seqlen=None, packed=None,
+                attn_mask=None, attention_mask=None):
+        """`attn_mask` (b, 1, t, s) bool: which keys each new token sees, where the batch has pads (shared_inputs;
+        pads are masked as keys, so `attention_mask`, the new tokens' own mask, needs nothing more here)."""
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)
         if injection is not None:
             qkv = qkv + injection
         hd = self.head_dim
-        if cache is not None and cache.static and t == 1 and rope is not None and cu_seqlens is None:
+        if (cache is not None and cache.static and t == 1 and rope is not None and rope[0].dim() == 2
+                and cu_seqlens is None):
             # the one-token decode step: rotate q and k and write k and v into the cache's buffers at the step's
-            # slot (one Triton kernel on CUDA), attend to the whole buffers under the step's additive mask
+            # slot (one Triton kernel on CUDA), attend to the whole buffers under the step's additive mask. (A batch
+            # with pads rotates each row at its own position: the general path below, which writes the same slot.)
             k, v = cache.kv_buffers(self.layer_idx)
             q = rope_kv_step(qkv, rope[0], rope[1], k, v, cache.position, self.n_heads, self.n_kv)
             return self._attend(q, k, v, cache.attention_mask(t, q.dtype, x.device))
@@ -115,11 +129,15 @@ class Attention(Mixer):
             cos, sin = rotary_cos_sin(pos, hd, self.rope_theta, q.dtype)
         else:  # the model's tables for this forward (float32; same values, rounded here as above)
             cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
+        if cos.dim() == 3:  # each row's own positions (a batch with pads): (b, t, d) -> (b, 1, t, d) over the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         mask = None
         if cache is not None:  # all cached keys/values with the new ones appended (a static cache: under a mask)
             k, v, mask = cache.append_kv(self.layer_idx, k, v)
+        if mask is None:
+            mask = attn_mask
 
         if cu_seqlens is None and mask is None and k.shape[2] != t:
             # new tokens attend to all cached ones and causally among themselves
@@ -128,8 +146,8 @@ class Attention(Mixer):
         return self._attend(q, k, v, mask, cu_seqlens, pos if cu_seqlens is not None else None, max_seqlen, doc)
 
     def _attend(self, q, k, v, mask, cu_seqlens=None, pos=None, max_seqlen=None, doc=None):
-        """o_proj(attention of q (b, h, t, d) to k, v (b, h_kv, s, d)): under `mask` (t, s) if given, else causal
-        (s == t) or per packed document (cu_seqlens, pos, max_seqlen, doc)."""
+        """o_proj(attention of q (b, h, t, d) to k, v (b, h_kv, s, d)): under `mask` (t, s) or (b, 1, t, s) if given,
+        else causal (s == t) or per packed document (cu_seqlens, pos, max_seqlen, doc)."""
         b, _, t, hd = q.shape
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv

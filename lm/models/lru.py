@@ -215,7 +215,7 @@ class LRUMixer(Mixer):
             return hlru_transition(gates, v)
         return bdlru_transition(gates, v.reshape(b, t, N, m))
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, attention_mask=None):
         b, t, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
@@ -223,6 +223,10 @@ class LRUMixer(Mixer):
         if injection is not None:
             proj = proj + injection
         A, xin = self.transitions(proj)
+        if attention_mask is not None:  # pads as identity steps (Mixer): A = I, x = 0
+            keep = attention_mask[:, :, None, None]
+            xin = xin.masked_fill(~keep, 0.0)
+            A = torch.where(keep.unsqueeze(-1), A, torch.eye(self.m, dtype=A.dtype, device=A.device))
         state = cache.get(self.layer_idx) if cache is not None else {}
         if cache is not None and t == 1:
             h0 = state.get("h")

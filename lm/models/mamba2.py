@@ -19,7 +19,7 @@ from lm_kernels.ssd import ssd_scan_xbc, ssd_step
 
 from .config import LMConfig
 from .layers import GatedRMSNorm, causal_conv1d, dt_init
-from .modeling import LMForCausalLM, LMModel, Mixer, init
+from .modeling import LMForCausalLM, LMModel, Mixer, init, mask_pads
 
 
 class LMMamba2Config(LMConfig):
@@ -106,7 +106,7 @@ class Mamba2Mixer(Mixer):
         return 2 * h * (c / 2) * (n + p) + 2 * 2 * h * p * n
 
     def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
-                      cu_seqlens_cpu=None) -> dict:
+                      cu_seqlens_cpu=None, key_mask=None) -> dict:
         """With packed documents, the longest one's length (a host int), which tells the conv-SSD ops that the model
         has checked the offsets (LMModel.forward): no layer reads them back to check them again (nor, on the
         reference SSD, to measure the documents)."""
@@ -114,17 +114,31 @@ class Mamba2Mixer(Mixer):
             return {}
         return {"max_seqlen": max_seqlen}
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None):
+    def _mask_pads(self, zxbcdt, injection, attention_mask):
+        """in_proj's output (with the injection added) with the pads' rows made identity steps of the conv and the
+        scan (Mixer): xBC 0 (the conv's input: before a row's first real token the zero history of a fresh start) and
+        dt -inf (softplus(-inf + dt_bias) = 0: exp(dt A) = 1, dt B x = 0); z 0 (a pad's output is not used). Applied
+        to the operators' input, so the fused operator (CUDA) and the three ops (CPU) see the same."""
+        if self.dt_limit[0] > 0:
+            raise ValueError(f"attention_mask with pads needs dt_limit's low end 0 (a pad is a step with dt = 0), "
+                             f"got dt_limit={self.dt_limit}: run the prompts one by one or without padding")
+        if injection is not None:
+            zxbcdt = zxbcdt + injection
+        return mask_pads(zxbcdt, attention_mask, [(self.d_inner + self.conv_dim, 0.0), (self.nheads, float("-inf"))])
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None, attention_mask=None):
         b, t, _ = x.shape
         state = cache.get(self.layer_idx) if cache is not None else {}
         if cache is not None and t == 1 and "ssm" in state:
-            return self._step(x, injection, cache, state)
+            return self._step(x, injection, cache, state, attention_mask)
         # in_proj as one product: the inner path's backward writes the gradients of z, xBC and dt into one tensor
         # (lm_kernels.mamba2), so its input gradient and weight gradient are one GEMM each
         # the injection (in_proj's width) is not added to the projection: the conv adds its xBC columns on load, the
         # gated norm (folded: the scan's gate) its z columns, the scan its dt columns; its gradient is then the
         # projection's, whole
         zxbcdt = self.in_proj(x)
+        if attention_mask is not None:
+            zxbcdt, injection = self._mask_pads(zxbcdt, injection, attention_mask), None
         A = -torch.exp(self.A_log.float())
         conv_w = self.conv1d.weight.squeeze(1)  # a view, whose backward is a view (a select's is a kernel)
         if mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
@@ -165,10 +179,13 @@ class Mamba2Mixer(Mixer):
             return F.linear(y, self.out_proj.weight * self.norm.weight), rstd
         return self.out_proj(y)
 
-    def _step(self, x, injection, cache, state):
-        """One decode token: in_proj as one product split into views (the step is launch bound)."""
+    def _step(self, x, injection, cache, state, attention_mask=None):
+        """One decode token: in_proj as one product split into views (the step is launch bound). `attention_mask`: an
+        implicit model's sequential prefill of a left-padded prompt, token by token."""
         b, t, _ = x.shape
         zxbcdt = self.in_proj(x) if injection is None else self.in_proj(x) + injection
+        if attention_mask is not None:
+            zxbcdt = self._mask_pads(zxbcdt, None, attention_mask)
         z, xbc, dt = (zxbcdt[..., lo:hi] for lo, hi in self._cols.values())
         xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                         conv_state=state.get("conv"), activation="silu")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping
 from functools import partial
 from typing import Optional
@@ -29,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lm_kernels.varlen import packed_offsets
 
 from ..fixed_point import FixedPointStats, phantom, solve
-from .cache import LMCache
+from .cache import LMCache, mask_positions
 from .config import ImplicitSettings, LMConfig
 from .decode import decoder_for, resolve_decode
 from .layers import RMSNorm, SwiGLU, add_rms_norm
@@ -50,6 +49,11 @@ class Mixer(nn.Module):
     residual add (Mamba2's folded norm under torch.compile).
     `injection` (b, t, injection_dim) is added to the mixer's input projection; `cache` is an LMCache
     (the mixer reads/writes its layer's state); `cu_seqlens` marks packed documents (b == 1).
+    `attention_mask` (b, t) bool, False at pads, comes with the shared inputs (LMModel._shared) only where some of
+    the t tokens are pads: a pad is an identity step of the mixer (a recurrent mixer's transition is the identity and
+    its input, a short conv's included, zero; attention never attends to it), so that a real token sees what it sees
+    without the pads. Pads sit before a row's real tokens (left padding) or, without a cache, after them
+    (LMModel.forward checks): zero conv inputs before a row's first real token are then a fresh start's history.
     """
 
     layer_idx: int
@@ -78,10 +82,12 @@ class Mixer(nn.Module):
         return 0.0
 
     def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
-                      cu_seqlens_cpu=None) -> dict:
+                      cu_seqlens_cpu=None, key_mask=None) -> dict:
         """Extra keyword inputs that every layer's forward receives, computed once per model forward
         (not per layer and not per fixed-point iteration); {} for most mixers. `positions` (t,): the tokens'
-        positions when a cache is used (else they start at 0 in every document of cu_seqlens). With cu_seqlens
+        positions when a cache is used (else they start at 0 in every document of cu_seqlens); (b, t), each row's
+        own, where the batch has pads (also without a cache). `key_mask` (b, s) bool: which of the s = cached + t
+        tokens are real, where some are pads (else None; a static cache masks its pad slots itself). With cu_seqlens
         (LMModel.forward): `max_seqlen`, the longest document's length as a host int, and `cu_seqlens_cpu`, the
         offsets on the CPU where the forward has them (else None): a mixer whose ops read the offsets' values
         (checks, host-built tables) takes them from here, so that no layer waits for the device.
@@ -89,6 +95,16 @@ class Mixer(nn.Module):
         sin/cos into the rotation and evaluates them per element of q and k (~1 ms per layer call at
         16 x 2048 tokens on an H100)."""
         return {}
+
+
+def mask_pads(proj: torch.Tensor, attention_mask: torch.Tensor, fills: list[tuple[int, float]]) -> torch.Tensor:
+    """`proj` (b, t, w) with each pad's row (attention_mask (b, t) False) replaced by a fixed row of `fills`: (width,
+    value) column spans left to right, e.g. 0 for a conv's input and -inf for a gate's pre-activation whose
+    softplus or sigmoid is then 0 (the mixers' identity steps at pads, Mixer)."""
+    row = torch.cat([proj.new_full((w,), v) for w, v in fills if w])
+    if row.shape[0] != proj.shape[-1]:
+        raise ValueError(f"mask_pads: the fills cover {row.shape[0]} columns of {proj.shape[-1]}")
+    return torch.where(attention_mask.unsqueeze(-1), proj, row)
 
 
 class Block(nn.Module):
@@ -285,17 +301,32 @@ class LMModel(LMPreTrainedModel):
             h, u = run(layer, h, u=u, next_norm=(nxt.weight, nxt.eps, not last), **kw)
         return u
 
-    def _shared(self, h, cache, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None) -> dict:
-        """The mixers' shared inputs for this forward (see Mixer.shared_inputs), at the cache's positions."""
+    def _shared(self, h, cache, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None, real=None) -> dict:
+        """The mixers' shared inputs for this forward (see Mixer.shared_inputs), at the cache's positions. `real`
+        (b, t) bool: the new tokens' mask where some are pads (LMModel._real_tokens), handed to every mixer as
+        `attention_mask`; with pads among them or among the cached tokens, each row's positions and the key mask."""
         if not len(self.layers):
             return {}
-        pos = cache.positions(h.shape[1], h.device) if cache is not None else None
-        return self.layers[0].mixer.shared_inputs(h.shape[1], cu_seqlens, h.device, positions=pos,
-                                                  max_seqlen=max_seqlen, cu_seqlens_cpu=cu_seqlens_cpu)
+        t = h.shape[1]
+        if cache is not None:
+            pos, keys = cache.positions(t, h.device), cache.key_mask(t)
+        else:
+            pos, keys = (mask_positions(real), real) if real is not None else (None, None)
+        out = self.layers[0].mixer.shared_inputs(t, cu_seqlens, h.device, positions=pos, max_seqlen=max_seqlen,
+                                                 cu_seqlens_cpu=cu_seqlens_cpu, key_mask=keys)
+        if real is not None:
+            out["attention_mask"] = real
+        return out
 
     def fixed_point_map(self, inj, cache=None, cu_seqlens=None, shared=None):
-        """F(z) = norm_f(blocks(z, inj)): the implicit model's map."""
-        return lambda z: self._stack(z, inj, cache, cu_seqlens, shared)
+        """F(z) = norm_f(blocks(z, inj)): the implicit model's map. With pads among the tokens (shared inputs'
+        `attention_mask`) F is zero at the pads: their iterate stays at z0 = 0 and out of the solver's residual, so
+        that a row's iterates and stopping decisions are those of its real tokens alone."""
+        mask = (shared or {}).get("attention_mask")
+        if mask is None:
+            return lambda z: self._stack(z, inj, cache, cu_seqlens, shared)
+        pad = ~mask.unsqueeze(-1)
+        return lambda z: self._stack(z, inj, cache, cu_seqlens, shared).masked_fill(pad, 0.0)
 
     def _mixer_stats(self) -> list[FixedPointStats]:
         out = []
@@ -304,7 +335,8 @@ class LMModel(LMPreTrainedModel):
         return out
 
     def forward(self, input_ids, *, cache: LMCache | None = None, cu_seqlens=None, max_seqlen: int | None = None,
-                cu_seqlens_cpu: torch.Tensor | None = None, prefill: str | None = None):
+                cu_seqlens_cpu: torch.Tensor | None = None, prefill: str | None = None,
+                attention_mask: torch.Tensor | None = None):
         """Returns (hidden states after the final norm (b, t, d), stats dict or None).
 
         `cu_seqlens`: offsets of packed documents (batch 1), on any device. `max_seqlen`: the longest document's
@@ -319,7 +351,14 @@ class LMModel(LMPreTrainedModel):
         `prefill` (implicit models, t > 1 new tokens with a cache): "parallel" solves them together in
         simultaneous mode and commits their states in one pass, "sequential" solves them token by token (the
         generation mode run on the prompt); None = the config's `prefill` field where it has one (FP-Mamba),
-        else "parallel"."""
+        else "parallel".
+        `attention_mask` (b, t) or (b, cached + t), 1 at real tokens and 0 at pads (transformers' convention): pads
+        are identity steps of every mixer (Mixer) and, in implicit models, held at zero in the solve, so a row's real
+        tokens get what they get without the pads (up to rounding), at their own positions (a row's first real token
+        at 0). Pads go before a row's real tokens (left padding, what generation needs) or, without a cache, also
+        after them (right padding); see `_real_tokens`. A cache keeps the mask of the tokens it has seen (LMCache):
+        later chunks' masks are read for their new tokens only. All ones costs one check (a wait for the device)
+        and changes nothing."""
         if cu_seqlens is not None and not torch.compiler.is_compiling():
             # once per forward, here: the compiled blocks' kernels take the offsets unread (no host sync inside a
             # graph), attention takes the longest document's length as this host int, and ops that need the
@@ -331,20 +370,22 @@ class LMModel(LMPreTrainedModel):
         if settings is not None and self.injection is None:
             raise ValueError("config.implicit is set on a model built explicit (it has no injection module): "
                              "build the model from a config with implicit={...} instead of setting it afterwards")
+        real = self._real_tokens(attention_mask, input_ids, cache, cu_seqlens)
         if cache is not None:
             cache.prefill = resolve_prefill(prefill, self.config)
+            cache.record_mask(real, input_ids.shape[1])
         solver = None  # the stack's solve: a mapping read lazily (no wait for the device in the forward)
         if settings is None:
             h = self._stack(emb, None, cache, cu_seqlens,
-                            self._shared(emb, cache, cu_seqlens, max_seqlen, cu_seqlens_cpu))
+                            self._shared(emb, cache, cu_seqlens, max_seqlen, cu_seqlens_cpu, real))
         elif cache is None:
-            h, st = self._simultaneous(emb, settings, cu_seqlens, max_seqlen, cu_seqlens_cpu)
+            h, st = self._simultaneous(emb, settings, cu_seqlens, max_seqlen, cu_seqlens_cpu, real)
             solver = st.as_mapping()
         elif input_ids.shape[1] > 1 and cache.prefill == "parallel":
-            h, st = self._parallel_prefill(emb, settings, cache)
+            h, st = self._parallel_prefill(emb, settings, cache, real)
             solver = st.as_mapping()
         else:
-            h, solver = self._sequential(emb, settings, cache)
+            h, solver = self._sequential(emb, settings, cache, real)
             solver = solver or None  # (a dict)
         if cache is not None and settings is None:
             cache.seen_tokens += input_ids.shape[1]
@@ -354,6 +395,42 @@ class LMModel(LMPreTrainedModel):
         stats = dict(solver or {})
         stats.update({f"layer_{k}": v for k, v in FixedPointStats.merge(inner).items()})
         return h, stats
+
+    @staticmethod
+    def _real_tokens(attention_mask, input_ids, cache: LMCache | None, cu_seqlens) -> torch.Tensor | None:
+        """The new tokens' mask (b, t) bool, True at real tokens, where some are pads; None where all are real (or
+        no mask is given). Checks the padding: with a cache only left padding (pads before a row's real tokens, the
+        cached ones included: a pad after a real token would enter the short convs' states); without one a row's
+        real tokens must be one run (left and / or right padding). Two waits for the device where there are pads,
+        one where there are none."""
+        if attention_mask is None:
+            return None
+        b, t = input_ids.shape
+        seen = cache.seen_tokens if cache is not None else 0
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != b or attention_mask.shape[1] not in (t, seen + t):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected ({b}, {t}) for the "
+                             f"new tokens" + (f" or ({b}, {seen + t}) for the cached and the new ones" if seen else ""))
+        real = attention_mask[:, attention_mask.shape[1] - t:].to(device=input_ids.device, dtype=torch.bool)
+        if bool(real.all()):
+            return None
+        if cu_seqlens is not None:
+            raise ValueError("attention_mask with pads cannot be combined with cu_seqlens: packed documents have no "
+                             "padding (pass the documents packed without pads, and no attention_mask)")
+        if cache is None:
+            rises = real[:, 1:] & ~real[:, :-1]  # a pad followed by a real token
+            bad = (rises.sum(1) + real[:, 0] > 1).any()  # real tokens in more than one run
+            what = ("a row's real tokens must be one run (pads before and / or after them), but some row has pads "
+                    "between real tokens")
+        else:
+            falls = real[:, :-1] & ~real[:, 1:]  # a real token followed by a pad
+            cached = cache.key_mask(0)
+            cached_real = cached.any(1) if cached is not None else torch.full_like(real[:, 0], seen > 0)
+            bad = falls.any() | (cached_real & ~real.all(1)).any()
+            what = ("with a cache (generation) the pads must come before each row's real tokens (left padding; "
+                    "tokenizer.padding_side = 'left'), but some row has a pad after a real token")
+        if bool(bad):
+            raise ValueError(f"attention_mask: {what}")
+        return real
 
     def set_solver(self, settings: ImplicitSettings) -> None:
         """Switch the fixed-point solver settings (a curriculum phase); every later forward reads them."""
@@ -387,9 +464,9 @@ class LMModel(LMPreTrainedModel):
             return dict(max_iter=settings.max_iter, tol=settings.tol)
         return dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
 
-    def _simultaneous(self, emb, settings, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None):
+    def _simultaneous(self, emb, settings, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None, real=None):
         inj = self.injection(emb)
-        shared = self._shared(emb, None, cu_seqlens, max_seqlen, cu_seqlens_cpu)
+        shared = self._shared(emb, None, cu_seqlens, max_seqlen, cu_seqlens_cpu, real)
         f = self.fixed_point_map(inj, None, cu_seqlens, shared)
         z0 = torch.zeros_like(emb)
         # the solve's iterations replay one captured graph of the map where they can (lm.models.solve_graph)
@@ -403,7 +480,7 @@ class LMModel(LMPreTrainedModel):
             z = phantom(f, z, steps=settings.phantom_steps, damping=settings.damping)
         return z, st
 
-    def _parallel_prefill(self, emb, settings, cache: LMCache):
+    def _parallel_prefill(self, emb, settings, cache: LMCache, real=None):
         """All new tokens solved together (simultaneous mode) against the frozen cache, then one committing
         pass f(z*) that writes their states into the cache (paper 003's duality: the cache is what the
         sequential mode would commit for the converged z*). On an empty cache the solve is exactly the
@@ -416,7 +493,7 @@ class LMModel(LMPreTrainedModel):
         if cache.seen_tokens == 0 and not len(cache):
             # the simultaneous forward's solve, through its captured graph where it can (lm.models.solve_graph),
             # and the committing pass captured too: issued from Python it would cost more than the replayed solve
-            shared = self._shared(emb, None, None)
+            shared = self._shared(emb, None, None, real=real)
             f = self.fixed_point_map(inj, None, None, shared)
             graphs = capturable(self, inj, None, None)
             z, st = solve(solve_map(self, f, inj, shared, z0) if graphs else f, z0, **solver)
@@ -426,19 +503,21 @@ class LMModel(LMPreTrainedModel):
                 cache.seen_tokens += emb.shape[1]
                 return h, st
         else:
+            shared = self._shared(emb, cache, None, real=real)
             with cache.freeze():
-                z, st = solve(self.fixed_point_map(inj, cache), z0, **solver)
-        h = self.fixed_point_map(inj, cache)(z)  # the committing pass
+                z, st = solve(self.fixed_point_map(inj, cache, None, shared), z0, **solver)
+        h = self.fixed_point_map(inj, cache, None, shared)(z)  # the committing pass
         cache.seen_tokens += emb.shape[1]
         return h, st
 
-    def _sequential(self, emb, settings, cache: LMCache):
+    def _sequential(self, emb, settings, cache: LMCache, real=None):
         """Token by token: iterate against the frozen cache until converged, then one committing pass."""
         inj = self.injection(emb)
         args = dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
         outs, all_stats = [], []
         for t in range(emb.shape[1]):
-            f = self.fixed_point_map(inj[:, t:t + 1], cache)
+            shared = self._shared(emb[:, t:t + 1], cache, None, real=real[:, t:t + 1] if real is not None else None)
+            f = self.fixed_point_map(inj[:, t:t + 1], cache, None, shared)
             with cache.freeze():
                 z, st = solve(
                     f, torch.zeros_like(emb[:, t: t + 1]), damping=settings.damping,
@@ -531,6 +610,8 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         `cache` (an LMCache; `past_key_values` is the same argument under transformers' older name) carries the
         recurrent / KV state between calls; the output returns it under CACHE_FIELD.
         `prefill`: how implicit models process several new tokens with a cache (LMModel.forward).
+        `attention_mask`: 1 at real tokens, 0 at pads, over the new tokens or the cached and new ones (as
+        `generate` passes it): left-padded rows get what each prompt gets alone (LMModel.forward).
         `decode`: the one-token path with a cache, "eager" | "static" | "graph" | "auto" (lm.models.decode);
         None = the cache's (set by `generate`), else eager."""
         if cache is None:
@@ -541,18 +622,14 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
             cache.decode = resolve_decode(decode, self.lm_head.weight.device)
         if (cache is not None and cache.decode is not None and input_ids.shape[1] == 1 and cache.seen_tokens > 0
                 and labels is None and targets is None and not torch.is_grad_enabled()):
-            logits = decoder_for(self, input_ids.shape[0], cache.decode == "graph").step(cache, input_ids)
+            # (a decode token is never a pad: the cache keeps its prompt's pads, LMCache.real)
+            logits = decoder_for(self, input_ids.shape[0], cache.decode == "graph",
+                                 cache.real is not None).step(cache, input_ids)
             return LMOutput(loss=None, logits=logits, **{CACHE_FIELD: cache})
-        if attention_mask is not None and not bool(attention_mask.all()):
-            warnings.warn(
-                "lm models are recurrent and ignore attention_mask: padded positions enter the state. "
-                "Use right padding (outputs at real tokens are then exact) or batch size 1.",
-                stacklevel=2,
-            )
         if use_cache and cache is None:
             cache = LMCache(self.config.num_hidden_layers)
         h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              cu_seqlens_cpu=cu_seqlens_cpu, prefill=prefill)
+                              cu_seqlens_cpu=cu_seqlens_cpu, prefill=prefill, attention_mask=attention_mask)
         if self.compression_head is not None:  # decodes the whole sequence from its last state
             if labels is not None:
                 raise ValueError("labels: the compression head predicts targets aligned with input_ids (no shift); "
