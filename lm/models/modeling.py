@@ -410,9 +410,10 @@ class LMModel(LMPreTrainedModel):
         if attention_mask.dim() != 2 or attention_mask.shape[0] != b or attention_mask.shape[1] not in (t, seen + t):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected ({b}, {t}) for the "
                              f"new tokens" + (f" or ({b}, {seen + t}) for the cached and the new ones" if seen else ""))
-        real = attention_mask[:, attention_mask.shape[1] - t:].to(device=input_ids.device, dtype=torch.bool)
-        if bool(real.all()):
+        new = attention_mask[:, attention_mask.shape[1] - t:]
+        if bool(new.all()):
             return None
+        real = new.to(device=input_ids.device, dtype=torch.bool)
         if cu_seqlens is not None:
             raise ValueError("attention_mask with pads cannot be combined with cu_seqlens: packed documents have no "
                              "padding (pass the documents packed without pads, and no attention_mask)")
