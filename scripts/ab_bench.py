@@ -47,14 +47,14 @@ def _run(tree: Path, args: list[str], timeout: int, extra_path: str) -> tuple[in
     return rc, out
 
 
-def part_step(tree: Path, out: Path, a) -> dict:
-    js = out / "step.json"
+def part_step(tree: Path, out: Path, a, cases: str) -> dict:
+    js = out / f"step-{cases}.json"
     shape = (["--size", "tiny", "--seq-len", "64", "--micro", "2", "--compile", "off"] if a.quick
              else ["--size", "350m", "--micro", "16", "--compile", "on"])
     rc, text = _run(tree, ["-m", "lm.benchmarks.train", *shape, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                           "--cases", a.step_cases, "--timeout", str(a.case_timeout), "--out", str(js.resolve())],
+                           "--cases", cases, "--timeout", str(a.case_timeout), "--out", str(js.resolve())],
                     a.timeout, a.extra_path)
-    (out / "step.log").write_text(text)
+    (out / f"step-{cases}.log").write_text(text)
     if not js.exists():
         return {}
     res = json.loads(js.read_text())
@@ -65,14 +65,18 @@ def part_step(tree: Path, out: Path, a) -> dict:
         name = r["case"].replace("+compile", "")
         fig[f"step {name} tok/s"] = (r["tokens_per_s"], "higher")
         fig[f"step {name} memory GB"] = (r["mem_gb"], "lower")
-    by = {k.split()[1]: v[0] for k, v in fig.items() if k.endswith("tok/s")}
+    return fig
+
+
+def step_ratios(fig: dict) -> None:
+    """The cross-case ratios of one side's step figures, added in place."""
+    by = {k.split()[1]: v[0] for k, v in fig.items() if k.startswith("step ") and k.endswith("tok/s")}
     if "mamba2-explicit" in by and "llama-explicit" in by:
         fig["Mamba2 / Llama tok/s"] = (by["mamba2-explicit"] / by["llama-explicit"], "higher")
     for fam in ("mamba2", "llama"):
         if f"{fam}-explicit" in by and f"{fam}-implicit-4+1" in by:
             fig[f"{fam} implicit (4+1) / explicit step"] = (by[f"{fam}-explicit"] / by[f"{fam}-implicit-4+1"],
                                                             "lower")
-    return fig
 
 
 def part_decode(tree: Path, out: Path, a) -> dict:
@@ -165,14 +169,18 @@ def main(argv=None) -> int:
         report(json.loads((root / "ab.json").read_text()))
         return 0
     figs = {"old": {}, "new": {}}
+    jobs = []  # (part, extra argument): the step's cases one by one, so that the sides alternate case by case
     for part in a.parts.split(","):
         if part not in PARTS:
             ap.error(f"--parts: {part!r} is not one of {list(PARTS)}")
+        jobs += [(part, (c,)) for c in a.step_cases.split(",")] if part == "step" else [(part, ())]
+    for part, extra in jobs:
         for side in ("old", "new"):
             d = root / side
             d.mkdir(parents=True, exist_ok=True)
-            print(f"{part}: {side}", flush=True)
-            figs[side].update(PARTS[part](trees[side], d, a))
+            print(f"{part} {' '.join(extra)}: {side}", flush=True)
+            figs[side].update(PARTS[part](trees[side], d, a, *extra))
+            step_ratios(figs[side])
             (root / "ab.json").write_text(json.dumps(figs, indent=1))  # what is measured survives a cut
     report(figs)
     return 0
