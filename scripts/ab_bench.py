@@ -103,7 +103,8 @@ def part_kernels(tree: Path, out: Path, a) -> dict:
     fig = {}
     js = out / "ssd.json"
     rc, text = _run(tree, ["-m", "lm.benchmarks.ssd", "--no-profile", "--json", str(js.resolve())]
-                    + (["--tiny", "--no-peer"] if a.quick else []), a.timeout, a.extra_path)
+                    + (["--tiny", "--no-peer"] if a.quick else ["--shapes", *a.ssd_shapes.split(",")]), a.timeout,
+                    a.extra_path)
     (out / "ssd.log").write_text(text)
     if js.exists():
         for name, row in json.loads(js.read_text()).get("shapes", {}).items():
@@ -112,8 +113,8 @@ def part_kernels(tree: Path, out: Path, a) -> dict:
                 if k in row:
                     fig[f"ssd {name} {k.replace('ratio_', 'ours/mamba_ssm ')}"] = (row[k], "lower")
     js = out / "deltaproduct.json"
-    rc, text = _run(tree, ["-m", "lm.benchmarks.deltaproduct", "--json", str(js.resolve())]
-                    + (["--quick"] if a.quick else []), a.timeout, a.extra_path)
+    rc, text = _run(tree, ["-m", "lm.benchmarks.deltaproduct", "--json", str(js.resolve()), "--check-batch", "0"]
+                    + (["--quick"] if a.quick else ["--nh", *a.deltaproduct_nh.split(",")]), a.timeout, a.extra_path)
     (out / "deltaproduct.log").write_text(text)
     if js.exists():
         for r in json.loads(js.read_text()).get("rows", []):
@@ -153,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-cases", default=STEP_CASES)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ssd-shapes", default="B8_T2048,B2_T8192", help="shapes of lm bench ssd")
+    ap.add_argument("--deltaproduct-nh", default="1,2,3", help="n_h values of lm bench deltaproduct")
     ap.add_argument("--case-timeout", type=int, default=240, help="seconds per training case")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per benchmark process")
     ap.add_argument("--extra-path", default="", help="more PYTHONPATH entries (peers, carried wheels)")
