@@ -20,6 +20,8 @@ from train_checks import TINY, tiny_run_tree
 from lm.train.config import config_from_dict
 from lm.train.trainer import train
 
+pytestmark = pytest.mark.slow  # every test trains
+
 
 def _tree(run_dir, *layers):
     return tiny_run_tree(run_dir, {
