@@ -281,7 +281,7 @@ class LMModel(LMPreTrainedModel):
         (Mixer.reads_input_once), so that the handed-on norm's gradient is one product's, already in that dtype.
         Otherwise (with autograd) each block norms its own input: a float32 norm handed on would cost a cast in the
         next graph and a cast of its gradient back at every block boundary, more than the fused add saves
-        (lm/train/BENCH.md, session 16)."""
+        (docs/performance.md)."""
         shared = shared or {}
         grad = torch.is_grad_enabled()
         if grad and self.gradient_checkpointing and self.training and cache is None:

@@ -386,7 +386,7 @@ def _one_behind(dist: Dist) -> bool:
     overlap). With several ranks every rank reads and drains at the same steps: what decides (a stop signal on any
     rank, the time budget's clock) is all-reduced with the step's values (_results), so a signal stops the ranks
     one step later than in one process. With nothing in the step waiting for the device either, ZeRO-2 on 2 x H100
-    trains Mamba2-350M at 1.00x the 1-GPU plain engine's tokens/s per GPU (lm/train/BENCH.md, session 21)."""
+    trains Mamba2-350M at 1.00x the 1-GPU plain engine's tokens/s per GPU (docs/performance.md)."""
     return dist.device.type == "cuda"
 
 
