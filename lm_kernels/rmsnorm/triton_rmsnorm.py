@@ -533,7 +533,8 @@ def _norm_backward(ctx, dy, ds, _drstd):
     if ctx.r_dtype is None:  # no residual: the sum's output is an empty placeholder
         ds = None
     # the residual's gradient of its own only where it differs from the sum's: another dtype, or a scaled residual
-    own = ctx.r_dtype is not None and (need[1] or residual is not None) and (ctx.r_dtype != u.dtype or scale is not None)
+    own = (ctx.r_dtype is not None and (need[1] or residual is not None)
+           and (ctx.r_dtype != u.dtype or scale is not None))
     du, dr, dscale, dweight = torch.ops.lm.rms_norm_bwd(dy, ds, u, weight, rstd, residual, scale,
                                                         ctx.r_dtype if own else None)
     dx = du if ctx.x_dtype == u.dtype else du.to(ctx.x_dtype)

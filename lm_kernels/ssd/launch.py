@@ -65,7 +65,7 @@ _scan_fwd2 = autotune(
     key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_fwd2})(chunk_scan_fwd2_kernel)
 # first: capped at 168 registers (3 programs per SM instead of 2; the config without autotuning); with the gate z
 # (HAS_Z) the cap spills more and the autotuner picks between capped and uncapped. Capped at 128: 4 programs per SM
-# with 16 bytes of spills (triton 3.6); the Mamba2-350M step's tuner takes it (0.223 -> 0.216 ms per call, docs/performance.md)
+# with 16 bytes of spills (triton 3.6); the Mamba2-350M step's tuner takes it (0.223 -> 0.216 ms per call, H100)
 _scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=168),
                    triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=128)] + [
     triton.Config(dict(BP=bp), num_warps=w, num_stages=1)
