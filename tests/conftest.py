@@ -135,3 +135,46 @@ def pytest_collection_modifyitems(config, items):
         stale = sorted(s for s in SLOW - seen if s.split("::")[0] in files)
         if stale:
             raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")
+
+
+@pytest.fixture(scope="module")
+def fast_interpreter():
+    """The Triton interpreter checks every int32 op for overflow (slow in Python). Kernel test modules whose index
+    math is bounded by the tensor sizes turn the check off: `pytestmark = pytest.mark.usefixtures("fast_interpreter")`."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import dataclasses
+
+    from triton.runtime import interpreter as interp
+    old = interp.interpreter_builder.options
+    interp.interpreter_builder.options = dataclasses.replace(old, sanitize_overflow=False)
+    yield
+    interp.interpreter_builder.options = old
+
+
+@pytest.fixture
+def autotuner_runs(monkeypatch):
+    """The names of the kernels triton's Autotuner runs from here on (appended per call), with the kept launch
+    configs (lm_kernels.autotune.launch) and the SSD's cached plans emptied first."""
+    import lm_kernels.autotune as at
+    import lm_kernels.ssd.launch as ln
+    from triton.runtime.autotuner import Autotuner
+
+    runs = []
+    orig = Autotuner.run
+
+    def counting(self, *a, **k):
+        runs.append(self.base_fn.__name__)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(Autotuner, "run", counting)
+    monkeypatch.setattr(at, "_BEST", {})
+    monkeypatch.setattr(ln, "_PLANS", {})
+    return runs
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
