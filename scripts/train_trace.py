@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-import lm.train.trainer as trainer
+from lm.train.step import Stepper
 
 
 def _union_ms(kernels) -> float:
@@ -140,7 +140,7 @@ def main(argv=None) -> None:
         raise SystemExit("train_trace.py --sync: needs CUDA (it records the waits for a CUDA device)")
     os.makedirs(args.out, exist_ok=True)
     rec = _Waits(args.out, args.steps) if args.sync else _Profile(args.out, args.steps, args.trace)
-    step_fn, count = trainer._step, [0]
+    step_fn, count = Stepper._run, [0]
     rank = int(os.environ.get("RANK", "0"))
 
     def sync():
@@ -162,7 +162,7 @@ def main(argv=None) -> None:
             rec.stop(rank)
         return out
 
-    trainer._step = traced  # the loop looks it up at each step
+    Stepper._run = traced  # the stepper looks it up at each step
     sys.argv = ["lm.train"] + argv[cut + 1:]
     runpy.run_module("lm.train", run_name="__main__")
 

@@ -105,9 +105,9 @@ def test_curriculum_switch_resume_export_plot(tmp_path, corpus):
 
 @pytest.mark.parametrize("one_behind", [False, True], ids=["read_at_once", "read_one_behind"])
 def test_nan_steps_skipped_then_stop(tmp_path, corpus, monkeypatch, capfd, one_behind):
-    import lm.train.trainer as trainer
+    import lm.train.step as step_mod
 
-    monkeypatch.setattr(trainer, "_one_behind", lambda dist: one_behind)
+    monkeypatch.setattr(step_mod, "one_behind", lambda dist: one_behind)
 
     def nan_at(bad_steps):
         def hook(step, micro, out):
@@ -214,14 +214,14 @@ def test_steps_read_one_behind(tmp_path, corpus, monkeypatch):
     """The loop queues step k + 1 before it reads step k's results (as on a GPU; on the CPU it reads each step
     at once), except where something needs them first (here a checkpoint at step 2 and the end); every step is
     read once, in order, and logged with its own values, equal to those of the loop that reads at once."""
-    import lm.train.trainer as trainer
+    import lm.train.step as step_mod
 
     ref = tmp_path / "at_once"
     train(_cfg(ref, corpus, checkpoint={"every_steps": 2}))
-    monkeypatch.setattr(trainer, "_one_behind", lambda dist: True)
+    monkeypatch.setattr(step_mod, "one_behind", lambda dist: True)
 
     events = []
-    read = trainer._read_step
+    read = step_mod.read_step
 
     def spy_read(p):
         events.append(("read", p.step))
@@ -232,7 +232,7 @@ def test_steps_read_one_behind(tmp_path, corpus, monkeypatch):
             events.append(("forward", step + 1))
         return out
 
-    monkeypatch.setattr(trainer, "_read_step", spy_read)
+    monkeypatch.setattr(step_mod, "read_step", spy_read)
     run = tmp_path / "behind"
     train(_cfg(run, corpus, checkpoint={"every_steps": 2}), hooks={"after_forward": spy_forward})
     assert events == [("forward", 1), ("forward", 2), ("read", 1), ("read", 2),
@@ -249,11 +249,11 @@ def test_solver_stats_read_with_the_step_one_behind(tmp_path, corpus, monkeypatc
     are not looked into in the forward or the step, only where the loop reads the step, after the next step is
     queued; the logged values equal those of the loop that reads at once."""
     import lm.fixed_point as fp
-    import lm.train.trainer as trainer
+    import lm.train.step as step_mod
 
     ref = tmp_path / "at_once"
     train(_cfg(ref, corpus))
-    monkeypatch.setattr(trainer, "_one_behind", lambda dist: True)
+    monkeypatch.setattr(step_mod, "one_behind", lambda dist: True)
     events = []
     get = fp.LazyStats._get
 

@@ -1,4 +1,4 @@
-"""The training loop on CUDA, where it reads each step's results one step late (lm.train.trainer._one_behind) and the
+"""The training loop on CUDA, where it reads each step's results one step late (lm.train.step.one_behind) and the
 fused AdamW skips a non-finite step on the device: the same losses, skips and checkpoints as the loop that reads
 every step at once, and step k's read waits for step k only (its event), not for the step queued behind it."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from train_checks import TINY, tiny_run_tree
 
-import lm.train.trainer as trainer
+import lm.train.step as step_mod
 from lm.train.config import config_from_dict
 from lm.train.trainer import train
 
@@ -33,7 +33,7 @@ def _records(run_dir):
 
 
 def test_one_behind_equals_reading_at_once_on_cuda(tmp_path, monkeypatch):
-    assert trainer._one_behind(type("D", (), {"world": 1, "device": torch.device("cuda")})())
+    assert step_mod.one_behind(type("D", (), {"world": 1, "device": torch.device("cuda")})())
 
     def nan_at_4(step, micro, out):
         if step == 3:
@@ -42,7 +42,7 @@ def test_one_behind_equals_reading_at_once_on_cuda(tmp_path, monkeypatch):
 
     runs = {}
     for one_behind in (True, False):
-        monkeypatch.setattr(trainer, "_one_behind", lambda dist, v=one_behind: v)
+        monkeypatch.setattr(step_mod, "one_behind", lambda dist, v=one_behind: v)
         torch.manual_seed(0)
         run = tmp_path / f"run{int(one_behind)}"
         train(_cfg(run), hooks={"after_forward": nan_at_4})
@@ -56,9 +56,9 @@ def test_reading_a_step_waits_for_that_step_only():
     """_results' event: after a long kernel is queued behind the step, reading the step does not wait for it."""
     losses = torch.tensor([1.0, float("nan")], device="cuda")
     one = type("OneRank", (), {"world": 1, "all_reduce_": lambda self, t: t})()
-    p = trainer._Pending(1, 0.1, 0.0, None, trainer._results(losses, torch.tensor(True, device="cuda"),
+    q = step_mod.Queued(1, 0.1, 0.0, None, step_mod._results(losses, torch.tensor(True, device="cuda"),
                                                              torch.tensor(2.5, device="cuda"), one, 2, False, 7.5), [],
-                         None)
+                        None)
     big = torch.randn(8192, 8192, device="cuda")
     torch.cuda.synchronize()
     for _ in range(20):  # ~0.2 s or more of queued work behind the step
@@ -66,6 +66,7 @@ def test_reading_a_step_waits_for_that_step_only():
         big = big / big.norm()
     done = torch.cuda.Event()
     done.record()
-    assert trainer._read_step(p) == (1.0, 1.0, 2.0, False, True, 2.5, 7.5)
+    # loss sum, non-finite, micro-batches, signalled ranks, clocks, applied, grad norm
+    assert step_mod.read_step(q) == [1.0, 1.0, 2.0, 0.0, 7.5, 1.0, 2.5]
     assert not done.query()  # the queued products were still running when the step was read
     torch.cuda.synchronize()

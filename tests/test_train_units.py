@@ -2,6 +2,7 @@
 checkpoint folders (manifest, partial/corrupt detection, latest, pruning), AdamW parameter groups."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -275,3 +276,121 @@ def test_zero_unscale_and_clip_equals_deepspeeds(norm, clip):
         for a, b in zip(ours, theirs):
             for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
                 assert torch.equal(x, y), (norm, clip, x, y)
+
+
+# ------------------------------------------------------------------------------------- loop components
+
+class _Budget:
+    """A TimeBudget stand-in whose answers the test sets."""
+
+    def __init__(self, out=False, slice_=False):
+        self.out, self.slice_, self.agreed = out, slice_, None
+
+    def out_of_time(self):
+        return self.out
+
+    def slice_done(self):
+        return self.slice_
+
+    def agree(self, s):
+        self.agreed = s
+
+
+def _stop(world=1, signal=None, max_bad=3, **budget):
+    from types import SimpleNamespace
+
+    from lm.train.stopping import Stop
+
+    return Stop(at=10, budget=_Budget(**budget), signals=SimpleNamespace(signal_name=signal),
+                dist=SimpleNamespace(world=world), max_bad_steps=max_bad)
+
+
+def _res(step, skipped=False, signalled=False, clock_s=0.0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(step=step, skipped=skipped, signalled=signalled, clock_s=clock_s)
+
+
+def test_stop_records_one_reason_and_signals_apart(tmp_path):
+    """The loop's one stop path: the first time reason is kept, a target accuracy replaces it (complete), the NaN
+    policy fails the run at max_bad_steps in a row (a finite step resets the count), a signal ends it whatever the
+    reason; with several ranks the budget answers from the ranks' mean clock."""
+    s = _stop()
+    assert not s.now and s.reason is None
+    s.check_time(3)
+    assert not s.now
+    s.budget.slice_ = True
+    s.check_time(10)  # at the last step a spent slice is no reason: the run ends there anyway
+    assert s.reason is None
+    s.check_time(4)
+    assert s.reason == "slice" and s.now and not s.complete(4, 10) and s.summary_reason() == "slice"
+    s.budget.out = True
+    s.check_time(5)
+    assert s.reason == "slice"  # the first reason stays
+    s.target_reached()
+    assert s.reason == "target accuracy" and s.complete(5, 10)
+    assert _stop(out=True).reason == "time budget"  # a resumed run whose budget is spent runs no step
+
+    s = _stop(max_bad=2)
+    for step, skipped in [(1, True), (2, False), (3, True)]:
+        s.read(_res(step, skipped))
+    assert not s.failed and s.bad_in_row == 1
+    s.read(_res(4, True))
+    assert s.failed and s.failed_at == 4 and s.now and s.summary_reason() is None
+    s.target_reached()  # a failed run stays failed
+    assert s.failed
+    assert re.match("stopped at step 4: 2 steps in a row.*no checkpoint was written", str(s.failure(tmp_path)))
+
+    s = _stop(world=2)
+    s.read(_res(1, clock_s=6.0))
+    assert s.budget.agreed == 3.0 and not s.signal
+    s.read(_res(2, signalled=True))
+    assert s.signal and s.now and s.reason is None and s.signal_name() == "a signal on another rank"
+    assert not s.signal_local()
+    one = _stop(signal="SIGTERM")
+    assert one.signal_local() and one.signal_name() == "SIGTERM"
+
+
+def test_task_component_interface():
+    """NoTask (a language-model run) and the synthetic task's hook offer the same methods with the same
+    parameters, so the loop calls them without asking which it has."""
+    import inspect
+
+    from lm.eval.synthetic import TaskEvalHook
+    from lm.train.synth import NoTask, task_component
+
+    for name, fn in inspect.getmembers(NoTask, inspect.isfunction):
+        theirs = getattr(TaskEvalHook, name)
+        assert list(inspect.signature(theirs).parameters) == list(inspect.signature(fn).parameters), name
+    assert isinstance(task_component(_cfg(), None, None, None), NoTask)
+
+
+def test_curriculum_component_switches_and_records(tmp_path):
+    """Curriculum: the phase of each step set on the model, a phase_switch event for every switch after the first
+    phase, a console line for each; resume sets the checkpoint's phase without an event."""
+    from types import SimpleNamespace
+
+    from lm.train.curriculum import Curriculum
+
+    phases = parse_curriculum([{"name": "a", "until": 0.5, "implicit": {"max_iter": 2}},
+                               {"name": "b", "until": 1.0, "implicit": {"max_iter": 5}}])
+    set_to, events, lines = [], [], []
+    model = SimpleNamespace(set_solver=set_to.append)
+    c = Curriculum(phases, model, total_steps=4, tokens_per_step=10, logger=SimpleNamespace(log=events.append),
+                   console=SimpleNamespace(write=lines.append))
+    for step in range(4):
+        c.enter(step)
+    assert [s.max_iter for s in set_to] == [2, 5] and c.phase == "b"
+    assert [(e["step"], e["tokens"], e["phase"]) for e in events] == [(2, 20, "b")]
+    assert lines == ["step 0: curriculum phase a (2+1, no tol) until 50% of tokens",
+                     "step 2: curriculum phase b (5+1, no tol) until 100% of tokens"]
+    assert c.client() == {"phase_index": 1, "phase": "b"}
+    r = Curriculum(phases, model, total_steps=4, tokens_per_step=10, logger=SimpleNamespace(log=events.append),
+                   console=SimpleNamespace(write=lines.append))
+    r.resume(1)
+    r.enter(3)
+    assert set_to[-1].max_iter == 5 and len(events) == 1 and len(lines) == 2
+    none = Curriculum(None, model, total_steps=4, tokens_per_step=10, logger=None, console=None)
+    none.enter(0)
+    none.resume(None)
+    assert none.client() == {"phase_index": None, "phase": None} and len(set_to) == 3

@@ -13,6 +13,7 @@ rank's own clock.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 
@@ -32,6 +33,13 @@ class TimeBudget:
     def exclude(self, seconds: float) -> None:
         """Time that is not training (evaluation, checkpoints)."""
         self.excluded += seconds
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside is not training (evaluation)."""
+        t0 = time.perf_counter()
+        yield
+        self.exclude(time.perf_counter() - t0)
 
     def clock_s(self) -> float:
         """This process's own training time of this slice."""

@@ -95,3 +95,44 @@ def phase_index(phases: list[Phase], fraction: float) -> int:
 
 def phase_start(phases: list[Phase], index: int) -> float:
     return 0.0 if index == 0 else phases[index - 1].until
+
+
+class Curriculum:
+    """A run's place in its phases: at each step the phase for the fraction of the steps done is set on the model
+    (model.set_solver), with a "phase_switch" event (not for the run's first phase) and a console line. Without
+    phases (an explicit model, or fixed model.implicit settings) it does nothing."""
+
+    def __init__(self, phases: list[Phase] | None, model, *, total_steps: int, tokens_per_step: int, logger, console):
+        self.phases, self.model = phases or [], model
+        self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+        self.logger, self.console = logger, console
+        self.index = -1
+
+    @property
+    def phase(self) -> str | None:
+        return self.phases[self.index].name if self.phases else None
+
+    def resume(self, index: int | None) -> None:
+        """The phase a checkpoint was in (client.json phase_index)."""
+        if self.phases and index is not None and index >= 0:
+            self.model.set_solver(self.phases[index].implicit)
+            self.index = index
+
+    def enter(self, step: int) -> None:
+        """Before step `step` + 1: switch to its phase where that is another."""
+        if not self.phases:
+            return
+        i = phase_index(self.phases, step / self.total_steps)
+        if i == self.index:
+            return
+        p = self.phases[i]
+        self.model.set_solver(p.implicit)
+        if self.index >= 0:
+            self.logger.log({"event": "phase_switch", "step": step, "tokens": step * self.tokens_per_step,
+                             "phase": p.name, "implicit": p.implicit.to_dict()})
+        self.console.write(f"step {step}: curriculum phase {p.describe()}")
+        self.index = i
+
+    def client(self) -> dict:
+        """The checkpoint's record of the phase."""
+        return {"phase_index": self.index if self.phases else None, "phase": self.phase}

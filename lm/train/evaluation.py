@@ -1,7 +1,7 @@
 """Evaluation during training: held-out loss / perplexity, lm-eval-harness tasks in process, a text sample.
 
-    ev = Evaluator(cfg.eval, model, make_val, tokenizer, dist, logger, precision, seed)
-    ev.periodic(step)        # at eval.every_steps
+    ev = Evaluator(cfg.eval, model, make_val, tokenizer, dist, logger, progress, precision=..., seed=..., task=task)
+    ev.periodic(step, last_step)     # at eval.every_steps (the synthetic task's evaluation, held-out loss, lm-eval)
     summary.update(ev.final(step))   # at the end (eval.at_end, sample)
 """
 from __future__ import annotations
@@ -72,12 +72,13 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -
 
 
 class Evaluator:
-    """The evaluations of eval.* at their steps, logged as events ({"event": "eval" | "lm_eval" | "sample"})."""
+    """The evaluations of eval.* at their steps, logged as events ({"event": "eval" | "lm_eval" | "sample"}); `task`
+    (lm.train.synth.task_component): a synthetic task's evaluation per length, also at eval.every_steps."""
 
     def __init__(self, ev_cfg, model, make_val, tokenizer, dist, logger, progress, *, precision: str, seed: int,
-                 tokens_per_step: int):
+                 tokens_per_step: int, task):
         self.cfg, self.model, self.make_val, self.tokenizer = ev_cfg, model, make_val, tokenizer
-        self.dist, self.logger, self.progress = dist, logger, progress
+        self.dist, self.logger, self.progress, self.task = dist, logger, progress, task
         self.precision, self.seed, self.tokens_per_step = precision, seed, tokens_per_step
 
     def run(self, step: int) -> dict:
@@ -94,8 +95,12 @@ class Evaluator:
             self.logger.log({"event": "lm_eval", "step": step, "tokens": tokens, **tasks})
         return {**out, **tasks}
 
+    def due(self, step: int, last_step: int) -> bool:
+        return bool(self.cfg.every_steps and step % self.cfg.every_steps == 0 and step < last_step)
+
     def periodic(self, step: int, last_step: int) -> None:
-        if self.cfg.every_steps and step % self.cfg.every_steps == 0 and step < last_step:
+        if self.due(step, last_step):
+            self.task.evaluate(self.model, step, self.logger)
             self.run(step)
 
     def final(self, step: int) -> dict:

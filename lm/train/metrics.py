@@ -145,3 +145,44 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
             except ValueError:  # the last line of a killed run can be cut short
                 continue
     return out
+
+
+class StepLog:
+    """What a step read writes on rank 0: a skipped step's warning (a line of its own) and "skip" event, and the
+    step record (metrics.jsonl and the console's bar or line) at log.every_steps, the run's last step and wherever
+    the loop stops. A synthetic task adds its fields to the record (its training accuracy: of the step's last
+    micro-batch, so such a record is read before the next step is queued: `live`) and its target accuracy is
+    checked there."""
+
+    def __init__(self, *, every: int, window: StepWindow, model, logger, console, device, task,
+                 tokens_per_step: int, max_bad_steps: int, live: bool):
+        self.every, self.window, self.model, self.logger, self.console = every, window, model, logger, console
+        self.device, self.task, self.tokens_per_step = device, task, tokens_per_step
+        self.max_bad_steps, self.live = max_bad_steps, live
+        self.last_loss = float("nan")  # of the last step applied
+
+    def due(self, step: int) -> bool:
+        """A record whose values must be read before the next step is queued."""
+        return self.live and step % self.every == 0
+
+    def step(self, res, stop, *, last: bool = False) -> None:
+        """Step `res` (lm.train.step.StepResult) after `stop` has read it; `last`: the loop ends after it."""
+        self.window.add(res.seconds, res.fp_stats)
+        if res.skipped:
+            why = "non-finite loss" if res.nonfinite else "non-finite gradient"
+            self.console.write(f"warning: step {res.step} skipped ({why}; parameters unchanged), {stop.bad_in_row} "
+                               f"in a row (limit train.max_bad_steps={self.max_bad_steps})")
+            self.logger.log({"event": "skip", "step": res.step, "reason": why, "in_a_row": stop.bad_in_row})
+            if stop.failed:
+                return
+        else:
+            self.last_loss = res.loss
+        if res.step % self.every == 0 or res.step == stop.at or res.signalled or last:
+            rec = {"step": res.step, "tokens": res.step * self.tokens_per_step, "loss": res.loss, "lr": res.lr,
+                   "grad_norm": res.grad_norm, **self.window.record(self.model.config),
+                   "mem_gb": memory_gb(self.device), "skipped": res.skipped,
+                   **({"phase": res.phase} if res.phase else {}), **self.task.log_fields()}
+            if self.task.reached_target(res.step):
+                stop.target_reached()
+            self.logger.log(rec)
+            self.console.step(res.step, rec)

@@ -44,3 +44,23 @@ def lr_at(step: int, total_steps: int, *, kind: str, peak_lr: float, min_lr: flo
 def warmup_steps_of(warmup: float, total_steps: int) -> int:
     """`warmup` < 1 is a fraction of the steps, >= 1 a number of steps."""
     return int(round(warmup * total_steps)) if warmup < 1 else int(warmup)
+
+
+class RunSchedule:
+    """The learning rate of each step of a run: cfg.schedule and optim.lr over its steps (a warm-up fraction of
+    them, the cooldown from schedule.decay_start: a fraction, or the start of the curriculum's last phase), evaluated
+    further on when the time budget runs out first (TimeBudget.schedule_step)."""
+
+    def __init__(self, cfg, total_steps: int, phases, budget):
+        from .curriculum import phase_start
+
+        s = cfg.schedule
+        self.total_steps, self.budget = total_steps, budget
+        self.warmup = warmup_steps_of(s.warmup, total_steps)
+        decay_frac = phase_start(phases, len(phases) - 1) if s.decay_start == "last_phase" else float(s.decay_start)
+        self.kw = dict(kind=s.kind, peak_lr=cfg.optim.lr, min_lr=s.min_lr, warmup_steps=self.warmup,
+                       decay_start_step=int(round(decay_frac * total_steps)))
+
+    def lr(self, step: int) -> float:
+        """The LR of step `step` + 1."""
+        return lr_at(self.budget.schedule_step(step, self.total_steps, self.warmup), self.total_steps, **self.kw)

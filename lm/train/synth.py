@@ -128,6 +128,38 @@ def recipe_tree(recipe: dict) -> dict:
     return tree
 
 
+class NoTask:
+    """The task component of a language-model run (data.source other than task): nothing beyond LM training. A
+    synthetic task's component (lm.eval.synthetic.TaskEvalHook) has the same methods: the trainer calls
+    after_forward(step, micro, out) for every micro-batch, log_fields() and reached_target(step) at log steps,
+    evaluate(model, step, logger) at eval.every_steps and finish(...) at the end."""
+
+    def after_forward(self, step: int, micro: int, out):
+        return out
+
+    def log_fields(self) -> dict:
+        return {}
+
+    def reached_target(self, step: int) -> bool:
+        return False
+
+    def evaluate(self, model, step: int, logger) -> None:
+        return None
+
+    def finish(self, model, step: int, summary: dict, logger, *, complete: bool, train_s: float) -> dict:
+        return {}
+
+
+def task_component(cfg: TrainConfig, reader, run_dir: Path, dist):
+    """data.source=task: the synthetic task's training accuracy, evaluation per length and target-accuracy stop
+    (lm.eval.synthetic.TaskEvalHook); otherwise NoTask."""
+    if cfg.data.source != "task":
+        return NoTask()
+    from lm.eval.synthetic import TaskEvalHook
+
+    return TaskEvalHook(cfg, reader, run_dir, device=dist.device, is_main=dist.is_main)
+
+
 def load_recipe(recipe: str | Path | dict, overrides=()) -> TrainConfig:
     """The validated training config of a recipe with `key=value` overrides (recipe keys)."""
     tree = recipe_tree(read_recipe(recipe, overrides))
