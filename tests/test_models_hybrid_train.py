@@ -94,3 +94,24 @@ def test_hybrid_recipes_parse(recipe, preset):
     assert cfg.model.preset == preset
     assert [p.name for p in cfg.curriculum] == ["bounded", "free"]  # implicit (curriculum=null: explicit)
     assert json.loads((configs_dir("models") / f"{preset}.json").read_text())["model_type"] == "lm_hybrid"
+
+
+def test_deepspeed_two_ranks_equal_one(tmp_path):
+    """scripts/gpu_scaling.sh --dry-run on the implicit hybrid: DeepSpeed ZeRO-2 (gloo, CPU, fp32) at 2 ranks takes
+    the 1-rank run's steps (the same global batch by accumulation): the losses agree up to rounding."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "CASES": "hybrid-tiny-implicit-4+1",
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(["bash", str(repo / "scripts" / "gpu_scaling.sh"), "--dry-run"], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    runs = json.loads((tmp_path / "scaling.json").read_text())["cases"]["hybrid-tiny-implicit-4+1"]
+    assert runs["1"]["engine"] == runs["2"]["engine"] == "deepspeed"
+    assert len(runs["2"]["losses"]) == 4 and runs["2"]["max_rel_loss_diff_vs_1"] < 1e-5
