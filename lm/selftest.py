@@ -2,11 +2,11 @@
 
 Per family (explicit Mamba2, Llama, DeltaProduct, FP-Mamba, LRU, a Mamba2 + DeltaProduct + attention hybrid, and
 implicit Mamba2): forward + backward (finite loss and gradients), greedy `generate` (explicit models: the generated
-tokens equal the argmax of one full forward), `save_pretrained` / `from_pretrained` (equal logits); then one training step through the trainer on a small prepared
-corpus (written here, default tokenizer) with its Hugging Face export, and lm-eval's HFLM on a local task built
-from that corpus. Prints the versions of the dependencies and one line per check as it finishes; a check whose
-optional dependency is not installed (lm-eval: the `eval` extra) is listed as skipped with the command that installs
-it. Exits 1 if any check failed.
+tokens equal the argmax of one full forward), `save_pretrained` / `from_pretrained` (equal logits); then one
+training step through the trainer on a small prepared corpus (written here, default tokenizer) with its Hugging Face
+export, and lm-eval's HFLM on a local task built from that corpus. Prints the versions of the dependencies and one
+line per check as it finishes; a check whose optional dependency is not installed (lm-eval: the `eval` extra) is
+listed as skipped with the command that installs it. Exits 1 if any check failed.
 `scripts/check_latest.sh` runs it in a fresh environment with the newest release of every dependency.
 """
 from __future__ import annotations

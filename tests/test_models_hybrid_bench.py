@@ -49,8 +49,8 @@ def test_bench_train_hybrid_beside_the_pure_stacks(tmp_path):
     by = {r["case"]: r for r in data["results"]}
     assert set(by) == {"mamba2-explicit", "llama-explicit", "hybrid-explicit"}
     kinds = load_config("lm_hybrid-mamba2-tiny").layer_kinds
-    per = {"mamba2": (4, by["mamba2-explicit"]["step_time_s"] / 64), "attention": (4, by["llama-explicit"]["step_time_s"]
-                                                                                     / 64)}
+    per = {"mamba2": (4, by["mamba2-explicit"]["step_time_s"] / 64),
+           "attention": (4, by["llama-explicit"]["step_time_s"] / 64)}
     mix = layer_weighted_mix(kinds, per)
     assert data["ratios"]["hybrid-explicit_over_layer_mix"] == pytest.approx(by["hybrid-explicit"]["tokens_per_s"]
                                                                                * mix)

@@ -96,6 +96,7 @@ def test_hybrid_recipes_parse(recipe, preset):
     assert json.loads((configs_dir("models") / f"{preset}.json").read_text())["model_type"] == "lm_hybrid"
 
 
+@pytest.mark.multirank
 def test_deepspeed_two_ranks_equal_one(tmp_path):
     """scripts/gpu_scaling.sh --dry-run on the implicit hybrid: DeepSpeed ZeRO-2 (gloo, CPU, fp32) at 2 ranks takes
     the 1-rank run's steps (the same global batch by accumulation): the losses agree up to rounding."""
