@@ -136,9 +136,20 @@ def _lm_eval(tmp: Path, data: Path, export: Path) -> None:
 
     tasks = build_local_tasks(data, tmp / "tasks", n_lastword=12, n_continuation=12)
     model, tok = load_checkpoint(export, device="cpu")
-    with contextlib.redirect_stdout(io.StringIO()):
-        res = run_lm_eval(model, tok, ["lm_local_lastword", "lm_local_continuation"], batch_size=4, limit=4,
-                          include_path=tasks)
+    import logging
+
+    import datasets
+
+    datasets.disable_progress_bars()
+    quiet = io.StringIO()  # lm-eval's progress bars and notices (a failure is reported with its error)
+    level = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            res = run_lm_eval(model, tok, ["lm_local_lastword", "lm_local_continuation"], batch_size=4, limit=4,
+                              include_path=tasks)
+    finally:
+        logging.disable(level)
     acc = res["results"]["lm_local_continuation"]["acc"]
     assert 0 <= acc <= 1, res["results"]
 
@@ -159,9 +170,13 @@ def run(families: list[str] | None = None, trainer: bool = True, lm_eval: bool =
     the reason, for a check whose optional dependency is missing). `report(rec)` is called as each one ends."""
     import warnings
 
+    from transformers.utils import logging as hf_logging
+
     import lm  # noqa: F401  (registers the model types)
 
     warnings.filterwarnings("ignore")
+    hf_logging.disable_progress_bar()  # transformers' load / save bars and notices would break up the check lines
+    hf_logging.set_verbosity_error()
     records = []
 
     def check(what, name, fn):

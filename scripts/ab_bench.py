@@ -47,14 +47,14 @@ def _run(tree: Path, args: list[str], timeout: int, extra_path: str) -> tuple[in
     return rc, out
 
 
-def part_step(tree: Path, out: Path, a) -> dict:
-    js = out / "step.json"
+def part_step(tree: Path, out: Path, a, cases: str) -> dict:
+    js = out / f"step-{cases}.json"
     shape = (["--size", "tiny", "--seq-len", "64", "--micro", "2", "--compile", "off"] if a.quick
              else ["--size", "350m", "--micro", "16", "--compile", "on"])
     rc, text = _run(tree, ["-m", "lm.benchmarks.train", *shape, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                           "--cases", a.step_cases, "--timeout", str(a.case_timeout), "--out", str(js.resolve())],
+                           "--cases", cases, "--timeout", str(a.case_timeout), "--out", str(js.resolve())],
                     a.timeout, a.extra_path)
-    (out / "step.log").write_text(text)
+    (out / f"step-{cases}.log").write_text(text)
     if not js.exists():
         return {}
     res = json.loads(js.read_text())
@@ -65,14 +65,18 @@ def part_step(tree: Path, out: Path, a) -> dict:
         name = r["case"].replace("+compile", "")
         fig[f"step {name} tok/s"] = (r["tokens_per_s"], "higher")
         fig[f"step {name} memory GB"] = (r["mem_gb"], "lower")
-    by = {k.split()[1]: v[0] for k, v in fig.items() if k.endswith("tok/s")}
+    return fig
+
+
+def step_ratios(fig: dict) -> None:
+    """The cross-case ratios of one side's step figures, added in place."""
+    by = {k.split()[1]: v[0] for k, v in fig.items() if k.startswith("step ") and k.endswith("tok/s")}
     if "mamba2-explicit" in by and "llama-explicit" in by:
         fig["Mamba2 / Llama tok/s"] = (by["mamba2-explicit"] / by["llama-explicit"], "higher")
     for fam in ("mamba2", "llama"):
         if f"{fam}-explicit" in by and f"{fam}-implicit-4+1" in by:
             fig[f"{fam} implicit (4+1) / explicit step"] = (by[f"{fam}-explicit"] / by[f"{fam}-implicit-4+1"],
                                                             "lower")
-    return fig
 
 
 def part_decode(tree: Path, out: Path, a) -> dict:
@@ -99,7 +103,8 @@ def part_kernels(tree: Path, out: Path, a) -> dict:
     fig = {}
     js = out / "ssd.json"
     rc, text = _run(tree, ["-m", "lm.benchmarks.ssd", "--no-profile", "--json", str(js.resolve())]
-                    + (["--tiny", "--no-peer"] if a.quick else []), a.timeout, a.extra_path)
+                    + (["--tiny", "--no-peer"] if a.quick else ["--shapes", *a.ssd_shapes.split(",")]), a.timeout,
+                    a.extra_path)
     (out / "ssd.log").write_text(text)
     if js.exists():
         for name, row in json.loads(js.read_text()).get("shapes", {}).items():
@@ -108,8 +113,8 @@ def part_kernels(tree: Path, out: Path, a) -> dict:
                 if k in row:
                     fig[f"ssd {name} {k.replace('ratio_', 'ours/mamba_ssm ')}"] = (row[k], "lower")
     js = out / "deltaproduct.json"
-    rc, text = _run(tree, ["-m", "lm.benchmarks.deltaproduct", "--json", str(js.resolve())]
-                    + (["--quick"] if a.quick else []), a.timeout, a.extra_path)
+    rc, text = _run(tree, ["-m", "lm.benchmarks.deltaproduct", "--json", str(js.resolve()), "--check-batch", "0"]
+                    + (["--quick"] if a.quick else ["--nh", *a.deltaproduct_nh.split(",")]), a.timeout, a.extra_path)
     (out / "deltaproduct.log").write_text(text)
     if js.exists():
         for r in json.loads(js.read_text()).get("rows", []):
@@ -149,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-cases", default=STEP_CASES)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ssd-shapes", default="B8_T2048,B2_T8192", help="shapes of lm bench ssd")
+    ap.add_argument("--deltaproduct-nh", default="1,2,3", help="n_h values of lm bench deltaproduct")
     ap.add_argument("--case-timeout", type=int, default=240, help="seconds per training case")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per benchmark process")
     ap.add_argument("--extra-path", default="", help="more PYTHONPATH entries (peers, carried wheels)")
@@ -165,14 +172,18 @@ def main(argv=None) -> int:
         report(json.loads((root / "ab.json").read_text()))
         return 0
     figs = {"old": {}, "new": {}}
+    jobs = []  # (part, extra argument): the step's cases one by one, so that the sides alternate case by case
     for part in a.parts.split(","):
         if part not in PARTS:
             ap.error(f"--parts: {part!r} is not one of {list(PARTS)}")
+        jobs += [(part, (c,)) for c in a.step_cases.split(",")] if part == "step" else [(part, ())]
+    for part, extra in jobs:
         for side in ("old", "new"):
             d = root / side
             d.mkdir(parents=True, exist_ok=True)
-            print(f"{part}: {side}", flush=True)
-            figs[side].update(PARTS[part](trees[side], d, a))
+            print(f"{part} {' '.join(extra)}: {side}", flush=True)
+            figs[side].update(PARTS[part](trees[side], d, a, *extra))
+            step_ratios(figs[side])
             (root / "ab.json").write_text(json.dumps(figs, indent=1))  # what is measured survives a cut
     report(figs)
     return 0

@@ -57,13 +57,14 @@ def bounds_checked():
         _STATE["kernel"] = getattr(self.fn, "__name__", str(self.fn))
         return orig_call(self, *args, **kwargs)
 
-    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    # (the cache / eviction arguments after the mask differ between triton releases: passed on as they come)
+    def create_masked_load(self, ptrs, mask, other, *cache_args):
         _check(self, ptrs, mask, np.dtype(itp._get_np_dtype(ptrs.get_element_ty())).itemsize, "load")
-        return orig_load(self, ptrs, mask, other, cache_policy, is_volatile)
+        return orig_load(self, ptrs, mask, other, *cache_args)
 
-    def create_masked_store(self, ptrs, value, mask, cache_policy):
+    def create_masked_store(self, ptrs, value, mask, *cache_args):
         _check(self, ptrs, mask, np.asarray(value.data).dtype.itemsize, "store")
-        return orig_store(self, ptrs, value, mask, cache_policy)
+        return orig_store(self, ptrs, value, mask, *cache_args)
 
     gx._init_args_hst, gx.__call__ = _init_args_hst, __call__
     b.create_masked_load, b.create_masked_store = create_masked_load, create_masked_store

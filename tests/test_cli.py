@@ -52,12 +52,14 @@ def test_every_help_is_whole_and_printed_once(name, capsys):
         assert not last.endswith((",", ";")) and last.lower() not in CUT_WORDS, (name, para)
 
 
+@pytest.mark.slow
 def test_train_help_shows_usage_once():
     p = _lm("train", "--help")
     assert p.returncode == 0 and p.stdout.count("lm train [CONFIG.yaml]") == 0 and p.stdout.count("usage:") == 1
     assert "--allow-change" in p.stdout and "SIGTERM" in p.stdout
 
 
+@pytest.mark.slow
 def test_unknown_preset_is_one_message():
     p = _lm("info", "UNKNOWN")
     assert p.returncode == 2
@@ -65,6 +67,7 @@ def test_unknown_preset_is_one_message():
     assert p.stderr.startswith("lm info: unknown model preset or config file 'UNKNOWN'. Presets: "), p.stderr
 
 
+@pytest.mark.slow
 def test_steps_over_the_default_recipe_says_to_unset_tokens():
     p = _lm("train", "default", "train.steps=5")
     assert p.returncode == 2
@@ -80,6 +83,7 @@ def test_output_is_the_spelling(argv, capsys):
     assert "--output" in out and "--out " not in out.split("options:")[0], out
 
 
+@pytest.mark.slow
 def test_local_tasks_take_output_and_out(tmp_path, tmp_path_factory):
     from test_train_loop import make_corpus
 
@@ -110,6 +114,7 @@ def two_runs(tmp_path_factory):
     return _tiny_run(root / "a"), _tiny_run(root / "b", train={"steps": 3, "global_batch_tokens": 64})
 
 
+@pytest.mark.slow
 def test_export_refuses_another_models_folder_and_replaces_its_own(two_runs, tmp_path, capsys):
     a, b = two_runs
     out = tmp_path / "hf"
@@ -133,6 +138,7 @@ def test_export_refuses_another_models_folder_and_replaces_its_own(two_runs, tmp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]  # no staging left
 
 
+@pytest.mark.slow
 def test_export_refuses_a_folder_of_other_files(two_runs, tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()
@@ -142,6 +148,7 @@ def test_export_refuses_a_folder_of_other_files(two_runs, tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask", [0o022, 0o002])
 def test_export_files_follow_the_umask(two_runs, tmp_path, mask):
     old = os.umask(mask)

@@ -193,7 +193,7 @@ class _Tiny(torch.nn.Module):
         return self.out(self.norm(self.inp(h), z, z_add))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_gated_norm_gives_eager_gradients(backend, monkeypatch, tmp_path):
     """torch.compile(fullgraph=True) of Linear + GatedRMSNorm + Linear with the Triton norm: one graph, the forward and
     backward ops run in it, and the eager gradients (of the input, z, z_add and every parameter; inductor: its own

@@ -230,6 +230,7 @@ def test_static_decoders_padded_and_unpadded_and_kv_growth(family, monkeypatch):
             assert torch.equal(generate(model, batch, m, "static", n)[0], generate(model, batch, m, "eager", n)[0])
     assert {k[2] for k in D._DECODERS[model]} == {False, True}
     assert_batch_equals_alone(model, ps, "static", n=70)
+    assert_batch_equals_alone(model, prompts(seed=2, lengths=(1, 7, 3)), "static", n=12)  # other pads, same decoder
 
 
 @pytest.mark.parametrize("family", ["llama", "mamba2"])

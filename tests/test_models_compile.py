@@ -2,10 +2,9 @@
 model gives the eager model's loss and gradients. Llama exercises the rotary tables passed into the
 compiled blocks (Mixer.shared_inputs); implicit Mamba2 the fixed-point solver calling compiled blocks (on CPU the
 reference conv traced into them, the reference SSD an opaque call; the Triton ones are custom ops inside the graph:
-test_kernel_ops_compile.py). Needs a C compiler for inductor's CPU code (skipped without);
-~20-30 s per model on 2 cores."""
-import shutil
-
+test_kernel_ops_compile.py). The blocks compile with the aot_eager backend: dynamo's graphs and AOTAutograd's forward
+and backward, everything but inductor's code generation, which costs minutes on a CPU; inductor runs in the slow tier
+(test_train_loop.py::test_compiled_blocks_give_the_same_losses, the trainer's model.compile end to end)."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -13,15 +12,11 @@ from transformers import AutoModelForCausalLM
 import lm  # noqa: F401  (registration)
 from lm.models.presets import load_config
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="torch.compile on CPU needs a C compiler")
-
 
 @pytest.mark.parametrize("preset,implicit", [("lm_llama-tiny", None),
                                              ("lm_mamba2-tiny", {"max_iter": 3, "phantom_steps": 1})],
                          ids=["llama", "mamba2-implicit"])
-def test_compiled_blocks_match_eager(preset, implicit, tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def test_compiled_blocks_match_eager(preset, implicit):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(load_config(preset, implicit=implicit))
@@ -37,7 +32,7 @@ def test_compiled_blocks_match_eager(preset, implicit, tmp_path, monkeypatch):
 
     counters.clear()
     for layer in model.model.layers:
-        layer.compile()
+        layer.compile(backend="aot_eager")
     loss, grads = loss_and_grads()
     graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()

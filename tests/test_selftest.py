@@ -1,5 +1,7 @@
 """`lm selftest` (what scripts/check_latest.sh runs on the newest releases): passes here, and reports a broken
 check instead of passing it."""
+import pytest
+
 import lm.selftest as st
 
 
@@ -23,6 +25,7 @@ def test_selftest_reports_a_broken_forward(monkeypatch):
     assert "unexpected keyword argument 'cache'" in failed["forward+backward"]
 
 
+@pytest.mark.slow
 def test_selftest_names_what_is_missing_and_reports_every_check(monkeypatch, capsys):
     """After the README's set-up (the `train` extra) lm-eval is not installed: the selftest prints each check's line
     and names the missing package with its install command instead of stopping."""
@@ -37,6 +40,7 @@ def test_selftest_names_what_is_missing_and_reports_every_check(monkeypatch, cap
     assert "missing: lm-eval not installed: pip install -e '.[eval]'" in out
 
 
+@pytest.mark.slow
 def test_a_check_that_exits_is_reported_not_fatal(monkeypatch):
     def exits(*a, **k):
         raise SystemExit("lm eval needs lm-eval-harness")

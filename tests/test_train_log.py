@@ -11,6 +11,7 @@ import sys
 import termios
 from pathlib import Path
 
+import pytest
 import yaml
 from train_checks import tiny_run_tree
 
@@ -49,6 +50,7 @@ def _step_lines(text):
     return [line for line in text.splitlines() if line.startswith("step ") and " | " in line]
 
 
+@pytest.mark.slow
 def test_log_file_has_one_line_per_logged_step_with_the_bar_on(tmp_path):
     text = _train_to_file(tmp_path, "log.progress=true")
     assert "\r" not in text  # no bar redrawn into the file
@@ -60,12 +62,14 @@ def test_log_file_has_one_line_per_logged_step_with_the_bar_on(tmp_path):
     assert any(line.startswith("lm train: lm_mamba2") for line in text.splitlines()[:first]), text
 
 
+@pytest.mark.slow
 def test_progress_off_still_prints_every_log_step(tmp_path):
     text = _train_to_file(tmp_path, "log.progress=false", "log.every_steps=2", "train.steps=7")
     steps = [int(LINE.match(line).group(1)) for line in _step_lines(text)]
     assert steps == [2, 4, 6, 7], text  # every log.every_steps, and the last step
 
 
+@pytest.mark.slow
 def test_a_terminal_gets_the_bar_not_the_lines(tmp_path):
     """stdout and stderr on a pseudo-terminal: the tqdm bar (carriage returns) and no step lines."""
     leader, follower = pty.openpty()

@@ -361,9 +361,11 @@ def _run(run_dir, corpus, **over):
     return run_dir
 
 
+@pytest.mark.slow
 def test_compiled_blocks_give_the_same_losses(tmp_path, corpus):
     """model.compile: torch.compile per block (inductor) with the scan kernels as opaque calls; the
-    losses of the implicit model (solve, phantom steps, curriculum) match the eager run."""
+    losses of the implicit model (solve, phantom steps, curriculum) match the eager run. The suite's one end-to-end
+    inductor compile (the other compile tests use aot_eager)."""
     from torch._dynamo.utils import counters
 
     base = _losses(_run(tmp_path / "eager", corpus))[0]

@@ -20,6 +20,8 @@ from train_checks import TINY, tiny_run_tree
 from lm.train.config import config_from_dict
 from lm.train.trainer import train
 
+pytestmark = pytest.mark.slow  # every test trains
+
 
 def _tree(run_dir, *layers):
     return tiny_run_tree(run_dir, {
@@ -144,6 +146,23 @@ def test_cli_allow_change_flag(stopped_run, tmp_path):
                         "model.implicit.max_iter"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "changed since the checkpoint: model.implicit.max_iter: 2 -> 3" in p.stdout + p.stderr
+
+
+def test_plain_engine_resumes_with_another_micro_batch(tmp_path):
+    """The plain engine runs one process; what it can change on resume with the same global batch is the micro-batch
+    (and so the accumulation): the run goes on with the uninterrupted run's losses."""
+    ref = tmp_path / "ref"
+    train(config_from_dict(_tree(ref, {"train": {"steps": 4, "global_batch_tokens": 128}})))
+    run = tmp_path / "run"
+    train(config_from_dict(_tree(run, {"train": {"steps": 4, "global_batch_tokens": 128, "stop_after_steps": 2}})))
+    train(config_from_dict(_tree(run, {"train": {"steps": 4, "global_batch_tokens": 128, "micro_batch_size": 1},
+                                       "checkpoint": {"resume": True}})))
+    want, _ = _losses(ref)
+    got, recs = _losses(run)
+    assert [r["accumulation"] for r in recs if r.get("event") == "start"] == [4, 8]
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in (3, 4):
+        assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got[s], want[s])
 
 
 # ---------------------------------------------------------------------------------------- another world size

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""End-to-end training throughput through the real trainer (lm.train, DeepSpeed engine, bf16):
-tokens/s, MFU and peak memory for explicit and implicit (4+1) models, and the implicit/explicit
-step-time ratio (BENCHMARKS.md target: <= 1.5).
+"""End-to-end training throughput through the real trainer (lm.train, bf16; the plain engine on one GPU, DeepSpeed with
+--engine deepspeed): tokens/s, MFU and peak memory for explicit and implicit (4+1) models, and the implicit/explicit
+step-time ratio. The current figures and their commands: docs/performance.md.
 
     lm bench train --out bench_train.json                      # H100: 350M Mamba2 + Llama
     lm bench train --cases mamba2-explicit,llama-explicit,hybrid-explicit     # the Mamba2 + attention hybrid

@@ -31,7 +31,7 @@ class LMMamba2Config(LMConfig):
         "headdim": 64,
         "ngroups": 1,
         # the SSD's chunk: the same function of the inputs at any size (rounding aside); 128 trains Mamba2-350M
-        # 3-4% faster than mamba_ssm's 256 with our kernels (H200, lm/train/BENCH.md session 17)
+        # 3-4% faster than mamba_ssm's 256 with our kernels (H200; docs/performance.md)
         "chunk_size": 128,
         "dt_min": 0.001,
         "dt_max": 0.1,

@@ -293,7 +293,7 @@ class LMModel(LMPreTrainedModel):
         (Mixer.reads_input_once), so that the handed-on norm's gradient is one product's, already in that dtype.
         Otherwise (with autograd) each block norms its own input: a float32 norm handed on would cost a cast in the
         next graph and a cast of its gradient back at every block boundary, more than the fused add saves
-        (lm/train/BENCH.md, session 16)."""
+        (docs/performance.md)."""
         shared = shared or {}
         grad = torch.is_grad_enabled()
         if grad and self.gradient_checkpointing and self.training and cache is None:
@@ -422,9 +422,10 @@ class LMModel(LMPreTrainedModel):
         if attention_mask.dim() != 2 or attention_mask.shape[0] != b or attention_mask.shape[1] not in (t, seen + t):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected ({b}, {t}) for the "
                              f"new tokens" + (f" or ({b}, {seen + t}) for the cached and the new ones" if seen else ""))
-        real = attention_mask[:, attention_mask.shape[1] - t:].to(device=input_ids.device, dtype=torch.bool)
-        if bool(real.all()):
+        new = attention_mask[:, attention_mask.shape[1] - t:]
+        if bool(new.all()):
             return None
+        real = new.to(device=input_ids.device, dtype=torch.bool)
         if cu_seqlens is not None:
             raise ValueError("attention_mask with pads cannot be combined with cu_seqlens: packed documents have no "
                              "padding (pass the documents packed without pads, and no attention_mask)")

@@ -4,7 +4,7 @@ The no-grad solve of an implicit step calls F max_iter times (4 in the bounded p
 with the same shapes. Issued from Python, one call of Mamba2-350M's 48 layers costs ~65 ms of host time on an H100 host
 (the compiled blocks' wrappers and launches and the Triton ops' launches), about the ~71 ms of device time it takes at
 16 x 2048 tokens: the solve is as much host work as device work, and a slower host stalls the GPU. A replay of the
-captured stack costs the host a few microseconds. Measured (lm/train/BENCH.md, session 36): a host-bound (4+1) step
+captured stack costs the host a few microseconds. Measured (H100, docs/performance.md): a host-bound (4+1) step
 (micro-batch 1) in about half the time, a device-bound one (micro-batch 16) unchanged, for 0.6 GB more memory (the
 graph's pool and the static copies).
 

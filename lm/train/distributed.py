@@ -31,7 +31,7 @@ def deepspeed_available() -> bool:
 def resolve_auto_engine(world: int, deepspeed_config: str | None, deepspeed_available: bool) -> str:
     """train.engine=auto: DeepSpeed for several ranks or when a DeepSpeed config is given (e.g. CPU optimizer
     offload), else the plain PyTorch engine. On one H100, compiled Llama-350M trained at 135.6k tok/s with the
-    plain engine and 113.0k under DeepSpeed ZeRO-2 (same run, lm/train/BENCH.md): ZeRO has nothing to
+    plain engine and 113.0k under DeepSpeed ZeRO-2 (same run, docs/performance.md): ZeRO has nothing to
     partition over one rank, and a checkpoint resumes only with the world size that wrote it anyway."""
     want = world > 1 or deepspeed_config is not None
     return "deepspeed" if want and deepspeed_available else "torch"

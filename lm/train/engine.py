@@ -130,7 +130,7 @@ def _fused_zero_grad_checks(opt) -> None:
 
     DeepSpeed's stage-1/2 optimizer tests every gradient for inf / NaN (amax, amin, isfinite, ... per tensor) and
     takes every gradient's norm in float64, one tensor at a time: ~4000 small kernel launches per step for a 48-layer
-    model, during which the device idles until the host has launched them all (lm/train/BENCH.md, DeepSpeed's cost).
+    model, during which the device idles until the host has launched them all (docs/performance.md, DeepSpeed's cost).
     Here both are `torch._foreach_norm` over the same gradients (the max-norm propagates NaN and exposes inf: an
     overflow exactly where any element is non-finite; the 2-norm per tensor, summed in float64) followed by
     DeepSpeed's own reductions across ranks. Other optimizers (ZeRO-3, none) are left as they are."""

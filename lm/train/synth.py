@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     "in one PNG (--out) instead of training")
     ap.add_argument("--output", "--out", dest="out", default="synth_compare.png", help="PNG path for --compare")
     ap.add_argument("--metric", default=None, help="metric for --compare (default: the task's)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (a plain line per logged step instead)")
     args = ap.parse_intermixed_args(argv)
     if args.list_tasks:
         from ..data.synthetic.registry import TASKS, task_parameters

@@ -12,10 +12,11 @@ On CUDA the loop reads each step's results (loss, skipped or not, gradient norm)
 (_one_behind), so the GPU never waits for the host between steps.
 
 Components: distributed.py (ranks, device, engine kind), model.py (config, checks, model), data.py,
-engine.py (torch / DeepSpeed), optim.py, schedule.py, curriculum.py, checkpoint.py (save / resume),
-rundir.py (run lock, metrics across restarts), preempt.py (signals), evaluation.py, metrics.py, export.py.
-Nothing in run_dir is written or renamed before the config, the resume checkpoint, the data and the
-model are checked and rank 0 holds the run's lock.
+engine.py (torch / DeepSpeed), optim.py, schedule.py, curriculum.py, checkpoint.py (save / resume), resume.py (what
+a resume may change, another number of ranks), rundir.py (run lock, metrics across restarts), preempt.py (signals),
+evaluation.py, metrics.py (metrics.jsonl, MFU), console.py (the bar or step lines, messages), export.py.
+Nothing in run_dir is written or renamed before the config (against the checkpoint's, on resume), the resume
+checkpoint, the data and the model are checked and rank 0 holds the run's lock.
 """
 from __future__ import annotations
 
@@ -385,7 +386,7 @@ def _one_behind(dist: Dist) -> bool:
     overlap). With several ranks every rank reads and drains at the same steps: what decides (a stop signal on any
     rank, the time budget's clock) is all-reduced with the step's values (_results), so a signal stops the ranks
     one step later than in one process. With nothing in the step waiting for the device either, ZeRO-2 on 2 x H100
-    trains Mamba2-350M at 1.00x the 1-GPU plain engine's tokens/s per GPU (lm/train/BENCH.md, session 21)."""
+    trains Mamba2-350M at 1.00x the 1-GPU plain engine's tokens/s per GPU (docs/performance.md)."""
     return dist.device.type == "cuda"
 
 

@@ -53,7 +53,7 @@ _fwd = autotune(
     key=_KEY)(K.conv_fwd_kernel)
 # the backward walks its rows one at a time with the channels across the threads, BC channels per program (4 per
 # thread: 8-byte bf16 loads; 134 registers on sm_90). The tuner took (128, 1 warp) at Mamba2-350M's shape, fixed and
-# packed (lm_kernels/conv1d/BENCH.md, session 30); (256, 2 warps) is the other candidate
+# packed (H100, docs/performance.md); (256, 2 warps) is the other candidate
 _bwd = autotune(
     configs=[triton.Config(dict(BC=bc), num_warps=w, num_stages=1)
              for bc, w in ([(32, 1)] if _INTERPRET else [(128, 1), (256, 2)][:2 if _AUTOTUNE else 1])],

@@ -27,7 +27,7 @@ and dy, so that their DRAM latency overlaps the step's work. A program forms its
 (their g completes the dx of its last rows; they are not added to its dweight sums). The dweight / dbias sums
 are stored as one (C, W+1) float32 slice per program that the caller sums (deterministic, no atomics); in the
 first chunk the dx rows -(W-1)..-1 that the scatter completes first are the conv state's gradient.
-On an H100 (B16 T2048 C2304 W4 bf16, lm_kernels/conv1d/BENCH.md) this takes 0.223 ms against 0.260 for the
+On an H100 (B16 T2048 C2304 W4 bf16, docs/performance.md) this takes 0.223 ms against 0.260 for the
 tile-wise kernel it replaced, which staged g in a scratch ring in global memory for the row shifts (one CTA
 barrier per tile); the earlier two-pass backward (g written to DRAM in float32 and read back) took 0.354 + 0.160.
 """

@@ -19,7 +19,7 @@ forming the output (SAVE without OUT), both the forward's code at the forward's 
 values the forward had. T stays saved: forming it again is the prep's costly part (the A blocks, the inversions).
 The forward runs the same launches with and without grad.
 
-Each kernel runs one measured launch config (configs.py; the measurements are in BENCH.md).
+Each kernel runs one measured launch config (configs.py; the measurements are in docs/performance.md).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ _FIT: dict = {}  # (name, config, dtype, constexprs) -> the config that fit in s
 
 def _refused(name, bv, nw, ns):
     """32-wide (or narrower) V blocks of a sequential kernel at 4 warps and 1 stage gave wrong results or illegal
-    addresses on an H100 (triton 3.6, BENCH.md session 9)."""
+    addresses on an H100 (triton 3.6)."""
     return name in _SEQUENTIAL and bv is not None and bv < 64 and nw >= 4 and ns == 1
 
 
@@ -145,8 +145,7 @@ def _tables(cu_tok, nh, BT, device):
 
 def _bq(BT: int, nh: int) -> int:
     """Token-tile rows: the tokens whose last sub-step lies in a chunk (~BT/nh), at least 32 (16-row tiles crashed an
-    H100 with illegal addresses at nh = 4, a Hopper code-generation fault; BENCH.md "n_h = 4 on Hopper"). The extra
-    rows are masked."""
+    H100 with illegal addresses at nh = 4, a Hopper code-generation fault). The extra rows are masked."""
     return max(32, next_pow2(cdiv(BT, nh)))
 
 

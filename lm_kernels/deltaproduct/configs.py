@@ -1,7 +1,7 @@
 """Launch configs of the DeltaProduct chunk kernels, shared by the kernel modules (autotune lists) and chunk.py.
 
 Compiled GPU runs launch each kernel at one fixed (meta, num_warps, num_stages) config, the fastest measured on an
-H100 at B8 T2048 H16 K128 V256 bf16 (lm_kernels/deltaproduct/BENCH.md gives the candidates and their timings); a
+H100 at B8 T2048 H16 K128 V256 bf16 (docs/performance.md gives the candidates and their timings); a
 one-entry autotune list compiles once and is never re-timed. The interpreter runs its own small config.
 """
 from __future__ import annotations

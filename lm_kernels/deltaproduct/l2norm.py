@@ -4,13 +4,13 @@
 
 The PyTorch form (`_common.l2norm`) runs as ~6 eager kernels forward and ~8 backward inside the op, which
 torch.compile treats as one opaque call: on an H100 they were ~100 ms of a 365 ms DeltaProduct-392M training step
-(lm_kernels/deltaproduct/BENCH.md, session 12). Here the forward reads x once (any strides over its three leading
+(H100, docs/performance.md). Here the forward reads x once (any strides over its three leading
 dims: q and k arrive as views of the fused projection) and writes y contiguous plus one float32 factor per row;
 the backward reads y, that factor and dy once:
     r = (sum(x^2) + eps)^-1/2,  y = r x,  dx = r (dy - y sum(y dy))
 Saving y rather than x costs no memory of its own: the DeltaProduct op saves y (its q and k) anyway, while x, the
 short conv's output, would be kept alive only for this backward (3072 B per token per layer of DeltaProduct-392M,
-~4.8 GB at micro-batch 16; lm/train/BENCH.md).
+~4.8 GB at micro-batch 16; docs/performance.md).
 """
 from __future__ import annotations
 

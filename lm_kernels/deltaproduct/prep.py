@@ -159,7 +159,7 @@ def _w_aqk(q, k, beta, gc, Tm, w, aqk, i_c, i_h, ph, nt, scale, NH: tl.constexpr
            PREC: tl.constexpr):
     """W and (INTRA, unless W_ONLY) Aqk of one chunk: the row pointers at the chunk's first row (q at its first token),
     i_c the chunk's global index (aqk is [chunks, H, BQ, BT]), nt rows (<= BT), ph the sub-step of the first row. INTRA
-    folds beta and the decay into T's columns, else into the K rows (the faster form of each, BENCH.md session 2), with
+    folds beta and the decay into T's columns, else into the K rows (the faster form of each on an H100), with
     or without W_ONLY: W's rounding follows the form."""
     o_t = tl.arange(0, BT)
     m_t = o_t < nt

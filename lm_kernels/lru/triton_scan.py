@@ -16,7 +16,7 @@ output h (so in x's dtype).
 Inside a program every step is a batched m x m mat-vec on a (BN, MP, MP) register tile (MP = next power
 of two >= m, masked); loads of step t+1 are issued before step t is computed. A is read through its
 strides, so an expanded (stride-0) A is never copied. Accumulation in ACC (float32, or float64 for
-float64 inputs). Each kernel runs under TRITON_INTERPRET=1 on CPU. Measured on an H100: BENCH.md.
+float64 inputs). Each kernel runs under TRITON_INTERPRET=1 on CPU. Measured on an H100: docs/performance.md.
 """
 from __future__ import annotations
 

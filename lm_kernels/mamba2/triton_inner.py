@@ -11,7 +11,7 @@ projection (the kernels take row strides).
 The implicit models' injection enters as `add`, one tensor of the projection's shape (the same for all layers):
 the conv adds its xBC columns on load, the gated norm its z columns, and its dt columns are added to dt here (a
 (b, t, H) tensor). Its gradient is the projection's, dzxbcdt, whole: autograd sums the layers' contiguous gradients
-(three per layer, strided, when the injection was three column blocks: lm/train/BENCH.md session 20). conv_state /
+(three per layer, strided, when the injection was three column blocks: docs/performance.md). conv_state /
 initial_state: the caches' states in, with gradients; the new conv state and the final SSD state out (the final
 state only with return_final_state), with gradients.
 When no gradient is needed the forward runs outside autograd and nothing is saved (the fixed-point iterations).

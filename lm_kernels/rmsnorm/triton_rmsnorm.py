@@ -9,7 +9,7 @@ group (grid: (row chunks, groups)) and walks it BR rows at a time: it reads x, z
 and keeps the weight gradient's sum over its rows in registers, stored once as a float32 partial (row chunk, group's
 channels). Each step's rows are loaded during the step before, so that two steps' loads are in flight (at 2
 programs of 16 warps per SM, one step's alone left the pass latency-bound: 0.28 -> 0.245 ms per Mamba2-350M layer on
-an H100, lm/train/BENCH.md session 27). The caller sums the partials over the chunks: deterministic, no atomics.
+an H100). The caller sums the partials over the chunks: deterministic, no atomics.
 (Inductor's backward of the traced formula is two kernels: 0.47 ms per Mamba2-350M layer on an H100 at 16 x 2048
 tokens, bf16, where this pass's bytes take ~0.22 ms.)
 
@@ -533,7 +533,8 @@ def _norm_backward(ctx, dy, ds, _drstd):
     if ctx.r_dtype is None:  # no residual: the sum's output is an empty placeholder
         ds = None
     # the residual's gradient of its own only where it differs from the sum's: another dtype, or a scaled residual
-    own = ctx.r_dtype is not None and (need[1] or residual is not None) and (ctx.r_dtype != u.dtype or scale is not None)
+    own = (ctx.r_dtype is not None and (need[1] or residual is not None)
+           and (ctx.r_dtype != u.dtype or scale is not None))
     du, dr, dscale, dweight = torch.ops.lm.rms_norm_bwd(dy, ds, u, weight, rstd, residual, scale,
                                                         ctx.r_dtype if own else None)
     dx = du if ctx.x_dtype == u.dtype else du.to(ctx.x_dtype)

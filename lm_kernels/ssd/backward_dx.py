@@ -20,7 +20,7 @@ def _dx_tile(dxi, csum, xld, Bl, C_base, cs_ptr, dy_base, dda_ptr, tok0, t0, cle
     cs_k = tl.load(cs_ptr + tok0 + rows_k, mask=kmask, other=0.0)
     # [l, m] = C_m . B_l as a product (float32, in the products' register layout, where the share tile M^T is
     # formed): loading the forward's C.B instead made the compiler build the decayed tile twice, once per layout
-    # (lm_kernels/ssd/PERF.md, session 29)
+    # (H100)
     Ck = tl.load(C_base + (t0 + rows_k[:, None]) * s_B_t + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
                  other=0.0).to(DOT_DT)
     cbT = tl.dot(Bl, tl.trans(Ck), input_precision=DOT_PREC)

@@ -160,7 +160,7 @@ def _fwd4_block(acc, cs_r, j, x_base, cb_base, cs_ptr, dtp_ptr, D_ptr, y_ptr, yp
     acc = acc * tl.where(mmask, tl.exp(cs_m - cs_r), 0.0)[:, None]
     causal = (rows[:, None] >= rows[None, :]) & mmask[None, :] & mmask[:, None]
     dec = tl.exp(tl.where(causal, cs_m[:, None] - cs_m[None, :], float("-inf")))
-    # (the causal mask on the load: a row mask alone vectorises it but was slower on the H100, PERF.md session 7)
+    # (the causal mask on the load: a row mask alone vectorises it but was slower on the H100)
     cb = tl.load(cb_base + rows[:, None] * L + rows[None, :], mask=causal, other=0.0).to(tl.float32)
     cb = cb * dec * dt_m[None, :]
     acc = tl.dot(cb.to(DOT_DT), xm.to(DOT_DT), acc, input_precision=DOT_PREC)

@@ -4,7 +4,7 @@ autotuner's chosen config kept per call shape), and the Plan of a call (shapes, 
 Autotuning runs on the GPU only; under the interpreter or with LM_SSD_AUTOTUNE=0 (read at import) every kernel
 launches the first config of its list (saves compile time, e.g. in tests). The autotuners keep their choices on
 disk (lm_kernels.autotune; LM_TRITON_AUTOTUNE_CACHE=0 turns that off). Why each list holds what it holds, with
-the timings: lm_kernels/ssd/PERF.md.
+the timings: docs/performance.md.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _prune_fwd2(configs, named_args, **kwargs):
 _dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(dtcb_fwd_kernel)
 # 32-row p blocks: more programs for long sequences. The state walks and dcb_bwd also get a 4-warp config capped at
 # 128 registers (4 programs per SM instead of 3 (state, dstate) or 2 (dcb); no spills in the state walks, 12 bytes in
-# dcb_bwd on sm_90): the Mamba2-350M step's tuner picks them (PERF.md, session 26)
+# dcb_bwd on sm_90): the Mamba2-350M step's tuner picks them (H100)
 _CAP128 = dict(num_warps=4, num_stages=2, maxnreg=128)
 _state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2)
                     for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))] + [triton.Config(dict(BP=64), **_CAP128)],
@@ -65,7 +65,7 @@ _scan_fwd2 = autotune(
     key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_fwd2})(chunk_scan_fwd2_kernel)
 # first: capped at 168 registers (3 programs per SM instead of 2; the config without autotuning); with the gate z
 # (HAS_Z) the cap spills more and the autotuner picks between capped and uncapped. Capped at 128: 4 programs per SM
-# with 16 bytes of spills (triton 3.6); the Mamba2-350M step's tuner takes it (0.223 -> 0.216 ms per call, PERF.md)
+# with 16 bytes of spills (triton 3.6); the Mamba2-350M step's tuner takes it (0.223 -> 0.216 ms per call, H100)
 _scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=168),
                    triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=128)] + [
     triton.Config(dict(BP=bp), num_warps=w, num_stages=1)

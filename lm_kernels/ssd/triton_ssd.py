@@ -10,7 +10,7 @@ Backward: [gate_bwd] -> dstate_bwd (reverse pass of dLoss/dstate) -> dcb_bwd (pe
           -> dbdc_bwd (dB, dC, the state part of d(dt*A)) -> dt_bwd (ddt, dA, ddt_bias).
 The backward puts dcb_bwd beside dstate_bwd and dbdc_bwd beside dx_bwd on a second stream (each pair independent;
 the reverse state pass is bound by its chunk chain and leaves the GPU room): -1.6 ms per Mamba2-350M step on an H100
-(lm/train/BENCH.md, session 32).
+(docs/performance.md).
 When no gradient is needed (torch.is_grad_enabled() False or no input requires grad) the forward runs outside
 autograd: nothing is saved and the pre-gate output is not stored. With grad, the backward reads the inputs and the
 forward's dt / cumsum, chunk start states, pre-gate output (with z) and the chunk table (packed documents).
