@@ -200,6 +200,7 @@ def test_implicit_injection_one_projection_per_kind():
         assert torch.equal(seen[kind], inj[..., lo:hi])
 
 
+@pytest.mark.slow  # (30 training steps)
 def test_implicit_duality_where_the_solve_converges():
     """Paper 003's duality over the whole hybrid stack. A random tiny model's map is not contractive (its solve
     stalls), so the model first trains 30 implicit steps (bounded solves with a tolerance and 2 phantom steps), which

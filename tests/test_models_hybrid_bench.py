@@ -56,6 +56,7 @@ def test_bench_train_hybrid_beside_the_pure_stacks(tmp_path):
                                                                                * mix)
 
 
+@pytest.mark.slow
 def test_bench_generate_hybrid_and_static_cache_llama(tmp_path):
     out = tmp_path / "gen.json"
     _lm_bench(["generate", "--quick", "--models", "hybrid,hf_llama,hf_llama_static", "--out", str(out)], tmp_path)

@@ -14,7 +14,7 @@ from model_checks import loss_and_grads
 from test_models_hybrid import IMPLICIT, V, hybrid
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.usefixtures("fast_interpreter")
+pytestmark = [pytest.mark.usefixtures("fast_interpreter"), pytest.mark.slow]  # the Triton interpreter under dynamo
 
 
 @pytest.fixture

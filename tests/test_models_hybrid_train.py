@@ -46,6 +46,7 @@ def _cfg(run_dir, data, **over):
     return config_from_dict(tree)
 
 
+@pytest.mark.slow  # (three training runs and lm-eval)
 def test_implicit_hybrid_trains_with_curriculum_resumes_and_exports(tmp_path, corpus, eval_corpus):  # noqa: F811
     full = tmp_path / "full"
     train(_cfg(full, corpus, checkpoint={"every_steps": 3, "export": True}))
