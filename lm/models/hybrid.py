@@ -51,6 +51,8 @@ from .modeling import Block, LMForCausalLM, LMModel, Mixer
 
 @dataclass(frozen=True)
 class Kind:
+    """A layer kind: its pattern letter and its family's config and mixer classes."""
+
     letter: str
     config_class: type[LMConfig]
     mixer_class: type[Mixer]
@@ -91,7 +93,7 @@ def parse_pattern(pattern) -> list[str]:
                              f"({letters}) or a list of kind names")
         return [LETTERS[c] for c in pattern]
     if isinstance(pattern, (list, tuple)) and pattern:
-        bad = [p for p in pattern if p not in KINDS]
+        bad = [p for p in pattern if not isinstance(p, str) or p not in KINDS]
         if bad:
             raise ValueError(f"layer_pattern: unknown kind(s) {sorted(set(map(str, bad)))}; a list names each "
                              f"layer's kind, one of {list(KINDS)}")
@@ -187,8 +189,7 @@ class HybridBlock(Block):
     """A pure family's block (its config, mixer and MLP) that picks its kind's shared inputs and injection columns
     from the hybrid stack's."""
 
-    def __init__(self, config: LMHybridConfig, layer_idx: int, kind: str, family: LMConfig,
-                 inj_cols: tuple[int, int], inj_width: int):
+    def __init__(self, layer_idx: int, kind: str, family: LMConfig, inj_cols: tuple[int, int], inj_width: int):
         super().__init__(family, layer_idx, KINDS[kind].mixer_class)
         self.kind = kind
         self.mixer.family_config = family  # (Mixer.family_config: what its init_weights reads)
@@ -209,7 +210,7 @@ class LMHybridModel(LMModel):
         families = {kind: config.kind_config(kind) for kind in config.kinds}
         cols = config.injection_columns()
         width = max(hi for _, hi in cols.values())
-        return [HybridBlock(config, i, kind, families[kind], cols[kind], width)
+        return [HybridBlock(i, kind, families[kind], cols[kind], width)
                 for i, kind in enumerate(config.layer_kinds)]
 
     def injection_width(self, config: LMHybridConfig) -> int:
