@@ -36,6 +36,12 @@ whose output columns are the kinds' widths side by side (in the order the kinds 
 product per forward; each layer reads its kind's columns. A pattern of one kind has that family's injection
 (the same parameter names and shape). Each kind's shared inputs (Mixer.shared_inputs: rotary tables, packed-document
 tables, ...) are made once per forward and each layer receives only its own kind's.
+
+Presets (lm/configs/models): lm_hybrid-mamba2-350m / -1.3b (35 Mamba2 + 7 attention layers, "MMMMM*" x 7, at
+lm_mamba2's and lm_llama's widths), lm_hybrid-gdp-400m (Gated DeltaProduct + attention 3:1, "DDD*" x 6, fla's hybrid
+layout), lm_hybrid-tiny and lm_hybrid-mamba2-tiny (tests). Each is explicit; its implicit variant is the same preset
+with solver settings: load_config(name, implicit={...}), model.implicit or a curriculum in a training recipe
+(lm/configs/train/*hybrid*.yaml train the implicit variants; curriculum=null the explicit ones).
 """
 from __future__ import annotations
 
