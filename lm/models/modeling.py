@@ -9,7 +9,8 @@
                with a cache, which is how `generate()` runs.
 
 A family file (llama.py, mamba2.py, ...) defines its config, its mixer, and three thin subclasses of
-the classes below that name them.
+the classes below that name them. A hybrid stack (hybrid.py) builds each layer from its own family
+(LMModel.make_blocks), with one injection projection and one set of shared inputs per mixer kind.
 """
 from __future__ import annotations
 
