@@ -1,12 +1,12 @@
 """`lm selftest`: does this installation work? Every family through what users do with it, on tiny models.
 
-Per family (explicit Mamba2, Llama, DeltaProduct, FP-Mamba, LRU, and implicit Mamba2): forward + backward (finite
-loss and gradients), greedy `generate` (explicit models: the generated tokens equal the argmax of one full forward),
-`save_pretrained` / `from_pretrained` (equal logits); then one training step through the trainer on a small prepared
-corpus (written here, default tokenizer) with its Hugging Face export, and lm-eval's HFLM on a local task built
-from that corpus. Prints the versions of the dependencies and one line per check as it finishes; a check whose
-optional dependency is not installed (lm-eval: the `eval` extra) is listed as skipped with the command that installs
-it. Exits 1 if any check failed.
+Per family (explicit Mamba2, Llama, DeltaProduct, FP-Mamba, LRU, a Mamba2 + DeltaProduct + attention hybrid, and
+implicit Mamba2): forward + backward (finite loss and gradients), greedy `generate` (explicit models: the generated
+tokens equal the argmax of one full forward), `save_pretrained` / `from_pretrained` (equal logits); then one
+training step through the trainer on a small prepared corpus (written here, default tokenizer) with its Hugging Face
+export, and lm-eval's HFLM on a local task built from that corpus. Prints the versions of the dependencies and one
+line per check as it finishes; a check whose optional dependency is not installed (lm-eval: the `eval` extra) is
+listed as skipped with the command that installs it. Exits 1 if any check failed.
 `scripts/check_latest.sh` runs it in a fresh environment with the newest release of every dependency.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ FAMILIES = [  # (name, preset, implicit settings)
     ("deltaproduct", "lm_deltaproduct-tiny", None),
     ("fp_mamba", "lm_fp_mamba-tiny", None),
     ("lru", "lm_lru-tiny", None),
+    ("hybrid", "lm_hybrid-tiny", None),
     ("mamba2-implicit", "lm_mamba2-tiny", {"max_iter": 3, "phantom_steps": 1}),
 ]
 

@@ -28,6 +28,8 @@ CASES = {
     "mamba2-350m-implicit-4+1": ("lm_mamba2-350m", {}, {"max_iter": 4, "phantom_steps": 1}, 8),
     "llama-1.3b-explicit": ("lm_llama-1.3b", {}, None, 4),
     "llama-1.3b-implicit-4+1": ("lm_llama-1.3b", {}, {"max_iter": 4, "phantom_steps": 1}, 4),
+    # the Mamba2 + attention hybrid, implicit: its losses on N GPUs against 1 GPU (issue 59)
+    "hybrid-350m-implicit-4+1": ("lm_hybrid-mamba2-350m", {}, {"max_iter": 4, "phantom_steps": 1}, 8),
 }
 # --dry-run: the same families, tiny
 TINY = {
@@ -41,6 +43,13 @@ TINY = {
     "llama-tiny-implicit-4+1": ("lm_llama-tiny", {"hidden_size": 32, "num_hidden_layers": 2,
                                                   "num_attention_heads": 2, "intermediate_size": 64},
                                 {"max_iter": 4, "phantom_steps": 1}, 2),
+    "hybrid-tiny-implicit-4+1": ("lm_hybrid-tiny", {"hidden_size": 32, "layer_pattern": "M*D",
+                                                    "attention": {"num_attention_heads": 2},
+                                                    "mamba2": {"d_state": 8, "headdim": 16, "chunk_size": 16},
+                                                    "deltaproduct": {"num_heads": 2, "chunk_size": 16,
+                                                                     "use_forget_gate": True},
+                                                    "intermediate_size": 64},
+                                 {"max_iter": 4, "phantom_steps": 1}, 2),
 }
 
 

@@ -11,7 +11,7 @@
 #   bash scripts/gpu_scaling.sh --parallel --plain-ref   # runs side by side on free GPUs; + 1-GPU plain-engine runs
 #   bash scripts/gpu_scaling.sh --dry-run           # CPU: tiny presets at 1 and 2 ranks (gloo), fp32
 #
-# Environment: OUT [/tmp/gpu_scaling_out]  GPUS [1,2,4,8 up to the visible count]  CASES [all four]
+# Environment: OUT [/tmp/gpu_scaling_out]  GPUS [1,2,4,8 up to the visible count]  CASES [all]
 #   STEPS [16]  WARMUP [4] (steps left out of tokens/s)  COMPILE [on]  RUN_TIMEOUT [900] (seconds per run)
 #   MICRO [each case's own] (micro-batch per GPU)
 # Carry .gpu (scripts ../shared/tools/gpu-carry.sh .gpu): its wheels (deepspeed, ...) are installed into

@@ -187,8 +187,10 @@ def test_bad_fla_input_is_refused_and_nothing_written(tmp_path):
     _refused(tmp_path, conv.from_fla, src, "model_type: 'gated_deltanet'")
     write(num_heads=3)
     _refused(tmp_path, conv.from_fla, src, r"attn.q_proj.weight has shape \(32, 48\), the config implies \(48, 48\)")
-    write(attn={"layers": [1], "num_heads": 2})
-    _refused(tmp_path, conv.from_fla, src, "^attn: ")
+    write(attn=[{"layers": [0], "num_heads": 2}, {"layers": [1], "num_heads": 4}])  # one setting per kind
+    _refused(tmp_path, conv.from_fla, src, "^attn: the specs give different")
+    write(attn={"layers": [1], "num_heads": 2, "qk_norm": True})
+    _refused(tmp_path, conv.from_fla, src, r"^attn: field\(s\) \['qk_norm'\]")
     write(attnres_block_size=2)
     _refused(tmp_path, conv.from_fla, src, "attnres_block_size")
     write(hidden_act="powlu")

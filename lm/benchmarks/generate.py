@@ -1,12 +1,14 @@
 """Generation speed: prefill ms and decode ms/token of lm models beside transformers' eager Llama, same process.
 
-    lm bench generate [--models llama,mamba2,deltaproduct,implicit_mamba2,hf_llama] [--batch 1,16,64]
+    lm bench generate [--models llama,mamba2,deltaproduct,hybrid,implicit_mamba2,hf_llama] [--batch 1,16,64]
                       [--prompt 512,2048] [--new-tokens 256] [--decode auto] [--out bench_generate.json]
     lm bench generate --quick          # CPU: tiny presets, static-cache decode (tests the script)
 
-Models (random weights, bf16 on CUDA): lm_llama-350m, lm_mamba2-350m, lm_deltaproduct-392m-nh2, implicit
-lm_mamba2-350m (eval cap 8 iterations, tol 0.05: the issue's setting), and transformers' LlamaForCausalLM
-with lm_llama-350m's dims (eager attention, its default cache). For each batch size B and prompt length:
+Models (random weights, bf16 on CUDA): lm_llama-350m, lm_mamba2-350m, lm_deltaproduct-392m-nh2, the Mamba2 +
+attention hybrid lm_hybrid-mamba2-350m, implicit lm_mamba2-350m (eval cap 8 iterations, tol 0.05: the issue's
+setting), and transformers' LlamaForCausalLM with lm_llama-350m's dims: hf_llama with eager attention and its default
+(dynamic) cache, hf_llama_static with SDPA and its static cache (generate's cache_implementation="static"). For each
+batch size B and prompt length:
 
 - prefill_ms: one forward over the prompt that fills a fresh cache (implicit: the parallel prefill, a
   simultaneous solve plus the committing pass), median of 3 after a warm-up;
@@ -38,11 +40,14 @@ MODELS = {
     "llama": ("lm_llama-350m", None),
     "mamba2": ("lm_mamba2-350m", None),
     "deltaproduct": ("lm_deltaproduct-392m-nh2", None),
+    "hybrid": ("lm_hybrid-mamba2-350m", None),
     "implicit_mamba2": ("lm_mamba2-350m", dict(max_iter=2, eval_factor=4.0, tol=0.05)),
     "hf_llama": ("lm_llama-350m", "hf"),
+    "hf_llama_static": ("lm_llama-350m", "hf_static"),
 }
+HF = ("hf_llama", "hf_llama_static")  # transformers' models (the ratios' references)
 QUICK = {"lm_llama-350m": "lm_llama-tiny", "lm_mamba2-350m": "lm_mamba2-tiny",
-         "lm_deltaproduct-392m-nh2": "lm_deltaproduct-tiny"}
+         "lm_deltaproduct-392m-nh2": "lm_deltaproduct-tiny", "lm_hybrid-mamba2-350m": "lm_hybrid-mamba2-tiny"}
 
 
 def build(name: str, quick: bool, device, dtype):
@@ -53,7 +58,7 @@ def build(name: str, quick: bool, device, dtype):
     preset, extra = MODELS[name]
     if quick:
         preset = QUICK[preset]
-    if extra == "hf":
+    if extra in ("hf", "hf_static"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         ours = load_config(preset)
@@ -61,7 +66,8 @@ def build(name: str, quick: bool, device, dtype):
                           num_hidden_layers=ours.num_hidden_layers, num_attention_heads=ours.num_attention_heads,
                           num_key_value_heads=ours.num_key_value_heads, intermediate_size=ours.intermediate_size,
                           rope_theta=ours.rope_theta, max_position_embeddings=8192, tie_word_embeddings=True,
-                          rms_norm_eps=ours.rms_norm_eps, attn_implementation="eager")
+                          rms_norm_eps=ours.rms_norm_eps,
+                          attn_implementation="eager" if extra == "hf" else "sdpa")
         model = LlamaForCausalLM(cfg)
     else:
         model = AutoModelForCausalLM.from_config(load_config(preset, implicit=extra))
@@ -89,7 +95,7 @@ def median_ms(fn, sync) -> float:
 def measure(model, name, batch, prompt_len, new_tokens, decode, eager_tokens, sync, device) -> dict:
     from lm.models import LMCache
 
-    ours = name != "hf_llama"
+    ours = name not in HF
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (batch, prompt_len), device=device)
     mask = torch.ones_like(ids)
@@ -112,7 +118,7 @@ def measure(model, name, batch, prompt_len, new_tokens, decode, eager_tokens, sy
         row["eval_max_iter"] = model.config.implicit.eval_max_iter
 
     def generate(n, mode):
-        kw = dict(decode=mode) if ours else {}
+        kw = dict(decode=mode) if ours else dict(cache_implementation="static") if name == "hf_llama_static" else {}
         with torch.no_grad():
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                   pad_token_id=0, eos_token_id=None, **kw)
@@ -181,10 +187,10 @@ def main(argv=None) -> int:
     for name in names:
         torch.manual_seed(0)
         model = build(name, args.quick, device, dtype)
-        implicit = MODELS[name][1] not in (None, "hf")
+        implicit = MODELS[name][1] not in (None, "hf", "hf_static")
         for prompt_len in (imp_p if implicit else prompts):
             for b in (imp_b if implicit else batches):
-                et = eager_tokens if (b == batches[0] and prompt_len == prompts[0] and name != "hf_llama") else 0
+                et = eager_tokens if (b == batches[0] and prompt_len == prompts[0] and name not in HF) else 0
                 row = measure(model, name, b, prompt_len, new_tokens, decode, et, sync, device)
                 rows.append(row)
                 print(f"{name:16s} {b:3d} {prompt_len:6d} {row['prefill_ms']:11.2f} {row['decode_ms_per_token']:14.3f}"
@@ -194,16 +200,18 @@ def main(argv=None) -> int:
         del model
         if cuda:
             torch.cuda.empty_cache()
-    hf = {(r["batch"], r["prompt"]): r["decode_ms_per_token"] for r in rows if r["model"] == "hf_llama"}
-    for r in rows:
-        ref = hf.get((r["batch"], r["prompt"]))
-        if ref and r["model"] != "hf_llama":
-            r["decode_vs_hf_llama"] = r["decode_ms_per_token"] / ref
-    if hf:
-        print("decode time / transformers Llama's (same B, prompt):")
+    for ref_name in HF:
+        hf = {(r["batch"], r["prompt"]): r["decode_ms_per_token"] for r in rows if r["model"] == ref_name}
         for r in rows:
-            if "decode_vs_hf_llama" in r:
-                print(f"  {r['model']:16s} B{r['batch']:<3d} prompt {r['prompt']:<5d} {r['decode_vs_hf_llama']:.3f}x")
+            ref = hf.get((r["batch"], r["prompt"]))
+            if ref and r["model"] not in HF:
+                r[f"decode_vs_{ref_name}"] = r["decode_ms_per_token"] / ref
+        if hf:
+            print(f"decode time / transformers Llama's ({ref_name}; same B, prompt):")
+            for r in rows:
+                if f"decode_vs_{ref_name}" in r:
+                    print(f"  {r['model']:16s} B{r['batch']:<3d} prompt {r['prompt']:<5d} "
+                          f"{r[f'decode_vs_{ref_name}']:.3f}x")
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).replace("torch.", ""),
            "torch": torch.__version__, "transformers": transformers.__version__, "decode": decode, "rows": rows}
     if args.out:

@@ -4,7 +4,12 @@
 step-time ratio. The current figures and their commands: docs/performance.md.
 
     lm bench train --out bench_train.json                      # H100: 350M Mamba2 + Llama
+    lm bench train --cases mamba2-explicit,llama-explicit,hybrid-explicit     # the Mamba2 + attention hybrid
     lm bench train --size tiny --seq-len 64 --micro 2 --steps 3 --warmup 1   # CPU smoke
+
+Hybrid cases (lm_hybrid-mamba2-{size}) run beside the pure stacks of their layer kinds: where a run has the hybrid
+and, for each of its kinds, the pure case (same implicit setting and compile mode), the summary adds the layer-weighted
+mix of the pure stacks' per-layer times (`layer_weighted_mix`) and the hybrid's tokens/s over the mix's.
 
 Each case runs in its own process (`--case NAME`) on synthetic tokens (a random walk over the
 vocabulary; the data path costs nothing), `--warmup` steps are dropped (Triton compilation,
@@ -29,12 +34,53 @@ CASES = {  # name -> (preset, "{size}" filled from --size; implicit settings or 
     "mamba2-implicit-4+1": ("lm_mamba2-{size}", {"max_iter": 4, "phantom_steps": 1}),
     "llama-explicit": ("lm_llama-{size}", None),
     "llama-implicit-4+1": ("lm_llama-{size}", {"max_iter": 4, "phantom_steps": 1}),
+    # Mamba2 + attention (about 1 attention layer in 6), the layers of the two stacks above at the same width
+    "hybrid-explicit": ("lm_hybrid-mamba2-{size}", None),
+    "hybrid-implicit-4+1": ("lm_hybrid-mamba2-{size}", {"max_iter": 4, "phantom_steps": 1}),
     # the other families at their papers' sizes (not in the default --cases)
     "deltaproduct-392m-nh2": ("lm_deltaproduct-392m-nh2", None),
     "deltaproduct-392m-nh2-gated": ("lm_deltaproduct-392m-nh2-gated", None),
     "fp_mamba-200m": ("lm_fp_mamba-200m", None),
 }
 DEFAULT_CASES = "mamba2-explicit,mamba2-implicit-4+1,llama-explicit,llama-implicit-4+1"
+# the layer kind of a hybrid whose layers are a pure model type's
+PURE_KIND = {"lm_llama": "attention", "lm_mamba2": "mamba2", "lm_deltaproduct": "deltaproduct"}
+
+
+def layer_weighted_mix(layer_kinds: list[str], pure: dict[str, tuple[int, float]]) -> float:
+    """The time per token a hybrid of these layers would take at its pure stacks' per-layer speed: the sum over its
+    layers of (pure stack's time per token / its layer count) of the layer's kind. `pure`: kind -> (the pure stack's
+    layer count, its time per token). Each pure time includes its embedding, LM head and loss, so the mix counts
+    those sum(n_kind / L_kind) times (Mamba2-350M + Llama-350M for the 35 + 7 layer hybrid: 35/48 + 7/24 = 1.02)."""
+    missing = sorted(set(layer_kinds) - set(pure))
+    if missing:
+        raise ValueError(f"layer_weighted_mix: no pure stack timed for the layer kind(s) {missing}")
+    return sum(pure[k][1] / pure[k][0] for k in layer_kinds)
+
+
+def hybrid_mix_ratios(results: list[dict]) -> dict[str, float]:
+    """For each hybrid result with every kind's pure result (same implicit settings and compile mode) in `results`:
+    the hybrid's tokens/s over the layer-weighted mix's (`layer_weighted_mix`), and the mix's tokens/s."""
+    from lm.models.presets import load_config
+
+    out = {}
+    ok = [r for r in results if "error" not in r]
+    for h in ok:
+        cfg = load_config(h["preset"], implicit=h["implicit"], **h.get("overrides", {}))
+        if cfg.model_type != "lm_hybrid":
+            continue
+        pure = {}
+        for r in ok:
+            pc = load_config(r["preset"], implicit=r["implicit"], **r.get("overrides", {}))
+            kind = PURE_KIND.get(pc.model_type)
+            if kind and r["implicit"] == h["implicit"] and r["compile"] == h["compile"]:
+                pure[kind] = (pc.num_hidden_layers, r["step_time_s"] / r["tokens_per_step"])
+        if not set(cfg.layer_kinds) <= set(pure):
+            continue
+        mix = layer_weighted_mix(cfg.layer_kinds, pure)
+        out[f"{h['case']}_mix_tokens_per_s"] = 1.0 / mix
+        out[f"{h['case']}_over_layer_mix"] = h["tokens_per_s"] * mix
+    return out
 
 
 def _overrides(args) -> dict:
@@ -430,11 +476,12 @@ def main() -> int:
             Path(args.out).write_text(json.dumps({"results": results, "ratios": {}}, indent=1))
     by = {r["case"]: r for r in results if "error" not in r}
     ratios = {}
-    for fam, sfx in [(f, s) for f in ("mamba2", "llama") for s in ("", "+compile")]:
+    for fam, sfx in [(f, s) for f in ("mamba2", "llama", "hybrid") for s in ("", "+compile")]:
         e, i = by.get(f"{fam}-explicit{sfx}"), by.get(f"{fam}-implicit-4+1{sfx}")
         if e and i:
             ratios[f"{fam}{sfx}_implicit_over_explicit_step_time"] = (
                 i["step_time_s"] / i["tokens_per_step"]) / (e["step_time_s"] / e["tokens_per_step"])
+    ratios.update(hybrid_mix_ratios(results))
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}")
     if args.out:

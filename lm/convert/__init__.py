@@ -1,6 +1,6 @@
 """`lm convert --from FORMAT SRC --output DIR` / `lm convert --to FORMAT SRC --output DIR`: checkpoints of
-other projects in and out. Formats: fla (flash-linear-attention's gated_deltaproduct <-> lm_deltaproduct,
-lm/convert/fla.py)."""
+other projects in and out. Formats: fla (flash-linear-attention's gated_deltaproduct <-> lm_deltaproduct, and its
+hybrids with attention layers <-> lm_hybrid; lm/convert/fla.py)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     way = ap.add_mutually_exclusive_group(required=True)
     way.add_argument("--from", dest="src_format", choices=FORMATS,
-                     help="SRC is a checkpoint of this format (fla: a gated_deltaproduct folder); write an lm folder")
+                     help="SRC is a checkpoint of this format (fla: a gated_deltaproduct folder, with or without "
+                          "attention layers); write an lm folder")
     way.add_argument("--to", dest="dst_format", choices=FORMATS,
                      help="SRC is an lm folder, run or checkpoint folder; write this format")
     ap.add_argument("src", help="the folder to convert")
@@ -30,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"lm convert: {e}", file=sys.stderr)
         return 2
-    kind = "lm_deltaproduct" if args.src_format else "fla gated_deltaproduct"
+    if args.src_format:
+        import json
+
+        kind = json.loads((out / "config.json").read_text())["model_type"]
+    else:
+        kind = "fla gated_deltaproduct"
     print(f"wrote {kind} model to {out}")
     if dropped:
         print(f"dropped fields that steer only kernels, losses or initialisation: {', '.join(dropped)}")

@@ -1,6 +1,6 @@
 """Model types, registered with transformers' Auto classes on import.
 
-    lm_llama, lm_mamba2, lm_deltaproduct, lm_fp_mamba, lm_lru.
+    lm_llama, lm_mamba2, lm_deltaproduct, lm_fp_mamba, lm_lru, and lm_hybrid (layers of several of them).
 Each family file defines `<Family>Config`, its mixer, `<Family>Model` and `<Family>ForCausalLM`.
 """
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -9,6 +9,7 @@ from .cache import LMCache
 from .config import ImplicitSettings, LMConfig
 from .deltaproduct import LMDeltaProductConfig, LMDeltaProductForCausalLM, LMDeltaProductModel
 from .fp_mamba import LMFPMambaConfig, LMFPMambaForCausalLM, LMFPMambaModel
+from .hybrid import LMHybridConfig, LMHybridForCausalLM, LMHybridModel
 from .llama import LMLlamaConfig, LMLlamaForCausalLM, LMLlamaModel
 from .lru import LMLRUConfig, LMLRUForCausalLM, LMLRUModel
 from .mamba2 import LMMamba2Config, LMMamba2ForCausalLM, LMMamba2Model
@@ -30,12 +31,14 @@ register(LMMamba2Config, LMMamba2Model, LMMamba2ForCausalLM)
 register(LMDeltaProductConfig, LMDeltaProductModel, LMDeltaProductForCausalLM)
 register(LMFPMambaConfig, LMFPMambaModel, LMFPMambaForCausalLM)
 register(LMLRUConfig, LMLRUModel, LMLRUForCausalLM)
+register(LMHybridConfig, LMHybridModel, LMHybridForCausalLM)
 
 __all__ = [
     "ImplicitSettings", "LMCache", "LMConfig", "LMForCausalLM", "LMModel", "LMOutput", "Mixer", "MODEL_TYPES",
     "register",
     "LMDeltaProductConfig", "LMDeltaProductForCausalLM", "LMDeltaProductModel",
     "LMFPMambaConfig", "LMFPMambaForCausalLM", "LMFPMambaModel",
+    "LMHybridConfig", "LMHybridForCausalLM", "LMHybridModel",
     "LMLlamaConfig", "LMLlamaForCausalLM", "LMLlamaModel",
     "LMLRUConfig", "LMLRUForCausalLM", "LMLRUModel",
     "LMMamba2Config", "LMMamba2ForCausalLM", "LMMamba2Model",

@@ -67,7 +67,7 @@ class LMCache:
         self.static = False
         self.position: torch.Tensor | None = None  # (1,) long: position of the first new token
         self.capacity = 0  # K/V slots
-        self._step_tensors = None  # (positions, {dtype: attention mask}) of the current step, see begin_step
+        self._step_tensors = None  # (positions, {(dtype, window): attention mask}) of the current step, see begin_step
 
     @classmethod
     def static_like(cls, layers: dict, capacity: int, device, padded: bool = False) -> "LMCache":
@@ -150,11 +150,11 @@ class LMCache:
             return self.layers[layer_idx].get(key)
         return None
 
-    def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+    def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
         """Attention: append the new keys/values (b, h, t, d) after the cached ones. Returns (keys, values, mask):
-        all keys/values to attend to (b, h, s, d) and mask (t, s), additive in k's dtype (see `attention_mask`),
-        of what each new token sees, or None for the plain case (the cached s - t positions and the new ones
-        causally).
+        all keys/values to attend to (b, h, s, d) and mask (t, s), additive in k's dtype (see `attention_mask`; a
+        sliding `window` masks the keys behind it), of what each new token sees, or None for the plain case (the
+        cached s - t positions and the new ones causally: the caller applies its window there).
 
         Dynamic: concatenation, stored unless frozen. Static: written at slots position .. position + t - 1 of
         the (b, h, capacity, d) buffers, also while frozen (an implicit model's iterations rewrite the same
@@ -170,7 +170,7 @@ class LMCache:
         q_pos = self._step(k.shape[2], k.device)[0]
         bufs["k"].index_copy_(2, q_pos, k)
         bufs["v"].index_copy_(2, q_pos, v)
-        return bufs["k"], bufs["v"], self.attention_mask(k.shape[2], k.dtype, k.device)
+        return bufs["k"], bufs["v"], self.attention_mask(k.shape[2], k.dtype, k.device, window)
 
     def kv_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Static caches: attention's (b, h, capacity, d) K and V buffers, for a step that writes the new keys and
@@ -178,18 +178,22 @@ class LMCache:
         bufs = self.layers[layer_idx]
         return bufs["k"], bufs["v"]
 
-    def attention_mask(self, t: int, dtype, device) -> torch.Tensor:
+    def attention_mask(self, t: int, dtype, device, window: int | None = None) -> torch.Tensor:
         """Static caches: the (t, capacity) additive mask of this step in `dtype`: 0 where new token i (at position
-        `position` + i) sees slot j <= its position, -inf on the later (unwritten) slots; with pad buffers (b, 1, t,
-        capacity), -inf also on each row's pad slots. Made once per step and dtype: additive rather than bool, since
-        SDPA turns a bool mask into this one on every call (3 kernels per layer)."""
+        `position` + i) sees slot j <= its position, -inf on the later (unwritten) slots and, with a sliding window
+        w, on the slots j <= its position - w; with pad buffers (b, 1, t, capacity), -inf also on each row's pad
+        slots. Made once per step, dtype and window: additive rather than bool, since SDPA turns a bool mask into this
+        one on every call (3 kernels per layer)."""
         q_pos, masks = self._step(t, device)
-        mask = masks.get(dtype)
+        mask = masks.get((dtype, window))
         if mask is None:
-            seen = torch.arange(self.capacity, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            slots = torch.arange(self.capacity, device=device).unsqueeze(0)
+            seen = slots <= q_pos.unsqueeze(1)
+            if window is not None:
+                seen = seen & (slots > q_pos.unsqueeze(1) - window)
             if self.real is not None:  # (b, 1, t, capacity)
                 seen = (seen.unsqueeze(0) & self.real.unsqueeze(1)).unsqueeze(1)
-            mask = masks[dtype] = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
+            mask = masks[(dtype, window)] = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
                 ~seen, float("-inf"))
         return mask
 

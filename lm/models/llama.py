@@ -1,6 +1,12 @@
-"""Llama: causal self-attention (RoPE, SDPA, grouped KV heads) + SwiGLU, explicit or implicit.
+"""Llama: causal self-attention (RoPE, SDPA, grouped KV heads, optionally a sliding window) + SwiGLU, explicit or
+implicit.
 
 In the implicit model the injection is added to the fused Q, K, V projection (paper 003, sec. 3.2).
+
+Sliding window (`sliding_window` = w, None for full attention): each token sees itself and the w - 1 tokens before
+it (fla's `window_size` and Mistral's `sliding_window` mean the same). Training runs SDPA under a banded causal mask
+made once per forward (`causal_mask`; SDPA's masked kernels, not its flash path), packed documents the same band per
+document; generation keeps every key in the cache (dynamic or static) and masks the ones behind the window.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ class LMLlamaConfig(LMConfig):
         "rope_theta": 10000.0,
         "max_position_embeddings": 2048,
         "attention_bias": False,
+        "sliding_window": None,  # None = full causal attention; w = each token sees itself and the w - 1 before it
     }
 
     def __init__(self, **kwargs):
@@ -47,6 +54,19 @@ class LMLlamaConfig(LMConfig):
         self._check(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
                     "head_dim", "must be a positive even integer")
         self._check(self.rope_theta > 0, "rope_theta", "must be > 0")
+        self._check(self.sliding_window is None or (isinstance(self.sliding_window, int)
+                                                    and not isinstance(self.sliding_window, bool)
+                                                    and self.sliding_window > 0),
+                    "sliding_window", "must be None (full attention) or a positive integer")
+
+
+def causal_mask(t: int, s: int, window: int | None, device) -> torch.Tensor:
+    """(t, s) bool: which of s keys each of t new tokens sees, the new tokens being the last t of the s: key j is
+    seen by new token i (key index q = s - t + i) where j <= q and, with a sliding window w, j > q - w."""
+    q = torch.arange(s - t, s, device=device).unsqueeze(1)
+    j = torch.arange(s, device=device)
+    seen = j <= q
+    return seen if window is None else seen & (j > q - window)
 
 
 class Attention(Mixer):
@@ -60,6 +80,7 @@ class Attention(Mixer):
         self.n_kv = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
+        self.window = config.sliding_window
         self.qkv_proj = nn.Linear(config.hidden_size, self.injection_dim(config), bias=config.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
 
@@ -68,8 +89,11 @@ class Attention(Mixer):
         return (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
 
     def flops_per_token(self, seq_len: int) -> float:
-        # causal QK^T and AV: 2 matmuls of (t x d) average length t/2, 2 FLOPs per MAC
-        return 2 * 2 * self.n_heads * self.head_dim * seq_len / 2
+        # causal QK^T and AV: 2 matmuls of (t x d), 2 FLOPs per MAC, over the keys a token sees: t/2 on average,
+        # with a window w < t: (w (w + 1) / 2 + (t - w) w) / t
+        w = seq_len if self.window is None else min(self.window, seq_len)
+        keys = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len if self.window is not None else seq_len / 2
+        return 2 * 2 * self.n_heads * self.head_dim * keys
 
     def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None, cu_seqlens_cpu=None,
                       key_mask=None) -> dict:
@@ -78,14 +102,16 @@ class Attention(Mixer):
         varlen_causal_attention then reads nothing from the device). The document lookup (a searchsorted on the
         offsets) stays out of the compiled blocks: inductor (torch 2.11) cannot lower it on a slice of the offsets.
         With pads (positions (b, t), key_mask (b, s)): each row's tables (b, t, head_dim) and `attn_mask` (b, 1, t, s)
-        bool, causal over the real keys; each query also sees itself, so that a pad's query (which no real token
-        precedes in a left-padded row) has a key and its output stays finite."""
+        bool, causal (within the window) over the real keys; each query also sees itself, so that a pad's query
+        (which no real token precedes in a left-padded row) has a key and its output stays finite. A sliding window
+        without a cache or pads: its banded mask `attn_mask` (t, t), where t exceeds the window."""
         out = {}
         if key_mask is not None:
             s = key_mask.shape[1]
-            keys = torch.arange(s, device=device)
-            query = torch.arange(s - t, s, device=device).unsqueeze(1)  # each new token's index among the s
-            out["attn_mask"] = ((keys <= query) & key_mask.unsqueeze(1) | (keys == query)).unsqueeze(1)
+            itself = torch.arange(s - t, s, device=device).unsqueeze(1) == torch.arange(s, device=device)
+            out["attn_mask"] = (causal_mask(t, s, self.window, device) & key_mask.unsqueeze(1) | itself).unsqueeze(1)
+        elif self.window is not None and cu_seqlens is None and positions is None and t > self.window:
+            out["attn_mask"] = causal_mask(t, t, self.window, device)
         if cu_seqlens is not None and positions is None:
             doc, positions = document_and_position(t, cu_seqlens, device)
             out["packed"] = (doc, positions)
@@ -112,7 +138,7 @@ class Attention(Mixer):
             # with pads rotates each row at its own position: the general path below, which writes the same slot.)
             k, v = cache.kv_buffers(self.layer_idx)
             q = rope_kv_step(qkv, rope[0], rope[1], k, v, cache.position, self.n_heads, self.n_kv)
-            return self._attend(q, k, v, cache.attention_mask(t, q.dtype, x.device))
+            return self._attend(q, k, v, cache.attention_mask(t, q.dtype, x.device, self.window))
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         q = q.view(b, t, self.n_heads, hd).transpose(1, 2)
         k = k.view(b, t, self.n_kv, hd).transpose(1, 2)
@@ -135,14 +161,14 @@ class Attention(Mixer):
 
         mask = None
         if cache is not None:  # all cached keys/values with the new ones appended (a static cache: under a mask)
-            k, v, mask = cache.append_kv(self.layer_idx, k, v)
+            k, v, mask = cache.append_kv(self.layer_idx, k, v, self.window)
         if mask is None:
             mask = attn_mask
 
-        if cu_seqlens is None and mask is None and k.shape[2] != t:
-            # new tokens attend to all cached ones and causally among themselves
-            s = k.shape[2]
-            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
+        s = k.shape[2]
+        if cu_seqlens is None and mask is None and (s != t or (self.window is not None and s > self.window)):
+            # new tokens attend to the cached ones and causally among themselves (within the window)
+            mask = causal_mask(t, s, self.window, x.device)
         return self._attend(q, k, v, mask, cu_seqlens, pos if cu_seqlens is not None else None, max_seqlen, doc)
 
     def _attend(self, q, k, v, mask, cu_seqlens=None, pos=None, max_seqlen=None, doc=None):
@@ -154,7 +180,7 @@ class Attention(Mixer):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         if cu_seqlens is not None:
-            o = varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen, doc)
+            o = varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen, doc, self.window)
         elif mask is not None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -162,8 +188,10 @@ class Attention(Mixer):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * hd))
 
 
-def varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen: int | None = None, doc=None):
-    """Causal attention within each packed document: q, k, v (1, h, n, d), documents given by cu_seqlens,
+def varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen: int | None = None, doc=None,
+                            window: int | None = None):
+    """Causal attention within each packed document (within a sliding `window` if given): q, k, v (1, h, n, d),
+    documents given by cu_seqlens,
     pos (n,) each token's position inside its document, doc (n,) its document's index (looked up here if None: the
     model hands both in from outside its compiled blocks). The documents are padded into a (num_docs, h, max_len, d)
     batch and run through SDPA's causal path (flash kernels on GPU); memory is num_docs * max_len, not n^2.
@@ -188,7 +216,11 @@ def varlen_causal_attention(q, k, v, cu_seqlens, pos, max_seqlen: int | None = N
         out[doc, :, pos] = t[0].transpose(0, 1)
         return out
 
-    o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True)
+    if window is not None and max_len > window:
+        o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=causal_mask(max_len, max_len, window,
+                                                                                          q.device))
+    else:
+        o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True)
     return o[doc, :, pos].transpose(0, 1).unsqueeze(0)
 
 

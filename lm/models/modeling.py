@@ -9,7 +9,8 @@
                with a cache, which is how `generate()` runs.
 
 A family file (llama.py, mamba2.py, ...) defines its config, its mixer, and three thin subclasses of
-the classes below that name them.
+the classes below that name them. A hybrid stack (hybrid.py) builds each layer from its own family
+(LMModel.make_blocks), with one injection projection and one set of shared inputs per mixer kind.
 """
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ class Mixer(nn.Module):
     # synchronisation, no host-side state): an implicit model's solve may then replay the stack as one captured CUDA
     # graph (lm.models.solve_graph)
     capturable: bool = False
+    # the config the mixer was built from where it is not the model's (a hybrid stack's layer: its family's config,
+    # which init_weights reads)
+    family_config = None
 
     @staticmethod
     def injection_dim(config) -> int:
@@ -219,7 +223,8 @@ class LMPreTrainedModel(PreTrainedModel):
         elif hasattr(module, "weight") and "Norm" in type(module).__name__:
             init.ones_(module.weight)
         if isinstance(module, Mixer):
-            module.init_weights(self.config)
+            # a hybrid stack's mixer keeps its own family's config (its block sets `family_config`)
+            module.init_weights(module.family_config if module.family_config is not None else self.config)
 
 
 REMOTE_CODE_MODULE = "lm_hf"
@@ -257,15 +262,23 @@ class LMModel(LMPreTrainedModel):
     def __init__(self, config: LMConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [Block(config, i, self.mixer_class) for i in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList(self.make_blocks(config))
         self.norm_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.injection = (
-            Injection(config, self.mixer_class.injection_dim(config)) if config.is_implicit else None
-        )
+        self.injection = Injection(config, self.injection_width(config)) if config.is_implicit else None
         self.gradient_checkpointing = False
         self.post_init()
+
+    def make_blocks(self, config: LMConfig) -> list[Block]:
+        """The stack's blocks: one mixer class for every layer (a hybrid stack builds each layer's own kind)."""
+        return [Block(config, i, self.mixer_class) for i in range(config.num_hidden_layers)]
+
+    def injection_width(self, config: LMConfig) -> int:
+        """Width of the implicit model's injection (the input the blocks' mixers take it from)."""
+        return self.mixer_class.injection_dim(config)
+
+    def mixer_shared_inputs(self, t: int, cu_seqlens, device, **kw) -> dict:
+        """Mixer.shared_inputs of this stack's mixers, once per forward: one mixer class, its first layer's."""
+        return self.layers[0].mixer.shared_inputs(t, cu_seqlens, device, **kw)
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -312,8 +325,8 @@ class LMModel(LMPreTrainedModel):
             pos, keys = cache.positions(t, h.device), cache.key_mask(t)
         else:
             pos, keys = (mask_positions(real), real) if real is not None else (None, None)
-        out = self.layers[0].mixer.shared_inputs(t, cu_seqlens, h.device, positions=pos, max_seqlen=max_seqlen,
-                                                 cu_seqlens_cpu=cu_seqlens_cpu, key_mask=keys)
+        out = self.mixer_shared_inputs(t, cu_seqlens, h.device, positions=pos, max_seqlen=max_seqlen,
+                                       cu_seqlens_cpu=cu_seqlens_cpu, key_mask=keys)
         if real is not None:
             out["attention_mask"] = real
         return out

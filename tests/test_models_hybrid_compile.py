@@ -1,0 +1,64 @@
+"""torch.compile of hybrid blocks (as the trainer compiles them: one graph per block), CPU: the hybrid's own pieces
+(each layer's kind's shared inputs picked from the stack's, the injection's columns of its kind) add no graph break.
+
+With the Triton conv, SSD and norms (the interpreter) a Mamba2 + attention hybrid's blocks compile with fullgraph=True
+on the aot_eager backend, explicit, implicit and packed, and give the eager loss and gradients. The DeltaProduct
+chunk op and the LRU scan are opaque to torch.compile by design (lm_kernels: torch.compiler.disable, their own
+autograd.Function), so their blocks break there, as the pure families' blocks do: in a pattern of every kind, every
+graph break is one of those calls."""
+from __future__ import annotations
+
+import pytest
+import torch
+from model_checks import loss_and_grads
+from test_models_hybrid import IMPLICIT, V, hybrid
+
+pytest.importorskip("triton")
+pytestmark = [pytest.mark.usefixtures("fast_interpreter"), pytest.mark.slow]  # the Triton interpreter under dynamo
+
+
+@pytest.fixture
+def triton_backends(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for op in ("SSD", "CONV1D", "RMSNORM"):
+        monkeypatch.setenv(f"LM_{op}_BACKEND", "triton")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def assert_compiled_equals_eager(model, ids, cu=None):
+    ref_loss, ref_grads = loss_and_grads(model, ids, cu)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)  # a graph break raises
+    loss, grads = loss_and_grads(model, ids, cu)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("use", ["explicit", "implicit", "packed"])
+def test_mamba2_attention_hybrid_blocks_compile_fullgraph(use, triton_backends):
+    model = hybrid("M*M", implicit=IMPLICIT if use == "implicit" else None).train()
+    if use == "packed":
+        ids, cu = torch.randint(0, V, (1, 40)), torch.tensor([0, 17, 40], dtype=torch.int32)
+    else:
+        ids, cu = torch.randint(0, V, (2, 24)), None
+    assert_compiled_equals_eager(model, ids, cu)
+
+
+def test_every_graph_break_of_a_mixed_pattern_is_an_opaque_kernel_call(triton_backends):
+    from torch._dynamo.utils import counters
+
+    model = hybrid("M*DLHB", implicit=IMPLICIT).train()
+    counters.clear()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    ids = torch.randint(0, V, (2, 20))
+    model(ids, labels=ids).loss.backward()
+    reasons = list(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0
+    assert reasons, "expected the opaque DeltaProduct / LRU calls to break their blocks"
+    for r in reasons:  # only the ops' own opaque calls, nothing from the hybrid stack
+        assert "torch.compiler.disable" in r and ("chunk_deltaproduct" in r or "block_scan" in r), r[:300]
