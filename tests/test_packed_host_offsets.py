@@ -30,7 +30,7 @@ def small_config(family: str, implicit=None, layers: int = 2):
                              intermediate_size=64, implicit=implicit)
     if family == "fp_mamba":
         return LMFPMambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=layers, d_state=8, headdim=16,
-                               chunk_size=8, fp_max_iter=3)
+                               chunk_size=8, layer_solver={"max_iter": 3})
     if family == "deltaproduct":
         return LMDeltaProductConfig(vocab_size=V, hidden_size=32, num_hidden_layers=layers, num_heads=2, head_dim=16,
                                     intermediate_size=64, chunk_size=16, use_forget_gate=True, implicit=implicit)

@@ -108,8 +108,10 @@ def test_paper_curriculum_and_phase_index():
     from lm.models.presets import build_model, load_config
 
     model = build_model(load_config("lm_mamba2-tiny", implicit=m[0].implicit), device="cpu")
-    model.set_solver(m[1].implicit)  # the model reads config.implicit (one ImplicitSettings) at every forward
-    assert model.config.implicit is m[1].implicit and model.config.implicit.max_iter == 24
+    model.set_solver(m[1].implicit)  # held by the model; the shared config keeps its saved default
+    assert model.solver is m[1].implicit and model.config.implicit is m[0].implicit
+    saved = model.solver_config()  # what a training checkpoint writes: the config with the phase's settings
+    assert saved is not model.config and saved.implicit is m[1].implicit and model.config.implicit is m[0].implicit
     explicit = build_model(load_config("lm_mamba2-tiny"), device="cpu")
     with pytest.raises(ValueError, match="built explicit"):
         explicit.set_solver(m[1].implicit)
