@@ -90,7 +90,15 @@ def test_op_matches_formula(case, shape, sum_grad):
     for name, a, b, leaf in zip(("x", "residual", "scale", "weight"), ours[2:], ref[2:],
                                 [t for t in (x, h, scale, w) if t is not None]):
         assert a.dtype == leaf.dtype and a.shape == leaf.shape, name
-        assert rel(a, b) < tol, (name, rel(a, b))
+        if name == "scale":
+            # a row's sum over its channels of g * residual (g: the gradient reaching the sum), which can cancel: its
+            # rounding error is bounded relative to the terms' magnitudes, sum |g| |residual| (the bfloat16 rounding
+            # of the scaled residual, which the float64 reference does not round, moves g by ~0.4%)
+            terms = (ref[3].abs() / s64.detach() * h64.detach().abs()).sum(-1, keepdim=True)
+            err = ((a.double() - b).abs() / terms.clamp_min(1e-30)).max().item()
+            assert err < (1e-2 if low else tol), (name, err)  # 1.6e-3 seen in the interpreter
+        else:
+            assert rel(a, b) < tol, (name, rel(a, b))
 
 
 def test_scaled_residual_rounds_as_the_unfused_formula():
