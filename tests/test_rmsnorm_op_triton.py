@@ -87,8 +87,8 @@ def test_op_matches_formula(case, shape, sum_grad):
     assert rel(ours[0], ref[0]) < tol
     if h is not None:
         assert ours[1].dtype == torch.promote_types(xd, rd) and rel(ours[1], ref[1]) < tol
-    for name, a, b, leaf in zip(("x", "residual", "scale", "weight"), ours[2:], ref[2:],
-                                [t for t in (x, h, scale, w) if t is not None]):
+    named = [(n, t) for n, t in zip(("x", "residual", "scale", "weight"), (x, h, scale, w)) if t is not None]
+    for (name, leaf), a, b in zip(named, ours[2:], ref[2:]):
         assert a.dtype == leaf.dtype and a.shape == leaf.shape, name
         if name == "scale":
             # a row's sum over its channels of g * residual (g: the gradient reaching the sum), which can cancel: its
