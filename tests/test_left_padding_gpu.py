@@ -34,7 +34,12 @@ FAMILIES = {
     "bdlru": ("lm_lru-tiny-bdlru", dict(intermediate_size=256, num_states=32, block_size=4, chunk_size=32)),
     "fp_mamba": ("lm_fp_mamba-tiny", dict(d_state=32, headdim=32, chunk_size=32, layer_solver={"eval_cap": 30})),
 }
-IMPLICIT = dict(max_iter=4, tol=0.1, eval_factor=3)
+# every row runs the evaluation's 12 iterations (a tolerance no row reaches): with tol 0.1 a row's stop is a step
+# function of its residual, and rounding that differs per matrix shape moves a padded row's stop by an iteration
+# against its prompt alone: at tol 0.1 the implicit DeltaProduct's greedy tokens came apart on an H100 (TF32 products
+# in the Triton kernels), and on CPU in float32 its row 0 differs from the prompt alone by 1.6e-2 (float64: 6e-8,
+# equal tokens); the per-row stop itself is checked on CPU (tests/test_left_padding.py::test_implicit_rows_stop_as_alone, float64)
+IMPLICIT = dict(max_iter=4, tol=1e-12, eval_factor=3)
 LENGTHS = (9, 1, 40, 23)  # across chunk boundaries (32)
 TOL = dict(rtol=2e-2, atol=2e-2)
 
