@@ -236,14 +236,15 @@ def _mixer_class(family: str):
     return {"deltaproduct": DeltaProductMixer, "mamba2": Mamba2Mixer, "fp_mamba": FPMambaMixer}[family]
 
 
-def _packed_step(family: str, implicit, layers: int, offsets_only: bool = False):
-    """A training micro-step on the reader's packed batch through to_model_inputs, with the offsets' "device" copy a
-    tensor of its own (on CPU to_model_inputs hands over the reader's tensor itself): (the reads of anything but the
-    host copy, or with `offsets_only` those of the device copy's values alone, loss, parameter gradients)."""
+def _packed_step(family: str, implicit, layers: int, offsets_only: bool = False, batch=(2, 3)):
+    """A training micro-step on the reader's packed batch (reader_batch(*batch): seed, rows) through to_model_inputs,
+    with the offsets' "device" copy a tensor of its own (on CPU to_model_inputs hands over the reader's tensor itself):
+    (the reads of anything but the host copy, or with `offsets_only` those of the device copy's values alone, loss,
+    parameter gradients)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config(family, dict(implicit) if implicit else None,
                                                           layers=layers)).train()
-    inputs = to_model_inputs(reader_batch(2), CPU)
+    inputs = to_model_inputs(reader_batch(*batch), CPU)
     cu = inputs["cu_seqlens"] = inputs["cu_seqlens"].clone()
     with HostReads() as seen:
         loss = model(**inputs, fused_loss=True).loss
@@ -266,11 +267,12 @@ def test_packed_step_reads_nothing_back_per_layer(family, implicit, backend, mon
     if backend == "triton":
         request.getfixturevalue("fast_interpreter")
     _set_backend(monkeypatch, family, backend)
-    layers = 2 if backend == "reference" else 1  # (the Triton kernels in the interpreter take a while)
-    reads, loss, grads = _packed_step(family, implicit, layers)
+    # (the Triton kernels in the interpreter take a while: one layer, one row of five documents)
+    layers, batch = (2, (2, 3)) if backend == "reference" else (1, (0, 1))
+    reads, loss, grads = _packed_step(family, implicit, layers, batch=batch)
     assert reads == []
     monkeypatch.setattr(_mixer_class(family), "shared_inputs", lambda self, *a, **kw: {})
-    per_layer, ref_loss, ref_grads = _packed_step(family, implicit, layers)
+    per_layer, ref_loss, ref_grads = _packed_step(family, implicit, layers, batch=batch)
     assert torch.equal(loss, ref_loss)
     assert all((g is None and r is None) or torch.equal(g, r) for g, r in zip(grads, ref_grads))
     if backend == "reference":  # more layers, more reads (the reads per layer are the same on either backend)
@@ -464,9 +466,10 @@ def test_compiled_blocks_take_the_host_offsets(family, backend, monkeypatch, req
     _set_backend(monkeypatch, family, backend)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    # (the Triton operator in the interpreter takes a while: one layer, three batches)
+    # (the Triton operator in the interpreter takes a while: one layer, three batches of one row, 2 - 5 documents)
     model = AutoModelForCausalLM.from_config(small_config(family, layers=2 if backend == "reference" else 1)).train()
-    batches = [to_model_inputs(reader_batch(s), CPU) for s in range(5 if backend == "reference" else 3)]
+    batches = ([to_model_inputs(reader_batch(s), CPU) for s in range(5)] if backend == "reference"
+               else [to_model_inputs(reader_batch(s, b=1), CPU) for s in (0, 1, 3)])
     assert len({b["max_seqlen"] for b in batches}) == len(batches)
     eager = [model(**b).loss.detach() for b in batches]
     frames, breaks = _run_compiled(model, batches, eager, CompileCounter())
