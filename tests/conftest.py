@@ -76,7 +76,6 @@ SLOW = {
     "test_conv1d_models.py::test_model_loss_and_grads_triton_equals_reference[mamba2_implicit]",
     "test_conv1d_models.py::test_model_loss_and_grads_triton_equals_reference[deltaproduct_implicit]",
     "test_mamba2_inner.py::test_model_through_the_operator_equals_three_ops[explicit-batch]",
-    "test_mamba2_inner.py::test_model_through_the_operator_equals_three_ops[explicit-packed]",
     "test_mamba2_inner.py::test_model_through_the_operator_equals_three_ops[implicit-packed]",
     "test_packed_host_offsets.py::test_packed_step_reads_nothing_back_per_layer[mamba2-triton]",
     "test_packed_host_offsets.py::test_packed_step_reads_nothing_back_per_layer[deltaproduct-triton]",
