@@ -54,7 +54,6 @@ SLOW = {
     "test_bench.py::test_bench_deltaproduct[decode]",
     "test_bench.py::test_bench_lru",
     "test_bench.py::test_bench_generate",
-    "test_bench.py::test_bench_train_forward_ratio",
     "test_bench.py::test_bench_data",
     "test_import.py::test_auto_classes_load_lm_models_after_import_lm[lm_first]",
     "test_import.py::test_auto_classes_load_lm_models_after_import_lm[transformers_first]",
