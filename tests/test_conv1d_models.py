@@ -1,6 +1,7 @@
-"""Models through lm.models.layers.causal_conv1d: tiny Mamba2 and DeltaProduct, explicit and implicit, give the same loss and parameter gradients with LM_CONV1D_BACKEND=triton (the Triton conv under the
-interpreter on CPU) as with the PyTorch reference, packed documents included. Hidden size 16: the interpreter's cost
-grows with the conv's channels (Mamba2 48, DeltaProduct 80: still several channel blocks)."""
+"""Models through lm.models.layers.causal_conv1d: tiny Mamba2 and DeltaProduct, explicit and implicit, give the same
+loss and parameter gradients with LM_CONV1D_BACKEND=triton (the Triton conv under the interpreter on CPU) as with the
+PyTorch reference, packed documents included. Hidden size 16: the interpreter's cost grows with the conv's channels
+(Mamba2 48, DeltaProduct 80: still several channel blocks)."""
 from __future__ import annotations
 
 import pytest
