@@ -1,7 +1,9 @@
 """Fixed-point engine: no-grad solve, phantom gradient, convergence statistics.
 
 Used by the implicit block stacks (paper 003: the whole stack is z <- F(z, inj(x))) and by FP-Mamba
-(paper 000: a fixed point inside each layer). It takes a function, never a model.
+(paper 000: a fixed point inside each layer). It takes a function, never a model; both callers pass the keyword
+arguments of one settings type (lm.models.config.ImplicitSettings.solve_args: the stack's `implicit`, FP-Mamba's
+`layer_solver`).
 
 - `solve(f, z0, ...)`: damped iteration z <- lam f(z) + (1 - lam) z without autograd, with per-sample
   convergence tracking (sample = index along dim 0). A sample whose relative residual

@@ -36,7 +36,7 @@ FAMILIES = {
     "lru": ("lm_lru-tiny", dict(intermediate_size=64, chunk_size=8)),
     "hlru": ("lm_lru-tiny-hlru", dict(intermediate_size=64, num_states=12, block_size=3, chunk_size=8)),
     "bdlru": ("lm_lru-tiny-bdlru", dict(intermediate_size=64, num_states=12, block_size=3, chunk_size=8)),
-    "fp_mamba": ("lm_fp_mamba-tiny", dict(d_state=8, headdim=8, chunk_size=16, fp_eval_max_iter=30)),
+    "fp_mamba": ("lm_fp_mamba-tiny", dict(d_state=8, headdim=8, chunk_size=16, layer_solver={"eval_cap": 30})),
 }
 # the free phase (tolerance stop, per-row freezing) in evaluation / generation: at initializer_range 0.1 the rows of a
 # batch reach tol 0.1 after different iteration counts, some not within eval_max_iter = 12

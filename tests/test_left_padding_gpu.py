@@ -32,7 +32,7 @@ FAMILIES = {
     "lru": ("lm_lru-tiny", dict(intermediate_size=256, chunk_size=32)),
     "hlru": ("lm_lru-tiny-hlru", dict(intermediate_size=256, num_states=32, block_size=3, chunk_size=32)),
     "bdlru": ("lm_lru-tiny-bdlru", dict(intermediate_size=256, num_states=32, block_size=4, chunk_size=32)),
-    "fp_mamba": ("lm_fp_mamba-tiny", dict(d_state=32, headdim=32, chunk_size=32, fp_eval_max_iter=30)),
+    "fp_mamba": ("lm_fp_mamba-tiny", dict(d_state=32, headdim=32, chunk_size=32, layer_solver={"eval_cap": 30})),
 }
 IMPLICIT = dict(max_iter=4, tol=0.1, eval_factor=3)
 LENGTHS = (9, 1, 40, 23)  # across chunk boundaries (32)

@@ -120,7 +120,7 @@ def test_q_identity_without_state_dependence_is_mamba2_model():
 def test_converged_output_satisfies_fixed_point_equation(kw):
     torch.manual_seed(0)
     tol = 1e-3
-    model = tiny(fp_tol=tol, fp_eval_max_iter=300, **kw).double().eval()
+    model = tiny(layer_solver={"tol": tol, "eval_cap": 300}, **kw).double().eval()
     mix = model.model.layers[0].mixer
     x = torch.randn(3, 12, SIZES["hidden_size"], dtype=F64)
     with torch.no_grad():
@@ -128,13 +128,13 @@ def test_converged_output_satisfies_fixed_point_equation(kw):
         fy, _ = mix.layer_map(inp, y_star)
     assert bool(st.converged.all()) and st.iterations < 300
     assert float(relative_residual(fy, y_star, "inf").max()) < tol  # ||f(y*) - y*|| / ||f(y*)|| < tol
-    assert torch.equal(y, fy)  # the output is one more application at y* (n_backwards = 1)
+    assert torch.equal(y, fy)  # the output is one more application at y* (phantom_steps = 1)
 
 
 def test_sequential_and_parallel_fixed_points_agree():
     torch.manual_seed(0)
     tol = 1e-4
-    model = tiny(fp_tol=tol, fp_eval_max_iter=300).double().eval()
+    model = tiny(layer_solver={"tol": tol, "eval_cap": 300}).double().eval()
     ids = torch.randint(0, SIZES["vocab_size"], (2, 12))
     with torch.no_grad():
         mix, layer = model.model.layers[0].mixer, model.model.layers[0]
@@ -148,9 +148,9 @@ def test_sequential_and_parallel_fixed_points_agree():
 
 
 def test_gradient_at_the_fixed_point():
-    """n_backwards = 1: the gradient is autograd through one application of the map at the detached y*."""
+    """phantom_steps = 1: the gradient is autograd through one application of the map at the detached y*."""
     torch.manual_seed(0)
-    model = tiny(fp_tol=1e-3).double().train()
+    model = tiny(layer_solver={"tol": 1e-3}).double().train()
     mix = model.model.layers[0].mixer
     x = torch.randn(2, 9, SIZES["hidden_size"], dtype=F64)
     out = mix(x)
@@ -172,11 +172,12 @@ def test_save_load_round_trip(tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = tiny(mixer_type="kronecker", shifted_output_gate=True, fp_train_iter_gamma=[4.0, 1.0]).eval()
+    model = tiny(mixer_type="kronecker", shifted_output_gate=True, layer_solver={"train_iter_gamma": [4.0, 1.0]}).eval()
     ids = torch.randint(0, SIZES["vocab_size"], (2, 10))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(loaded) is LMFPMambaForCausalLM and loaded.config.fp_train_iter_gamma == [4.0, 1.0]
+    assert type(loaded) is LMFPMambaForCausalLM and loaded.config.layer_solver == model.config.layer_solver
+    assert loaded.config.layer_solver.train_iter_gamma == (4.0, 1.0)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
 
@@ -199,7 +200,7 @@ def test_cached_generation_equals_sequential_full_forward():
 
 def test_parallel_prefill_equals_parallel_forward():
     torch.manual_seed(0)
-    model = tiny(prefill="parallel", fp_tol=1e-5, fp_eval_max_iter=200, num_hidden_layers=1).double().eval()
+    model = tiny(prefill="parallel", layer_solver={"tol": 1e-5, "eval_cap": 200}, num_hidden_layers=1).double().eval()
     ids = torch.randint(0, SIZES["vocab_size"], (2, 8))
     cache = LMCache(1)
     with torch.no_grad():
@@ -213,7 +214,7 @@ def test_parallel_prefill_equals_parallel_forward():
 
 def test_one_batch_overfit_and_stats_reach_output():
     torch.manual_seed(0)
-    model = tiny(fp_max_iter=8, num_hidden_layers=1).train()
+    model = tiny(layer_solver={"max_iter": 8}, num_hidden_layers=1).train()
     ids = torch.randint(0, SIZES["vocab_size"], (4, 12))
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     losses = []
@@ -230,21 +231,39 @@ def test_one_batch_overfit_and_stats_reach_output():
     assert all(layer.mixer.pop_stats() == [] for layer in model.model.layers)  # popped by the model
 
 
-def test_solver_settings_train_eval_and_gamma_cap():
-    torch.manual_seed(0)
-    mix = tiny(fp_max_iter=50, fp_train_iter_gamma=[4.0, 1.0]).model.layers[0].mixer
-    mix.train()
+def test_solver_settings_train_eval_and_gamma_cap(monkeypatch):
+    """The layer's solve takes its config's layer_solver (one ImplicitSettings, FP-Mamba's defaults completing a
+    partial dict): the training cap drawn from train_iter_gamma at every forward, the evaluation cap and quantile."""
+    import lm.models.fp_mamba as fp
+
+    seen = []
+    real = fp.solve
+
+    def spy(f, z0, **kw):
+        seen.append(kw)
+        return real(f, z0, **kw)
+
+    monkeypatch.setattr(fp, "solve", spy)
+    model = tiny(layer_solver={"max_iter": 50, "train_iter_gamma": [4.0, 1.0]}, num_hidden_layers=1)
+    s = model.config.layer_solver
+    assert (s.tol, s.stop_quantile, s.eval_quantile, s.norm, s.patience, s.damping_decay, s.eval_max_iter) == (
+        0.1, 0.75, 1.0, "inf", 15, 0.9, 1000)
+    ids = torch.randint(0, SIZES["vocab_size"], (2, 6))
+    model.train()
     torch.manual_seed(3)
     expected = min(50, max(1, math.ceil(float(torch.distributions.Gamma(4.0, 1.0).sample()))))
     torch.manual_seed(3)
-    a = mix._solver_args()
-    assert a["max_iter"] == expected and a["stop_quantile"] == 0.75 and a["norm"] == "inf"
-    assert a["tol"] == 0.1 and a["patience"] == 15 and a["damping_decay"] == 0.9
-    caps = {mix._solver_args()["max_iter"] for _ in range(30)}
-    assert len(caps) > 2 and max(caps) <= 50  # resampled per call
-    mix.eval()
-    a = mix._solver_args()
-    assert a["max_iter"] == 1000 and a["stop_quantile"] == 1.0
+    model(ids)
+    assert seen[-1] == dict(max_iter=expected, tol=0.1, damping=1.0, stop_quantile=0.75, norm="inf", anderson=0,
+                            patience=15, damping_decay=0.9)
+    caps = set()
+    for _ in range(30):
+        model(ids)
+        caps.add(seen[-1]["max_iter"])
+    assert len(caps) > 2 and max(caps) <= 50  # drawn anew at every forward
+    model.eval()
+    model(ids)
+    assert seen[-1]["max_iter"] == 1000 and seen[-1]["stop_quantile"] == 1.0
 
 
 def test_presets():
@@ -259,9 +278,11 @@ def test_presets():
 
 @pytest.mark.parametrize("field,value", [
     ("mixer_type", "monarch"), ("mixer_rank", 0), ("mixer_input", "both"), ("kronecker_norm", "frobenius"),
-    ("fp_tol", 0.0), ("fp_tol", 1.5), ("fp_train_quantile", 0.0), ("fp_eval_quantile", 1.2), ("fp_damping", 0.0),
-    ("fp_damping_decay", 2.0), ("fp_patience", 0), ("n_backwards", 0), ("fp_max_iter", 0),
-    ("fp_train_iter_gamma", [4.0]), ("fp_train_iter_gamma", [0.0, 1.0]), ("d_conv", -1), ("headdim", 24),
+    ("layer_solver", None), ("layer_solver", {"tol": 1.5}), ("layer_solver", {"phantom_steps": 0}),
+    ("layer_solver", {"max_iter": 0}), ("layer_solver", {"stop_quantile": 0.0}), ("layer_solver", {"nax_iter": 3}),
+    ("layer_solver", {"train_iter_gamma": [4.0]}), ("layer_solver", {"train_iter_gamma": [0.0, 1.0]}),
+    ("fp_tol", 1.5), ("fp_eval_quantile", 1.2), ("fp_damping_decay", 2.0), ("fp_patience", 0), ("fp_max_iter", 0),
+    ("fp_train_iter_gamma", [4.0]), ("d_conv", -1), ("headdim", 24),
     ("bc_norm", "yes"), ("mixer_gate_bias", float("nan")), ("mixer_proj_rank", -2),
 ])
 def test_bad_config_values_raise(field, value):
@@ -277,7 +298,8 @@ def test_unknown_key_raises():
 # --- implicit variant and packing -------------------------------------------------------------------
 def test_implicit_forward_backward_and_generation():
     torch.manual_seed(0)
-    model = tiny(fp_max_iter=4, fp_eval_max_iter=20, implicit={"max_iter": 2, "phantom_steps": 1, "tol": 0.05}).train()
+    model = tiny(layer_solver={"max_iter": 4, "eval_cap": 20},
+                 implicit={"max_iter": 2, "phantom_steps": 1, "tol": 0.05}).train()
     assert FPMambaMixer.injection_dim(model.config) == model.model.injection.proj.out_features
     ids = torch.randint(0, SIZES["vocab_size"], (2, 10))
     out = model(ids, labels=ids)
@@ -293,7 +315,7 @@ def test_implicit_forward_backward_and_generation():
 
 def test_packed_documents_match_separate_runs():
     torch.manual_seed(0)
-    model = tiny(fp_tol=1e-5, fp_eval_max_iter=300).double().eval()
+    model = tiny(layer_solver={"tol": 1e-5, "eval_cap": 300}).double().eval()
     mix = model.model.layers[0].mixer
     a = torch.randn(1, 7, SIZES["hidden_size"], dtype=F64)
     b = torch.randn(1, 5, SIZES["hidden_size"], dtype=F64)
@@ -304,3 +326,40 @@ def test_packed_documents_match_separate_runs():
     assert torch.allclose(packed, sep, atol=1e-4)
     with torch.no_grad():  # without cu_seqlens the second document sees the first (the test can fail)
         assert not torch.allclose(mix(torch.cat([a, b], dim=1)), sep, atol=1e-3)
+
+
+def test_older_fp_fields_are_read_into_the_layer_solver(tmp_path):
+    """A config.json written before layer_solver (its fp_* fields and n_backwards, as an older version saved them)
+    loads: each field is read into the ImplicitSettings field of the same meaning, and the model computes what a
+    model configured with layer_solver computes."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from lm.models.fp_mamba import LAYER_SOLVER, LEGACY_FIELDS
+
+    old = {"fp_damping": 0.9, "fp_damping_decay": 0.8, "fp_eval_max_iter": 50, "fp_eval_quantile": 0.9,
+           "fp_max_iter": 7, "fp_patience": 9, "fp_tol": 0.05, "fp_train_iter_gamma": [4.0, 1.0],
+           "fp_train_quantile": 0.5, "n_backwards": 2}
+    assert set(old) == set(LEGACY_FIELDS)
+    new = {"damping": 0.9, "damping_decay": 0.8, "eval_cap": 50, "eval_stop_quantile": 0.9, "max_iter": 7,
+           "patience": 9, "tol": 0.05, "train_iter_gamma": (4.0, 1.0), "stop_quantile": 0.5, "phantom_steps": 2}
+    assert LMFPMambaConfig(**old).layer_solver.to_dict() == {**LAYER_SOLVER.to_dict(), **new,
+                                                             "train_iter_gamma": [4.0, 1.0]}
+    assert LMFPMambaConfig(fp_max_iter=16).layer_solver.eval_max_iter == 1000  # the older default cap stays
+    torch.manual_seed(0)
+    tiny(layer_solver=new).double().save_pretrained(tmp_path / "new")
+    shutil.copytree(tmp_path / "new", tmp_path / "old")
+    cfg = json.loads((tmp_path / "new" / "config.json").read_text())
+    del cfg["layer_solver"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps({**cfg, **old}))
+    model, loaded = (AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float64).eval()
+                     for d in ("new", "old"))
+    assert loaded.config.layer_solver == model.config.layer_solver
+    ids = torch.randint(0, SIZES["vocab_size"], (2, 9))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match=r"^fp_tol \(read into layer_solver.tol\): must be None or in \(0, 1\)"):
+        LMFPMambaConfig(fp_tol=2.0)
+    with pytest.raises(ValueError, match=r"layer_solver: given together with the older field\(s\) \['fp_tol'\]"):
+        LMFPMambaConfig(fp_tol=0.1, layer_solver={"max_iter": 3})

@@ -30,7 +30,7 @@ def small_config(family: str, implicit=None, layers: int = 2):
                              intermediate_size=64, implicit=implicit)
     if family == "fp_mamba":
         return LMFPMambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=layers, d_state=8, headdim=16,
-                               chunk_size=8, fp_max_iter=3)
+                               chunk_size=8, layer_solver={"max_iter": 3})
     if family == "deltaproduct":
         return LMDeltaProductConfig(vocab_size=V, hidden_size=32, num_hidden_layers=layers, num_heads=2, head_dim=16,
                                     intermediate_size=64, chunk_size=16, use_forget_gate=True, implicit=implicit)
@@ -266,13 +266,14 @@ def test_packed_step_reads_nothing_back_per_layer(family, implicit, backend, mon
     if backend == "triton":
         request.getfixturevalue("fast_interpreter")
     _set_backend(monkeypatch, family, backend)
-    reads, loss, grads = _packed_step(family, implicit, 2)
+    layers = 2 if backend == "reference" else 1  # (the Triton kernels in the interpreter take a while)
+    reads, loss, grads = _packed_step(family, implicit, layers)
     assert reads == []
     monkeypatch.setattr(_mixer_class(family), "shared_inputs", lambda self, *a, **kw: {})
-    per_layer, ref_loss, ref_grads = _packed_step(family, implicit, 2)
+    per_layer, ref_loss, ref_grads = _packed_step(family, implicit, layers)
     assert torch.equal(loss, ref_loss)
     assert all((g is None and r is None) or torch.equal(g, r) for g, r in zip(grads, ref_grads))
-    if backend == "reference":  # (the Triton kernels in the interpreter take a while; the reads are the same)
+    if backend == "reference":  # more layers, more reads (the reads per layer are the same on either backend)
         one_layer = _packed_step(family, implicit, 1)[0]
         assert 0 < len(one_layer) < len(per_layer), (one_layer, per_layer)
     else:

@@ -208,7 +208,7 @@ print("OUT", json.dumps(out))
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_deepspeed_fused_overflow_check_and_grad_norm_equal_deepspeeds(tmp_path, tmp_path_factory, precision):
-    """The trainer's ZeRO-2 overflow check and gradient norm (lm.train.engine._fused_zero_grad_checks: foreach norms
+    """The trainer's ZeRO-2 overflow check and gradient norm (lm.train.engine._fused_norms: foreach norms
     instead of DeepSpeed's loop over parameters) give DeepSpeed's own results at every step of a one-process run,
     the NaN step (skipped: an overflow under bf16, an invalid norm -1 under fp32) included."""
     data = make_corpus(tmp_path_factory)
@@ -221,7 +221,7 @@ import lm.train.engine as E
 from test_train_loop import _cfg
 from lm.train.trainer import train, shutdown
 pairs = []
-fused = E._fused_zero_grad_checks
+fused = E._fused_norms
 def both(opt):
     fused(opt)
     f_over, f_norm = opt.has_overflow_partitioned_grads_serial, opt.get_grad_norm_direct
@@ -234,7 +234,7 @@ def both(opt):
         pairs.append(["norm", float(a), float(b)])
         return a
     opt.has_overflow_partitioned_grads_serial, opt.get_grad_norm_direct = over, norm
-E._fused_zero_grad_checks = both
+E._fused_norms = both
 def hook(step, micro, out):
     if step == 3:  # the 4th step
         out.loss = out.loss * float("nan")
@@ -317,3 +317,95 @@ def test_two_ranks_one_behind_stop_at_the_same_step(tmp_path, tmp_path_factory, 
         assert (run / "checkpoints" / f"step_{r0['steps']:08d}" / "manifest.json").is_file()
     else:
         assert r0["stopped"] == r1["stopped"] == "time budget"
+
+
+@pytest.mark.slow
+def test_deepspeed_overrides_fall_back_on_an_untested_version(tmp_path, tmp_path_factory):
+    """On a DeepSpeed version the overrides were not tested with (the installed version made to read 0.20 here), none
+    is installed: DeepSpeed's own overflow check, norm, clip and checkpoint writer run, rank 0 prints one line per
+    override, and the run trains as with them (bf16 ZeRO-2 with the fused AdamW, a NaN step skipped, a checkpoint
+    whose manifest verifies)."""
+    data = make_corpus(tmp_path_factory)
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import json, sys, warnings
+import torch
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+import lm.train.engine as E
+import lm.train.trainer as T
+from lm.train import checkpoint as ck
+from lm.train.optim import param_groups
+from test_train_loop import _cfg
+from lm.train.trainer import train, shutdown
+checks, seen = [], {{}}
+orig_check = Z.check_overflow
+Z.check_overflow = lambda self, *a, **k: (checks.append(1), orig_check(self, *a, **k))[1]
+def fused(model, *, lr, betas, eps, weight_decay, device):
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps, fused=True)
+T.make_optimizer = fused
+overrides = E._zero_overrides
+def spy(opt):
+    overrides(opt)
+    seen[name] = sorted(k for k in ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct",
+                                    "unscale_and_clip_grads", "scaled_global_norm") if k in vars(opt))
+E._zero_overrides = spy
+def hook(step, micro, out):
+    if step == 3:  # the 4th step
+        out.loss = out.loss * float("nan")
+    return out
+out = {{}}
+for name, version in (("tested", E.deepspeed_version()), ("untested", (0, 20))):
+    E.deepspeed_version = lambda v=version: v
+    checks.clear()
+    with warnings.catch_warnings(record=True):
+        train(_cfg({str(tmp_path)!r} + "/" + name, {str(data)!r}, train={{"engine": "deepspeed", "steps": 5,
+                                                                      "precision": "bf16"}},
+                   checkpoint={{"every_steps": 2}}), hooks={{"after_forward": hook}})
+    out[name] = len(checks)
+    ck.verify(ck.resolve({str(tmp_path)!r} + "/" + name))
+out["installed"] = seen
+shutdown()
+print("OUT", json.dumps(out))
+""")
+    p = _run_one_process(script)
+    out = _printed(p, "OUT")
+    assert out["installed"] == {"tested": ["get_grad_norm_direct", "has_overflow_partitioned_grads_serial",
+                                           "scaled_global_norm", "unscale_and_clip_grads"], "untested": []}, out
+    assert out["tested"] == 0 and out["untested"] == 5, out  # DeepSpeed's own overflow check in every step
+    said = [line for line in p.stderr.splitlines() if "is not a version lm's" in line]
+    assert [line.split(" override")[0].split()[-1] for line in said] == [
+        "fused_grad_checks", "clip_on_device", "skip_on_device", "hashing_writer"], said
+    assert all(line.startswith("lm train: DeepSpeed 0.20 is not a version") and "(0.19.x): DeepSpeed's own method "
+               "runs" in line for line in said), said
+    tested, rt = _losses(tmp_path / "tested")
+    untested, ru = _losses(tmp_path / "untested")
+    assert [r["step"] for r in rt if r.get("event") == "skip"] == [4] == [r["step"] for r in ru
+                                                                         if r.get("event") == "skip"]
+    for s in (1, 2, 3, 5):
+        assert untested[s] == pytest.approx(tested[s], rel=2e-2), (s, tested, untested)
+
+
+@pytest.mark.slow
+def test_deepspeed_overrides_ab_script_on_cpu(tmp_path):
+    """scripts/dev/deepspeed_overrides_ab.py (the GPU measurement of what each override gains) runs every variant on
+    the CPU and reports each override's gain from its own two figures (CPU times say nothing about a GPU)."""
+    out = tmp_path / "ab.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "dev" / "deepspeed_overrides_ab.py"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, str(script), "--preset", "lm_mamba2-tiny", "--seq-len", "32", "--micro", "2",
+                        "--steps", "2", "--warmup", "1", "--rounds", "1", "--precision", "fp32", "--device", "cpu",
+                        "--run-root", str(tmp_path / "runs"), "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    import lm.train.engine as E
+
+    table = json.loads(out.read_text())
+    assert set(table["gain"]) == set(E.OVERRIDES)
+    assert set(table["variants"]) == {"all", "none"} | {f"without {n}" for n in E.OVERRIDES}
+    assert all(v["step_s"] > 0 and v["save_s"] > 0 for v in table["variants"].values()), table
+    for n, g in table["gain"].items():
+        key = "save_s" if n == "hashing_writer" else "step_s"
+        assert g == pytest.approx(table["variants"][f"without {n}"][key] / table["variants"]["all"][key] - 1), n

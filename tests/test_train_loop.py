@@ -382,7 +382,7 @@ def test_fp_mamba_trains_and_logs_its_layer_solvers(tmp_path, corpus):
     cfg = _cfg(run, corpus, curriculum=None,
                model={"preset": "lm_fp_mamba-tiny", "overrides": {"hidden_size": 32, "num_hidden_layers": 2,
                                                                   "d_state": 8, "headdim": 16, "chunk_size": 16,
-                                                                  "fp_max_iter": 3}},
+                                                                  "layer_solver": {"max_iter": 3}}},
                schedule={"kind": "constant_sqrt", "warmup": 1, "decay_start": 0.5},
                train={"steps": 2}, log={"progress": True})
     train(cfg)
@@ -390,7 +390,7 @@ def test_fp_mamba_trains_and_logs_its_layer_solvers(tmp_path, corpus):
     steps = [r for r in recs if "event" not in r]
     assert len(steps) == 2 and all(1 <= r["fp/layer_iterations"] <= 3 for r in steps)
     assert "fp/iterations" not in steps[0]
-    # MFU counts the layer iterations run (no-grad solve + n_backwards steps), not one application per layer
+    # MFU counts the layer iterations run (no-grad solve + phantom steps), not one application per layer
     from lm.models.presets import flops_per_token, load_config
 
     config = load_config("lm_fp_mamba-tiny", **cfg.model.overrides)

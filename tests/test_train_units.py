@@ -108,8 +108,10 @@ def test_paper_curriculum_and_phase_index():
     from lm.models.presets import build_model, load_config
 
     model = build_model(load_config("lm_mamba2-tiny", implicit=m[0].implicit), device="cpu")
-    model.set_solver(m[1].implicit)  # the model reads config.implicit (one ImplicitSettings) at every forward
-    assert model.config.implicit is m[1].implicit and model.config.implicit.max_iter == 24
+    model.set_solver(m[1].implicit)  # held by the model; the shared config keeps its saved default
+    assert model.solver is m[1].implicit and model.config.implicit is m[0].implicit
+    saved = model.solver_config()  # what a training checkpoint writes: the config with the phase's settings
+    assert saved is not model.config and saved.implicit is m[1].implicit and model.config.implicit is m[0].implicit
     explicit = build_model(load_config("lm_mamba2-tiny"), device="cpu")
     with pytest.raises(ValueError, match="built explicit"):
         explicit.set_solver(m[1].implicit)
@@ -394,3 +396,23 @@ def test_curriculum_component_switches_and_records(tmp_path):
     none.enter(0)
     none.resume(None)
     assert none.client() == {"phase_index": None, "phase": None} and len(set_to) == 3
+
+
+def test_deepspeed_overrides_only_on_tested_versions(monkeypatch, capsys):
+    """Each DeepSpeed override is installed on the versions it was tested with only; on another version DeepSpeed's
+    own method stays and one line says so, once per override and process."""
+    pytest.importorskip("deepspeed")
+    import lm.train.engine as E
+
+    assert E.deepspeed_version() in E.TESTED_DEEPSPEED  # the lock's DeepSpeed
+    assert all(E.use_override(name) for name in E.OVERRIDES)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(E, "_warned", set())
+    for version in ((0, 18), (0, 20), (1, 0)):
+        monkeypatch.setattr(E, "deepspeed_version", lambda v=version: v)
+        assert not any(E.use_override(name) for name in E.OVERRIDES)
+        E.use_override("fused_grad_checks")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == len(E.OVERRIDES)  # once per override (the first untested version's)
+    assert lines[0] == ("lm train: DeepSpeed 0.18 is not a version lm's fused_grad_checks override was tested with "
+                        f"(0.19.x): DeepSpeed's own method runs ({E.OVERRIDES['fused_grad_checks']})")

@@ -8,11 +8,14 @@ One layer iterates its own output y (b, t, d_inner) from y^0 = 0 (paper eq. 12-1
     y^l       = GatedRMSNorm(SSD(x~, dt, A, B, C, D), z)              (the per-iteration normalisation)
 
 until the relative inf-norm residual ||y^l - y^{l-1}||_inf / ||y^l||_inf of a quantile of the batch's
-samples (0.75 in training, 1.0 in evaluation) is below `fp_tol`, with damping that decays after
-`fp_patience` non-improving iterations. dt, A and the gate z depend on x only (App. C.2, as the
-official code). The iteration runs without autograd through `lm.fixed_point.solve`; then `n_backwards`
+samples (0.75 in training, 1.0 in evaluation) is below the tolerance, with damping that decays after
+`patience` non-improving iterations. dt, A and the gate z depend on x only (App. C.2, as the
+official code). The iteration runs without autograd through `lm.fixed_point.solve`; then `phantom_steps`
 steps with autograd from the detached fixed point (`phantom`) give the gradient at the fixed point
-(paper sec. 3.5, k = 0 truncation). The layer output is out_proj(y) (gate inside the loop, the paper's
+(paper sec. 3.5, k = 0 truncation). The layer's solver settings are the config's `layer_solver`, an
+ImplicitSettings with the names and meanings of the implicit models' `implicit` (LAYER_SOLVER: FP-Mamba's
+defaults, which a dict given for it is completed from); the fp_* fields of older configs are read into it
+(LEGACY_FIELDS). The layer output is out_proj(y) (gate inside the loop, the paper's
 "GLU in the loop"); `shifted_output_gate=True` moves the gate outside instead,
 out_proj(silu(z + W_z^y y_{t-1}) * y), the official code's default.
 
@@ -25,7 +28,7 @@ the optional shifted output gate. `d_conv=0` drops the short conv (the official 
 
 Modes: without a cache all tokens iterate together (parallel; training, evaluation). With a cache
 (generation) tokens are processed one at a time (sequential, paper Fig. 10): each token iterates
-against the committed SSM state and the previous token's output, then `n_backwards` committing steps
+against the committed SSM state and the previous token's output, then `phantom_steps` committing steps
 write the state; a prompt is processed the same way, token by token, so cached generation equals the
 sequential mode run from scratch on the whole sequence. `prefill="parallel"` instead solves a prompt in
 parallel mode from the cached state (its logits equal the parallel forward; the decode that follows
@@ -46,11 +49,27 @@ from lm_kernels.ssd import ssd_scan, ssd_step
 
 from ..fixed_point import FixedPointStats, phantom, solve
 from .channel_mixers import ACTIVATIONS, KRONECKER_NORMS, MIXER_TYPES, make_channel_mixer
-from .config import LMConfig
+from .config import ImplicitSettings, InvalidSetting, LMConfig
 from .layers import GatedRMSNorm, causal_conv1d, dt_init, position_in_document
 from .modeling import LMForCausalLM, LMModel, Mixer, init, mask_pads
 
 MIXER_INPUTS = ("concat", "sum", "x")
+
+# The fixed point inside each layer (paper 000): a training cap of 100 iterations, 1000 in evaluation and
+# generation, tolerance 0.1 on the relative inf-norm residual, stopping once 75% of the batch's samples have
+# converged in training (all of them in evaluation), damping 1 decaying by 0.9 after 15 iterations without a better
+# residual, one step with autograd at the fixed point.
+LAYER_SOLVER = ImplicitSettings(max_iter=100, eval_cap=1000, tol=0.1, stop_quantile=0.75, eval_stop_quantile=1.0,
+                                damping=1.0, damping_decay=0.9, patience=15, norm="inf", phantom_steps=1)
+
+# The layer solver's fields before they were one ImplicitSettings (config.json of older FP-Mamba checkpoints) and
+# the setting each is read into, with the same meaning; their defaults were LAYER_SOLVER's.
+LEGACY_FIELDS = {
+    "fp_max_iter": "max_iter", "fp_eval_max_iter": "eval_cap", "fp_tol": "tol",
+    "fp_train_quantile": "stop_quantile", "fp_eval_quantile": "eval_stop_quantile", "fp_damping": "damping",
+    "fp_damping_decay": "damping_decay", "fp_patience": "patience", "fp_train_iter_gamma": "train_iter_gamma",
+    "n_backwards": "phantom_steps",
+}
 
 
 class LMFPMambaConfig(LMConfig):
@@ -81,19 +100,29 @@ class LMFPMambaConfig(LMConfig):
         "bc_h_dep": True,  # B, C += W^y y_{t-1}
         "bc_norm": True,  # L2-normalise B and C over d_state
         "shifted_output_gate": False,  # out_proj(silu(z + W_z^y y_{t-1}) * y) instead of the gate in the loop
-        # the fixed point inside each layer
-        "fp_max_iter": 100,  # training cap
-        "fp_eval_max_iter": 1000,  # evaluation / generation cap
-        "fp_tol": 0.1,
-        "fp_train_quantile": 0.75,  # stop once this fraction of the batch converged (training)
-        "fp_eval_quantile": 1.0,
-        "fp_damping": 1.0,  # initial damping (step size) delta: y <- delta f(y) + (1 - delta) y
-        "fp_damping_decay": 0.9,  # delta *= decay after `fp_patience` iterations without improvement
-        "fp_patience": 15,
-        "n_backwards": 1,  # steps with autograd at the fixed point
+        # the fixed point inside each layer: ImplicitSettings (a dict given is completed from LAYER_SOLVER)
+        "layer_solver": LAYER_SOLVER,
         "prefill": "sequential",  # with a cache, t > 1 tokens: per token (exact) | parallel (fast, ~tol)
-        "fp_train_iter_gamma": None,  # [shape, scale]: training cap ~ ceil(Gamma(shape, scale)) <= fp_max_iter
     }
+    _solver_fields = {**LMConfig._solver_fields, "layer_solver": LAYER_SOLVER}
+
+    @classmethod
+    def _read_legacy(cls, kwargs: dict) -> dict:
+        """An older config's fp_* / n_backwards fields read into `layer_solver` (LEGACY_FIELDS)."""
+        old = {k: kwargs[k] for k in LEGACY_FIELDS if k in kwargs}
+        if not old:
+            return kwargs
+        if kwargs.get("layer_solver") is not None:
+            raise ValueError(f"layer_solver: given together with the older field(s) {sorted(old)} that it replaces; "
+                             "set the solver settings in layer_solver only")
+        kwargs = {k: v for k, v in kwargs.items() if k not in LEGACY_FIELDS}
+        settings = {LEGACY_FIELDS[k]: v for k, v in old.items()}
+        try:
+            kwargs["layer_solver"] = ImplicitSettings.from_value(settings, LAYER_SOLVER, "layer_solver")
+        except InvalidSetting as err:
+            name = next(k for k, v in LEGACY_FIELDS.items() if v == err.field)
+            raise ValueError(f"{name} (read into layer_solver.{err.field}): {err.why} (got {err.value!r})") from None
+        return kwargs
 
     def validate(self):
         super().validate()
@@ -103,8 +132,7 @@ class LMFPMambaConfig(LMConfig):
             self._check(isinstance(v, int) and not isinstance(v, bool) and v >= minimum, f,
                         f"must be an integer >= {minimum}")
 
-        for f in ("d_state", "expand", "headdim", "ngroups", "chunk_size", "mixer_rank", "fp_max_iter",
-                  "fp_eval_max_iter", "fp_patience", "n_backwards"):
+        for f in ("d_state", "expand", "headdim", "ngroups", "chunk_size", "mixer_rank"):
             pos_int(f)
         pos_int("d_conv", 0)
         pos_int("mixer_proj_rank", 0)
@@ -127,14 +155,12 @@ class LMFPMambaConfig(LMConfig):
         self._check(self.prefill in ("sequential", "parallel"), "prefill", "must be 'sequential' or 'parallel'")
         for f in ("conv_bias", "mixer_neg_eigval", "bc_h_dep", "bc_norm", "shifted_output_gate"):
             self._check(isinstance(getattr(self, f), bool), f, "must be true or false")
-        self._check(isinstance(self.fp_tol, (int, float)) and 0 < self.fp_tol < 1, "fp_tol", "must be in (0, 1)")
-        for f in ("fp_train_quantile", "fp_eval_quantile", "fp_damping", "fp_damping_decay"):
-            v = getattr(self, f)
-            self._check(isinstance(v, (int, float)) and 0 < v <= 1, f, "must be in (0, 1]")
-        g = self.fp_train_iter_gamma
-        self._check(g is None or (isinstance(g, (list, tuple)) and len(g) == 2 and all(
-            isinstance(v, (int, float)) and v > 0 for v in g)), "fp_train_iter_gamma",
-            "must be null or [shape > 0, scale > 0]")
+        s = self.layer_solver
+        self._check(s is not None, "layer_solver", "must be the layer's solver settings (a dict, or omitted for "
+                    "FP-Mamba's defaults), not null: every FP-Mamba layer iterates")
+        if s.phantom_steps < 1:
+            raise ValueError(f"layer_solver.phantom_steps: must be >= 1 (the layer's output is a step from its fixed "
+                             f"point) (got {s.phantom_steps})")
 
     @property
     def d_inner(self) -> int:
@@ -243,7 +269,7 @@ class FPMambaMixer(Mixer):
         return out
 
     def flops_per_token(self, seq_len: int) -> float:
-        """One application of the layer map (scan + Q); a forward runs it (iterations + n_backwards) times,
+        """One application of the layer map (scan + Q); a forward runs it (iterations + phantom_steps) times,
         and the per-iteration Linear layers (bc_y_proj, Q's projections) likewise."""
         c = min(self.chunk_size, seq_len)
         h, p, n = self.nheads, self.headdim, self.d_state
@@ -253,12 +279,12 @@ class FPMambaMixer(Mixer):
     def solver_flops_per_token(self, seq_len: int, iterations: float) -> float:
         """Training FLOPs per token of the layer's solve beyond the one application with autograd that
         flops_per_token and the Linear layers count: `iterations` no-grad applications of the layer map and
-        n_backwards - 1 more with autograd (forward + backward = 3x). One application = the scan, Q, and the
+        phantom_steps - 1 more with autograd (forward + backward = 3x). One application = the scan, Q, and the
         per-iteration Linear layers (Q's projections, bc_y_proj)."""
         linear = [self.bc_y_proj, self.q_mixer]
         per_iter = self.flops_per_token(seq_len) + 2.0 * sum(
             m.weight.numel() for mod in linear if mod is not None for m in mod.modules() if isinstance(m, nn.Linear))
-        return (iterations + 3.0 * (self.fp_config.n_backwards - 1)) * per_iter
+        return (iterations + 3.0 * (self.fp_config.layer_solver.phantom_steps - 1)) * per_iter
 
     # --- pieces -------------------------------------------------------------------------------------
     def _inputs(self, x, injection, conv_state, cu_seqlens, attention_mask=None):
@@ -335,19 +361,10 @@ class FPMambaMixer(Mixer):
             y = y * F.silu(inp.z + self.z_y_proj(shift_right(y, y_first, keep)))
         return self.out_proj(y)
 
-    def _solver_args(self) -> dict:
-        c = self.fp_config
-        if self.training:
-            cap = c.fp_max_iter
-            if c.fp_train_iter_gamma is not None:
-                shape, scale = c.fp_train_iter_gamma
-                sample = torch.distributions.Gamma(float(shape), 1.0 / float(scale)).sample()
-                cap = min(cap, max(1, int(math.ceil(float(sample)))))
-            q = c.fp_train_quantile
-        else:
-            cap, q = c.fp_eval_max_iter, c.fp_eval_quantile
-        return dict(max_iter=cap, tol=c.fp_tol, damping=c.fp_damping, stop_quantile=q, norm="inf",
-                    patience=c.fp_patience, damping_decay=c.fp_damping_decay)
+    def _phantom(self, f, y_star):
+        """The layer's steps with autograd from the detached fixed point (its gradient; with a cache, its commit)."""
+        s = self.fp_config.layer_solver
+        return phantom(f, y_star, steps=s.phantom_steps, damping=s.damping)
 
     def _record(self, st: FixedPointStats) -> None:
         self._stats.append(st)
@@ -356,7 +373,7 @@ class FPMambaMixer(Mixer):
 
     # --- modes --------------------------------------------------------------------------------------
     def iterate(self, x, *, injection=None, cu_seqlens=None, max_seqlen=None, keep=None, attention_mask=None):
-        """Parallel mode on the normalised layer input x (b, t, hidden). Returns (y after the n_backwards
+        """Parallel mode on the normalised layer input x (b, t, hidden). Returns (y after the phantom
         steps, the detached fixed point y*, stats, the layer's x-only inputs, the document mask or None);
         y and y* are (b, t, d_inner), before the output gate / out_proj. `keep` (t,): the document mask (False at
         document starts) where the model has formed it (shared_inputs), else formed here from cu_seqlens.
@@ -370,8 +387,8 @@ class FPMambaMixer(Mixer):
                                   attention_mask=attention_mask)[0]
 
         y0 = inp.x.new_zeros(inp.x.shape)
-        y_star, st = solve(f, y0, **self._solver_args())
-        y = phantom(f, y_star, steps=self.fp_config.n_backwards)
+        y_star, st = solve(f, y0, **self.fp_config.layer_solver.solve_args(self.training))
+        y = self._phantom(f, y_star)
         return y, y_star, st, inp, keep
 
     def shared_inputs(self, t: int, cu_seqlens, device, positions=None, max_seqlen=None,
@@ -405,7 +422,7 @@ class FPMambaMixer(Mixer):
         state = cache.get(self.layer_idx)
         inp, conv = self._inputs(x, injection, state.get("conv"), None, attention_mask)
         ssm, y_prev = state.get("ssm"), state.get("y")
-        args = self._solver_args()
+        args = self.fp_config.layer_solver.solve_args(self.training)
         if x.shape[1] > 1 and (cache.prefill or self.fp_config.prefill) == "parallel":
             return self._parallel_prefill(inp, conv, ssm, y_prev, args, cache, attention_mask)
         outs = []
@@ -421,7 +438,7 @@ class FPMambaMixer(Mixer):
 
             y_star, st = solve(f, tok.x.new_zeros(tok.x.shape), **args)
             self._record(st)
-            y = phantom(f, y_star, steps=self.fp_config.n_backwards)  # the committing step(s)
+            y = self._phantom(f, y_star)  # the committing step(s)
             outs.append(self._output(y, tok, y_first=y_prev))
             ssm, y_prev = last["ssm"], y[:, 0]
         cache.update(self.layer_idx, ssm=ssm, y=y_prev, **({"conv": conv} if conv is not None else {}))
@@ -441,7 +458,7 @@ class FPMambaMixer(Mixer):
 
         y_star, st = solve(f, inp.x.new_zeros(inp.x.shape), **args)
         self._record(st)
-        y = phantom(f, y_star, steps=self.fp_config.n_backwards)
+        y = self._phantom(f, y_star)
         cache.update(self.layer_idx, ssm=last["ssm"], y=y[:, -1], **({"conv": conv} if conv is not None else {}))
         return self._output(y, inp, y_first=y_prev)
 

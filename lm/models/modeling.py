@@ -14,6 +14,7 @@ the classes below that name them. A hybrid stack (hybrid.py) builds each layer f
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -379,7 +380,7 @@ class LMModel(LMPreTrainedModel):
             max_seqlen, cu_seqlens_cpu = packed_offsets(cu_seqlens, input_ids.shape[0], input_ids.shape[1], "model",
                                                         max_seqlen, cu_seqlens_cpu)
         emb = self.embed_tokens(input_ids)
-        settings = self.config.implicit
+        settings = self.solver
         if settings is not None and self.injection is None:
             raise ValueError("config.implicit is set on a model built explicit (it has no injection module): "
                              "build the model from a config with implicit={...} instead of setting it afterwards")
@@ -446,14 +447,33 @@ class LMModel(LMPreTrainedModel):
             raise ValueError(f"attention_mask: {what}")
         return real
 
+    _solver: ImplicitSettings | None = None  # set_solver's settings (the class's None: the config's)
+
+    @property
+    def solver(self) -> ImplicitSettings | None:
+        """The fixed-point solver settings every forward runs with: those `set_solver` gave, else the config's
+        `implicit` (the saved default); None: an explicit model."""
+        return self._solver if self._solver is not None else self.config.implicit
+
     def set_solver(self, settings: ImplicitSettings) -> None:
-        """Switch the fixed-point solver settings (a curriculum phase); every later forward reads them."""
+        """Switch the fixed-point solver settings (a curriculum phase); every later forward reads them. The shared
+        config is not changed: its `implicit` stays the saved default (`solver_config` gives the config with these
+        settings, which a training checkpoint saves)."""
         if self.injection is None:
             raise ValueError("set_solver: this model was built explicit (it has no injection module); build it "
                              "from a config with implicit={...} to train or run it as an implicit model")
         if not isinstance(settings, ImplicitSettings):
             raise TypeError(f"set_solver: expected ImplicitSettings, got {type(settings).__name__}")
-        self.config.implicit = settings
+        self._solver = settings
+
+    def solver_config(self) -> LMConfig:
+        """The config whose `implicit` is the settings the model runs with (a copy where set_solver changed them):
+        a model loaded from it runs as this one does."""
+        if self.solver == self.config.implicit:
+            return self.config
+        config = copy.deepcopy(self.config)
+        config.implicit = self.solver
+        return config
 
     @torch.no_grad()
     def decode_step(self, input_ids, cache: LMCache) -> torch.Tensor:
@@ -462,21 +482,15 @@ class LMModel(LMPreTrainedModel):
         the frozen cache with its fixed iteration count (eval_max_iter, no tolerance stop), then the
         committing pass. `cache.seen_tokens` is not advanced (the decoder owns the position)."""
         emb = self.embed_tokens(input_ids)
-        settings = self.config.implicit
+        settings = self.solver
         cache.begin_step(input_ids.shape[1])
         shared = self._shared(emb, cache, None)
         if settings is None:
             return self._stack(emb, None, cache, None, shared)
         f = self.fixed_point_map(self.injection(emb), cache, None, shared)
         with cache.freeze():
-            z, _ = solve(f, torch.zeros_like(emb), max_iter=settings.eval_max_iter, tol=None,
-                         damping=settings.damping, norm=settings.norm, anderson=settings.anderson)
+            z, _ = solve(f, torch.zeros_like(emb), **{**settings.solve_args(training=False), "tol": None})
         return f(z)
-
-    def _solver_args(self, settings):
-        if self.training:
-            return dict(max_iter=settings.max_iter, tol=settings.tol)
-        return dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
 
     def _simultaneous(self, emb, settings, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None, real=None):
         inj = self.injection(emb)
@@ -486,10 +500,7 @@ class LMModel(LMPreTrainedModel):
         # the solve's iterations replay one captured graph of the map where they can (lm.models.solve_graph)
         f_solve = solve_map(self, f, inj, shared, z0) if capturable(self, inj, cu_seqlens, None) else f
         # packed sequences: one "sample" per document is not separable here; the batch row is the unit
-        z, st = solve(
-            f_solve, z0, damping=settings.damping, stop_quantile=settings.stop_quantile, norm=settings.norm,
-            anderson=settings.anderson, **self._solver_args(settings),
-        )
+        z, st = solve(f_solve, z0, **settings.solve_args(self.training))
         if torch.is_grad_enabled() and settings.phantom_steps > 0:
             z = phantom(f, z, steps=settings.phantom_steps, damping=settings.damping)
         return z, st
@@ -500,9 +511,7 @@ class LMModel(LMPreTrainedModel):
         sequential mode would commit for the converged z*). On an empty cache the solve is exactly the
         simultaneous forward's."""
         inj = self.injection(emb)
-        args = dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
-        solver = dict(damping=settings.damping, stop_quantile=settings.stop_quantile, norm=settings.norm,
-                      anderson=settings.anderson, **args)
+        solver = settings.solve_args(training=False)
         z0 = torch.zeros_like(emb)
         if cache.seen_tokens == 0 and not len(cache):
             # the simultaneous forward's solve, through its captured graph where it can (lm.models.solve_graph),
@@ -527,16 +536,13 @@ class LMModel(LMPreTrainedModel):
     def _sequential(self, emb, settings, cache: LMCache, real=None):
         """Token by token: iterate against the frozen cache until converged, then one committing pass."""
         inj = self.injection(emb)
-        args = dict(max_iter=settings.eval_max_iter, tol=settings.eval_tolerance)
+        args = settings.solve_args(training=False)
         outs, all_stats = [], []
         for t in range(emb.shape[1]):
             shared = self._shared(emb[:, t:t + 1], cache, None, real=real[:, t:t + 1] if real is not None else None)
             f = self.fixed_point_map(inj[:, t:t + 1], cache, None, shared)
             with cache.freeze():
-                z, st = solve(
-                    f, torch.zeros_like(emb[:, t: t + 1]), damping=settings.damping,
-                    stop_quantile=settings.stop_quantile, norm=settings.norm, anderson=settings.anderson, **args,
-                )
+                z, st = solve(f, torch.zeros_like(emb[:, t: t + 1]), **args)
             outs.append(f(z))  # the committing pass writes this token's states into the cache
             cache.seen_tokens += 1
             all_stats.append(st)
@@ -594,6 +600,15 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
     def set_solver(self, settings: ImplicitSettings) -> None:
         """Switch the implicit model's solver settings (see LMModel.set_solver)."""
         self.model.set_solver(settings)
+
+    @property
+    def solver(self) -> ImplicitSettings | None:
+        """The solver settings the model runs with (LMModel.solver)."""
+        return self.model.solver
+
+    def solver_config(self) -> LMConfig:
+        """The config with the settings the model runs with (LMModel.solver_config)."""
+        return self.model.solver_config()
 
     def forward(
         self,

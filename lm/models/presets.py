@@ -18,7 +18,7 @@ import torch
 
 from . import MODEL_TYPES
 from ..resources import configs_dir
-from .config import LMConfig
+from .config import LMConfig, update_settings
 
 
 def presets_dir() -> Path:
@@ -31,7 +31,8 @@ def list_presets() -> list[str]:
 
 def load_config(name_or_path: str, **overrides) -> LMConfig:
     """A config from a preset name, a config.json file, a directory holding config.json, or a bare model type
-    (`lm_mamba2`: that type's defaults)."""
+    (`lm_mamba2`: that type's defaults). An override of solver settings given as a dict updates the preset's
+    (FP-Mamba's layer_solver={"max_iter": 4} keeps the preset's other layer-solver settings)."""
     if name_or_path in MODEL_TYPES:
         try:
             return MODEL_TYPES[name_or_path][0](**overrides)
@@ -48,11 +49,15 @@ def load_config(name_or_path: str, **overrides) -> LMConfig:
             )
         path = cand
     d = json.loads(path.read_text())
-    d.update(overrides)
-    model_type = d.pop("model_type", None)
+    model_type = overrides.get("model_type", d.get("model_type"))
     if model_type not in MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r} is not one of {sorted(MODEL_TYPES)}")
-    return MODEL_TYPES[model_type][0](**d)
+    config_cls = MODEL_TYPES[model_type][0]
+    for key, value in overrides.items():
+        solver = key in config_cls._solver_fields and isinstance(value, dict) and isinstance(d.get(key), dict)
+        d[key] = update_settings(d[key], value) if solver else value
+    d.pop("model_type", None)
+    return config_cls(**d)
 
 
 def build_model(config: LMConfig, device="meta"):

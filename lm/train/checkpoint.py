@@ -249,7 +249,7 @@ def save(root: Path, step: int, *, engine, reader, dist, keep_last: int, client:
     if dist.is_main:
         merged = {k: v for h in every for k, v in h.items()}
         (stage / "client.json").write_text(json.dumps(client, indent=1))
-        engine.module.config.to_json_file(str(stage / "config.json"))
+        engine.module.solver_config().to_json_file(str(stage / "config.json"))  # the phase's solver settings
         write_manifest(stage, {"step": step, "engine": dist.engine, "world_size": dist.world}, merged)
         publish(root, tag, keep_last)
     dist.barrier()

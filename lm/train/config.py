@@ -7,7 +7,10 @@ Sections: model, data, optim, schedule, curriculum, train, checkpoint, log, eval
 out-of-range value is a ValueError naming the dotted field (e.g. `train.micro_batch_size`). Overrides use dotted paths and
 YAML values (`curriculum=paper`, `model.overrides={hidden_size: 256}`, `train.tokens=1e6`).
 Solver settings are typed when read: `model.implicit` becomes an ImplicitSettings and a curriculum list
-a list of Phase (each with its ImplicitSettings), the objects the model's `set_solver` takes.
+a list of Phase (each with its ImplicitSettings), the objects the model's `set_solver` takes (they are set in
+these two places only: `model.overrides.implicit` is refused). The model holds the active settings and hands them
+to the solver (ImplicitSettings.solve_args); FP-Mamba's per-layer solve takes the same type from its config's
+`layer_solver` (model.overrides).
 """
 from __future__ import annotations
 
@@ -435,6 +438,9 @@ def validate(cfg: TrainConfig) -> None:
         _validate_task(cfg)
     _need(e.include_path is None or Path(e.include_path).is_dir(), "eval.include_path",
           "must be an existing folder of task YAMLs (python -m lm.eval.local_tasks writes one)", e.include_path)
+    _need("implicit" not in cfg.model.overrides, "model.overrides.implicit",
+          "the solver settings of an implicit model go in model.implicit (or the curriculum's phases), one place",
+          cfg.model.overrides.get("implicit"))
     if cfg.curriculum is not None:
         _need(cfg.model.implicit is None, "model.implicit",
               "set either model.implicit (fixed settings) or curriculum (phases), not both", cfg.model.implicit)

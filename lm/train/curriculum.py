@@ -3,7 +3,7 @@
     phases = curriculum_phases("paper", "lm_mamba2")
     #  bounded: until 0.8, (4+1), no tolerance       free: until 1.0, (24+4), tol 0.05 (Llama: 32+4)
     i = phase_index(phases, tokens_seen / total_tokens)
-    model.set_solver(phases[i].implicit)    # the model reads config.implicit at every forward
+    model.set_solver(phases[i].implicit)    # the model runs with them (its config.implicit: the saved default)
 
 A phase is {name, until, implicit}: it runs while the fraction of training tokens already seen is
 < `until`; `implicit` holds the phase's solver settings (lm.models.config.ImplicitSettings), validated

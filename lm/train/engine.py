@@ -13,16 +13,61 @@
 
 Checkpoint files go through `writer(path)` (checkpoint.HashingWriter: the manifest's content hash is computed
 from the bytes as they are written).
+
+The DeepSpeed engine replaces a few private methods of DeepSpeed's ZeRO-1/2 optimizer and checkpoint engine (the
+host waits and kernel launches they cost, OVERRIDES). Each is installed only on the DeepSpeed versions it was written
+against and tested with (TESTED_DEEPSPEED: the signatures it replaces and the attributes it reads); on any other
+version DeepSpeed's own method runs, with a one-line warning on rank 0, and the results are the same (slower).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import sys
 import types
 from pathlib import Path
 
 import torch
+
+# DeepSpeed releases (major, minor) whose private methods the overrides below replace as written and were tested with:
+# DeepSpeedZeroOptimizer.{has_overflow_partitioned_grads_serial(), get_grad_norm_direct(gradients, params, norm_type),
+# unscale_and_clip_grads(grad_groups_flat, total_norm), scaled_global_norm(norm_type), check_grad_overflow} in
+# deepspeed/runtime/zero/stage_1_and_2.py and TorchCheckpointEngine.save(state_dict, path) (0.19.5 - 0.19.8)
+TESTED_DEEPSPEED = ((0, 19),)
+# name -> what it replaces and why (the commits that added them measured what each saves: docs/performance.md)
+OVERRIDES = {
+    "fused_grad_checks": "ZeRO-1/2's overflow check and gradient norm (has_overflow_partitioned_grads_serial, "
+                         "get_grad_norm_direct) as foreach norms instead of ~4000 small kernels per step",
+    "clip_on_device": "ZeRO-1/2's unscale_and_clip_grads without its host test of the gradient norm",
+    "skip_on_device": "bf16 ZeRO-1/2's non-finite step skipped on the device (scaled_global_norm sets the fused "
+                      "AdamW's found_inf; check_grad_overflow off) instead of an .item() in every step",
+    "hashing_writer": "TorchCheckpointEngine.save through the checkpoint's hashing writer (no re-read of the files)",
+}
+_warned: set = set()
+
+
+def deepspeed_version() -> tuple:
+    """The installed DeepSpeed's (major, minor)."""
+    import deepspeed
+    from packaging.version import Version
+
+    return Version(deepspeed.__version__).release[:2]
+
+
+def use_override(name: str) -> bool:
+    """Whether override `name` (OVERRIDES) is installed: the DeepSpeed version is one it was tested with. Otherwise
+    DeepSpeed's own method stays, and rank 0 says so once per process in one line."""
+    version = deepspeed_version()
+    if version in TESTED_DEEPSPEED:
+        return True
+    if name not in _warned:
+        _warned.add(name)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_DEEPSPEED)
+            print(f"lm train: DeepSpeed {'.'.join(map(str, version))} is not a version lm's {name} override was "
+                  f"tested with ({tested}): DeepSpeed's own method runs ({OVERRIDES[name]})", file=sys.stderr)
+    return False
 
 
 def _set_lr(optimizer, lr: float) -> None:
@@ -125,19 +170,31 @@ def deepspeed_config(*, base: str | None, micro_batch_size: int, accumulation: i
     return cfg
 
 
-def _fused_zero_grad_checks(opt) -> None:
+def _zero_overrides(opt) -> None:
+    """The ZeRO-1/2 optimizer's overrides (OVERRIDES: fused_grad_checks, clip_on_device, skip_on_device), each on a
+    tested DeepSpeed version only (use_override). Other optimizers (ZeRO-3, CPU offload, MoE, none) are left as
+    they are."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or getattr(opt, "has_moe_layers", False):
+        return
+    if use_override("fused_grad_checks"):
+        _fused_norms(opt)
+    if use_override("clip_on_device"):
+        opt.unscale_and_clip_grads = types.MethodType(_unscale_and_clip_grads, opt)
+    if use_override("skip_on_device"):
+        _skip_on_device(opt)
+
+
+def _fused_norms(opt) -> None:
     """ZeRO-1/2's overflow check and gradient norm as a few fused kernels instead of a loop over parameters.
 
     DeepSpeed's stage-1/2 optimizer tests every gradient for inf / NaN (amax, amin, isfinite, ... per tensor) and
     takes every gradient's norm in float64, one tensor at a time: ~4000 small kernel launches per step for a 48-layer
     model, during which the device idles until the host has launched them all (docs/performance.md, DeepSpeed's cost).
-    Here both are `torch._foreach_norm` over the same gradients (the max-norm propagates NaN and exposes inf: an
-    overflow exactly where any element is non-finite; the 2-norm per tensor, summed in float64) followed by
-    DeepSpeed's own reductions across ranks. Other optimizers (ZeRO-3, none) are left as they are."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or getattr(opt, "has_moe_layers", False):
-        return
+    Here both (has_overflow_partitioned_grads_serial, get_grad_norm_direct) are `torch._foreach_norm` over the same
+    gradients (the max-norm propagates NaN and exposes inf: an overflow exactly where any element is non-finite; the
+    2-norm per tensor, summed in float64) followed by DeepSpeed's own reductions across ranks."""
     from deepspeed import comm as ds_dist
 
     dev = opt.device
@@ -169,8 +226,6 @@ def _fused_zero_grad_checks(opt) -> None:
 
     opt.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
     opt.get_grad_norm_direct = get_grad_norm_direct
-    opt.unscale_and_clip_grads = types.MethodType(_unscale_and_clip_grads, opt)
-    _skip_on_device(opt)
 
 
 def _unscale_and_clip_grads(opt, grad_groups_flat, total_norm) -> None:
@@ -222,7 +277,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        _fused_zero_grad_checks(self.engine.optimizer)
+        _zero_overrides(self.engine.optimizer)
         self.base_optimizer = optimizer  # ZeRO keeps its param_groups (and their lr) in this object
         self.module = self.engine.module
 
@@ -251,7 +306,9 @@ class DeepSpeedEngine:
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
         ce = self.engine.checkpoint_engine
-        if type(ce) is not TorchCheckpointEngine:  # another engine (async, Nebula): the manifest reads its files
+        if type(ce) is not TorchCheckpointEngine or not use_override("hashing_writer"):
+            # another engine (async, Nebula), or a DeepSpeed version the override was not tested with: the manifest
+            # reads the files back to hash them
             self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
             return
 

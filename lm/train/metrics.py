@@ -45,13 +45,15 @@ class StepWindow:
         self.time += seconds
         self.fp.extend(fp_stats)
 
-    def _flops_per_token(self, config, iterations: float | None, layer_iterations: float | None) -> float:
+    def _flops_per_token(self, model, iterations: float | None, layer_iterations: float | None) -> float:
         """Training FLOPs per token: a + b * iterations (an implicit model's solve) + c * layer_iterations
-        (FP-Mamba's per-layer solves); a, b, c cached per solver settings."""
+        (FP-Mamba's per-layer solves); a, b, c cached per solver settings (those the model runs with)."""
         from lm.models.presets import flops_per_token
 
-        key = config.implicit
+        key = model.solver
         if key not in self._flops:
+            config = model.solver_config()
+
             def f(it, layer_it):
                 return flops_per_token(config, self.seq_len, iterations=it, layer_iterations=layer_it)["train"]
 
@@ -62,14 +64,14 @@ class StepWindow:
             iterations = key.max_iter
         return a + b * (iterations or 0.0) + c * (layer_iterations or 0.0)
 
-    def record(self, config) -> dict:
+    def record(self, model) -> dict:
         """The window's averages (then reset): tokens_per_s, step_time, mfu, flops_per_token, fp/<stat>."""
         tps = self.steps * self.tokens_per_step / self.time if self.time > 0 else float("nan")
         rec = {"tokens_per_s": tps, "step_time": self.time / max(1, self.steps)}
         for k in (self.fp[0] if self.fp else {}):
             vals = [s[k] for s in self.fp if k in s]
             rec[f"fp/{k}"] = sum(vals) / len(vals)
-        fpt = self._flops_per_token(config, rec.get("fp/iterations"), rec.get("fp/layer_iterations"))
+        fpt = self._flops_per_token(model, rec.get("fp/iterations"), rec.get("fp/layer_iterations"))
         rec["flops_per_token"] = fpt
         rec["mfu"] = mfu(tps, fpt, self.peak_flops, self.world_size)
         self.reset()
@@ -179,7 +181,7 @@ class StepLog:
             self.last_loss = res.loss
         if res.step % self.every == 0 or res.step == stop.at or res.signalled or last:
             rec = {"step": res.step, "tokens": res.step * self.tokens_per_step, "loss": res.loss, "lr": res.lr,
-                   "grad_norm": res.grad_norm, **self.window.record(self.model.config),
+                   "grad_norm": res.grad_norm, **self.window.record(self.model),
                    "mem_gb": memory_gb(self.device), "skipped": res.skipped,
                    **({"phase": res.phase} if res.phase else {}), **self.task.log_fields()}
             if self.task.reached_target(res.step):

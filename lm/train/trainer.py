@@ -263,7 +263,7 @@ class _Run:
 
     def _state(self) -> dict:
         """The loop's part of a checkpoint's client.json."""
-        implicit = self.model.config.implicit
+        implicit = self.model.solver
         return {"bad_in_row": self.stop.bad_in_row, **self.curriculum.client(),
                 "implicit": implicit.to_dict() if implicit is not None else None, "train_s": self.budget.elapsed_s()}
 
