@@ -2,6 +2,7 @@
 a sharded run with the unsharded one."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -19,7 +20,8 @@ def _port() -> int:
 def _entry(rank, world, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a collective that one rank misses fails the test in two minutes (gloo's default waits 30)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         fn(rank, world, *args)
     finally:

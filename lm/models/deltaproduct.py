@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm_kernels.context_parallel import causal_conv1d_cp, chunk_deltaproduct_cp
 from lm_kernels.deltaproduct import chunk_deltaproduct, deltaproduct_step
 from lm_kernels.varlen import cpu_offsets
 
@@ -172,17 +173,22 @@ class DeltaProductMixer(Mixer):
             return {}
         return {"cu_seqlens_cpu": cpu_offsets(cu_seqlens, cu_seqlens_cpu, "model")}
 
-    def _short_convs(self, qkv, cu_seqlens):
+    def _short_convs(self, qkv, cu_seqlens, context=None):
         """q, k, v = SiLU(conv(.)) of the projection's q / k / v columns, one conv call each (training, no cache),
         so that each comes out in its own contiguous buffer: k and v then reshape to their (t * n_h) step rows as
         views and q, k and v are saved (by the L2 norm and the op) without copies, where one conv output split
         into views made the reshapes of k and v copy (both copies saved for the backward) and kept the whole
-        conv output alive through the saved q."""
+        conv output alive through the saved q. `context`: each conv with its halo from the previous rank."""
         w = self.conv1d.weight.squeeze(1)
-        return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0]
-                for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
+        parts = zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))
+        if context is not None:
+            return [causal_conv1d_cp(x, wi, None, context.slice, cu_seqlens=cu_seqlens, activation="silu")
+                    for x, wi in parts]
+        return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0] for x, wi in parts]
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, cu_seqlens_cpu=None, attention_mask=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, cu_seqlens_cpu=None, attention_mask=None,
+                context=None):
+        """`context` (lm.models.context_parallel.ContextShard): x is this rank's slice of the sequences."""
         b, t, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
@@ -201,7 +207,7 @@ class DeltaProductMixer(Mixer):
         state = cache.get(self.layer_idx) if cache is not None else {}
         conv_state = None
         if self.conv1d is not None and cache is None:
-            q, k, v = self._short_convs(qkv, cu_seqlens)
+            q, k, v = self._short_convs(qkv, cu_seqlens, context)
         else:
             if self.conv1d is not None:
                 qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), None, cu_seqlens=cu_seqlens,
@@ -227,6 +233,10 @@ class DeltaProductMixer(Mixer):
                 h0, q[:, 0], k.reshape(b, nh, H, dk), v.reshape(b, nh, H, dv), beta.reshape(b, nh, H),
                 g[:, 0] if g is not None else None, use_qk_l2norm=True)
             o = o.unsqueeze(1)
+        elif context is not None:
+            o, new_state = chunk_deltaproduct_cp(
+                q, k, v, beta, g, context.slice, num_householder=nh, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+                chunk_size=self.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
         else:
             o, new_state = chunk_deltaproduct(
                 q, k, v, beta, g, num_householder=nh, initial_state=state.get("state"),
