@@ -39,6 +39,7 @@ from .budget import TimeBudget
 from .checkpointer import Checkpointer
 from .config import TrainConfig
 from .console import Console
+from .context_parallel import ContextGroups, check_context_parallel
 from .curriculum import Curriculum, curriculum_phases
 from .data import build_data, build_task_data
 from .distributed import Dist, resolve_auto_engine, shutdown  # noqa: F401  (re-exported)
@@ -65,11 +66,14 @@ class Plan:
 
     @classmethod
     def of(cls, cfg: TrainConfig, world: int) -> "Plan":
+        """`world`: the data-parallel ranks (the world size / train.context_parallel: a context group's ranks share
+        their sequences)."""
         t, d = cfg.train, cfg.data
         per_micro = t.micro_batch_size * d.seq_len * world
+        ranks = "world_size" if t.context_parallel == 1 else "(world_size / context_parallel)"
         if t.global_batch_tokens % per_micro:
             raise ValueError(f"train.global_batch_tokens: {t.global_batch_tokens} is not a multiple of micro_batch_size"
-                             f" * seq_len * world_size = {t.micro_batch_size} * {d.seq_len} * {world} = {per_micro}")
+                             f" * seq_len * {ranks} = {t.micro_batch_size} * {d.seq_len} * {world} = {per_micro}")
         total = t.steps if t.steps is not None else math.ceil(t.tokens / t.global_batch_tokens)
         return cls(t.global_batch_tokens // per_micro, total, t.global_batch_tokens)
 
@@ -104,12 +108,15 @@ def _resumed_engine(cfg: TrainConfig) -> str | None:
         return None  # no checkpoint (or a broken one): find_resume says what is wrong
 
 
-def build_run_data(cfg: TrainConfig, dist: Dist):
-    """(train reader, make_val(n) -> batches, tokenizer or None, data vocabulary size)."""
+def build_run_data(cfg: TrainConfig, groups: ContextGroups):
+    """(train reader, make_val(n) -> batches, tokenizer or None, data vocabulary size); with context parallelism
+    the readers of a context group's ranks read the same batches and each yields its slice (`groups`)."""
     if cfg.data.source == "task":  # a synthetic task (lm.data.synthetic.source)
-        return build_task_data(cfg, rank=dist.rank, world_size=dist.world)
-    return build_data(cfg.data, seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size, rank=dist.rank,
-                      world_size=dist.world)
+        return build_task_data(cfg, rank=groups.data_rank, world_size=groups.data_world)
+    train, make_val, tokenizer, vocab = build_data(cfg.data, seed=cfg.train.seed,
+                                                   micro_batch_size=cfg.train.micro_batch_size,
+                                                   rank=groups.data_rank, world_size=groups.data_world)
+    return groups.reader(train), groups.val(make_val), tokenizer, vocab
 
 
 def build_engine(cfg: TrainConfig, model, dist: Dist, plan: Plan, universal: bool = False):
@@ -141,8 +148,10 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     model_config = load_model_config(cfg)  # the preset, read once
     phases = curriculum_phases(cfg.curriculum, model_config.model_type)
     check_model_settings(cfg, model_config, phases)
+    check_context_parallel(cfg)
     dist = Dist(t, resumed_engine=_resumed_engine(cfg))
-    plan = Plan.of(cfg, dist.world)
+    groups = ContextGroups(t.context_parallel, dist.world, dist.rank)
+    plan = Plan.of(cfg, groups.data_world)
     resume_from = find_resume(cfg, dist)
     resumed = None
     if resume_from is not None:
@@ -158,7 +167,7 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
-    data = build_run_data(cfg, dist)
+    data = build_run_data(cfg, groups)
     model = build_model(cfg, model_config, phases, data[3])
 
     lock = RunLock(cfg.run_dir)
@@ -324,14 +333,15 @@ def _announce(cfg: TrainConfig, dist: Dist, plan: Plan, model, resumed, step: in
     n_params = sum(p.numel() for p in model.parameters())
     logger.log({"event": "start", "step": step, "total_steps": plan.total_steps, "total_tokens": plan.total_steps *
                 plan.tokens_per_step, "accumulation": plan.accumulation, "world_size": dist.world,
-                "engine": dist.engine, "device": str(dist.device), "params": n_params,
+                "context_parallel": cfg.train.context_parallel, "engine": dist.engine, "device": str(dist.device), "params": n_params,
                 "resumed_from": str(resumed.path) if resumed else None,
                 **({"resumed_world_size": resumed.world_size, "config_changes": resumed.changes} if resumed else {})})
     t = cfg.train
     console.write(f"lm train: {model.config.model_type} {n_params / 1e6:.2f}M params, {plan.total_steps} steps x "
                   f"{t.global_batch_tokens} tokens ({plan.accumulation} x {t.micro_batch_size} x {cfg.data.seq_len} x "
-                  f"{dist.world} ranks), engine {dist.engine} on {dist.device}" + (f", resumed at step {step}" if step
-                                                                                    else "")
+                  f"{dist.world // t.context_parallel} ranks"
+                  + (f", each sequence over {t.context_parallel} context ranks" if t.context_parallel > 1 else "")
+                  + f"), engine {dist.engine} on {dist.device}" + (f", resumed at step {step}" if step else "")
                   + (f" (written by {resumed.world_size} ranks)" if resumed and resumed.world_size != dist.world
                      else ""))
     for line in resumed.changes if resumed else ():
