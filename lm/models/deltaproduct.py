@@ -173,18 +173,22 @@ class DeltaProductMixer(Mixer):
             return {}
         return {"cu_seqlens_cpu": cpu_offsets(cu_seqlens, cu_seqlens_cpu, "model")}
 
-    def _short_convs(self, qkv, cu_seqlens, context=None):
+    def _short_convs(self, qkv, cu_seqlens):
         """q, k, v = SiLU(conv(.)) of the projection's q / k / v columns, one conv call each (training, no cache),
         so that each comes out in its own contiguous buffer: k and v then reshape to their (t * n_h) step rows as
         views and q, k and v are saved (by the L2 norm and the op) without copies, where one conv output split
         into views made the reshapes of k and v copy (both copies saved for the backward) and kept the whole
-        conv output alive through the saved q. `context`: each conv with its halo from the previous rank."""
+        conv output alive through the saved q."""
         w = self.conv1d.weight.squeeze(1)
-        parts = zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))
-        if context is not None:
-            return [causal_conv1d_cp(x, wi, None, context.slice, cu_seqlens=cu_seqlens, activation="silu")
-                    for x, wi in parts]
-        return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0] for x, wi in parts]
+        return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0]
+                for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
+
+    def _short_convs_cp(self, qkv, cu_seqlens, context):
+        """`_short_convs` on this rank's slice (context parallelism): each conv with its halo from the previous
+        rank."""
+        w = self.conv1d.weight.squeeze(1)
+        return [causal_conv1d_cp(x, wi, None, context.slice, cu_seqlens=cu_seqlens, activation="silu")
+                for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, cu_seqlens_cpu=None, attention_mask=None,
                 context=None):
@@ -207,7 +211,8 @@ class DeltaProductMixer(Mixer):
         state = cache.get(self.layer_idx) if cache is not None else {}
         conv_state = None
         if self.conv1d is not None and cache is None:
-            q, k, v = self._short_convs(qkv, cu_seqlens, context)
+            q, k, v = (self._short_convs(qkv, cu_seqlens) if context is None
+                       else self._short_convs_cp(qkv, cu_seqlens, context))
         else:
             if self.conv1d is not None:
                 qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), None, cu_seqlens=cu_seqlens,
