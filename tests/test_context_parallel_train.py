@@ -2,7 +2,8 @@
 group sharing each sequence gives the losses (every step's and the held-out loss) of one rank training the same
 batches, to float32 rounding (1e-5 relative): 2 ranks in one context group, and 4 ranks as 2 data-parallel x 2
 context ranks (ZeRO over all 4). Packed documents of mixed lengths (data.cu_seqlens) cross the slice borders; the
-model mixes attention (with GQA) and Mamba2. The config's refusals are checked without launching ranks."""
+model mixes attention (with GQA) and Mamba2; the first step runs the sequence-length warm-up's shorter rows. The
+config's refusals are checked without launching ranks."""
 import json
 import os
 import subprocess
@@ -47,7 +48,8 @@ def corpus(tmp_path_factory):
 def _tree(run, data, context_parallel: int) -> dict:
     return tiny_run_tree(run, {
         "model": {"preset": "lm_hybrid-tiny", "overrides": HYBRID},
-        "data": {"path": str(data), "seq_len": 32, "cu_seqlens": True},
+        "data": {"path": str(data), "seq_len": 32, "cu_seqlens": True,
+                 "seq_len_warmup": [{"until": 0.34, "seq_len": 16}]},  # the first step: documents cut at 16 tokens
         "schedule": {"kind": "constant", "warmup": 1},
         "train": {"steps": 3, "micro_batch_size": 2, "global_batch_tokens": 128, "engine": "deepspeed",
                   "zero_stage": 2, "context_parallel": context_parallel},

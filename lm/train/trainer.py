@@ -45,6 +45,7 @@ from .data import build_data, build_task_data
 from .distributed import Dist, resolve_auto_engine, shutdown  # noqa: F401  (re-exported)
 from .engine import DeepSpeedEngine, TorchEngine, deepspeed_config
 from .evaluation import Evaluator
+from .length_warmup import LengthWarmup, parse_stages
 from .metrics import MetricsLogger, StepLog, StepWindow
 from .model import build_model, check_model_settings, load_model_config
 from .optim import make_optimizer
@@ -108,14 +109,17 @@ def _resumed_engine(cfg: TrainConfig) -> str | None:
         return None  # no checkpoint (or a broken one): find_resume says what is wrong
 
 
-def build_run_data(cfg: TrainConfig, groups: ContextGroups):
-    """(train reader, make_val(n) -> batches, tokenizer or None, data vocabulary size); with context parallelism
-    the readers of a context group's ranks read the same batches and each yields its slice (`groups`)."""
+def build_run_data(cfg: TrainConfig, groups: ContextGroups, total_steps: int):
+    """(train reader, make_val(n) -> batches, tokenizer or None, data vocabulary size). The training reader cuts its
+    rows to the sequence-length warm-up's stage (LengthWarmup, `enter(step)`); with context parallelism the readers
+    of a context group's ranks read the same batches and each yields its slice (`groups`)."""
     if cfg.data.source == "task":  # a synthetic task (lm.data.synthetic.source)
         return build_task_data(cfg, rank=groups.data_rank, world_size=groups.data_world)
     train, make_val, tokenizer, vocab = build_data(cfg.data, seed=cfg.train.seed,
                                                    micro_batch_size=cfg.train.micro_batch_size,
                                                    rank=groups.data_rank, world_size=groups.data_world)
+    stages = parse_stages(cfg.data.seq_len_warmup, cfg.data.seq_len, cfg.train.context_parallel)
+    train = LengthWarmup(train, stages, cfg.data.seq_len, total_steps)
     return groups.reader(train), groups.val(make_val), tokenizer, vocab
 
 
@@ -167,7 +171,7 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
-    data = build_run_data(cfg, groups)
+    data = build_run_data(cfg, groups, plan.total_steps)
     model = build_model(cfg, model_config, phases, data[3])
 
     lock = RunLock(cfg.run_dir)
@@ -196,6 +200,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resumed,
     step, stop, stepper = r.step, r.stop, r.stepper
     while step < stop.at and not stop.now:
         r.curriculum.enter(step)
+        r.enter_length(step)
         queued = stepper.queue(step, r.schedule.lr(step), r.curriculum.phase)
         step += 1
         behind, stepper.behind = stepper.behind, None
@@ -230,6 +235,7 @@ class _Run:
         self.run_dir, self.total_steps = Path(cfg.run_dir), plan.total_steps
         reader, make_val, tokenizer, _ = data
         self.task = task_component(cfg, reader, self.run_dir, dist)
+        self.lengths = reader if cfg.data.source != "task" else None  # (LengthWarmup, or ShardedReader over one)
         model.to(dist.device)
         model.train()
         engine = build_engine(cfg, model, dist, plan, universal=resumed is not None and resumed.reshard)
@@ -269,6 +275,14 @@ class _Run:
         self.checkpoints = Checkpointer(cfg, total_steps=plan.total_steps, tokens_per_step=plan.tokens_per_step,
                                         engine=engine, reader=reader, dist=dist, logger=logger, state=self._state,
                                         last_saved=self.step if resumed is not None else -1)
+
+    def enter_length(self, step: int) -> None:
+        """Before step `step` + 1: the sequence-length warm-up's stage (data.seq_len_warmup), logged where it
+        changes."""
+        length = self.lengths.enter(step) if self.lengths is not None else None
+        if length is not None:
+            self.logger.log({"event": "seq_len", "step": step, "seq_len": length})
+            self.console.write(f"step {step}: sequences of {length} tokens")
 
     def _state(self) -> dict:
         """The loop's part of a checkpoint's client.json."""
