@@ -66,8 +66,11 @@ def _check_family(rank, world, family):
                 raise AssertionError(f"{family} {dtype} packed={packed}: {err}") from None
 
 
-def _check(rank, world, family, dtype, packed):
+def _check(rank, world, family, dtype, packed, checkpointing=False):
     model = _model(family, dtype)
+    if checkpointing:  # the blocks' forwards, collectives included, run again in the backward on every rank
+        model.gradient_checkpointing_enable()
+        assert model.model.gradient_checkpointing
     g = torch.Generator().manual_seed(1)
     b = 1 if packed else 2
     ids = torch.randint(0, 64, (b, T), generator=g)
@@ -104,3 +107,19 @@ def _check(rank, world, family, dtype, packed):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_model_equals_unsharded(family, world):
     run_ranks(_check_family, world, family)
+
+
+def _check_checkpointing(rank, world, family):
+    for packed in (False, True):
+        try:
+            _check(rank, world, family, torch.float64, packed, checkpointing=True)
+        except AssertionError as err:
+            raise AssertionError(f"{family} checkpointing packed={packed}: {err}") from None
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family", ["hybrid", "fp_mamba"])
+def test_activation_checkpointing_equals_unsharded(family):
+    """model.activation_checkpointing with context parallelism: each block's recomputed forward repeats its
+    exchanges between the ranks, in the same order on all of them."""
+    run_ranks(_check_checkpointing, 2, family)
