@@ -6,8 +6,11 @@ shape that is 10-20 s per process, repeated by every training restart, evaluatio
 triton's cache directory, keyed by triton's version, the GPU target, the kernel's source, the tuning key and the
 config list, and later processes read the choice instead of timing again. A change to a kernel or to its
 configs therefore re-tunes; two GPUs of one architecture (an H100 and an H200) share the entries.
-LM_TRITON_AUTOTUNE_CACHE=0 (read when the kernel modules are imported) turns it off: every process times again,
-e.g. to re-tune after a driver change.
+LM_TRITON_AUTOTUNE_CACHE=0 turns it off: every process times again, e.g. to re-tune after a driver change.
+
+Nothing is read from the environment at import: a kernel module builds its autotuners on first use for the settings
+`tuning(op)` reads on each call (interpreter or GPU, autotuning on or off, the disk cache on or off), one set per
+settings (functools.lru_cache), so a setting changed later in the process takes effect at the next call.
 
 `launch` keeps an autotuner's choice per call key in the process, so that repeat launches skip the autotuner's own
 per-call key building (the Triton ops launch every layer's kernels through it).
@@ -20,6 +23,8 @@ import os
 import triton
 from triton.runtime.autotuner import Autotuner
 
+from .backend import autotuning, interpreted
+
 _HAS_CACHE = "cache_results" in inspect.signature(triton.autotune).parameters
 
 
@@ -28,12 +33,18 @@ def cache_enabled() -> bool:
     if v not in ("0", "1"):
         raise ValueError(f"LM_TRITON_AUTOTUNE_CACHE={v!r} must be 0 or 1 (or unset)")
     # (not under the interpreter: nothing is timed there, and triton 3.6 would still look for a GPU target)
-    return _HAS_CACHE and v == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return _HAS_CACHE and v == "1" and not interpreted()
 
 
-def autotune(configs, key, **kwargs):
-    """triton.autotune(configs, key, **kwargs) with cache_results on (see the module docstring)."""
-    if cache_enabled():
+def tuning(op: str) -> tuple[bool, bool, bool]:
+    """(interpreted(), autotuning(op), cache_enabled()) now: the settings `op`'s autotuners are built for (the key of
+    the module's cached builder)."""
+    return interpreted(), autotuning(op), cache_enabled()
+
+
+def autotune(configs, key, cache: bool, **kwargs):
+    """triton.autotune(configs, key, **kwargs), keeping its choices on disk if `cache` (see the module docstring)."""
+    if cache:
         kwargs.setdefault("cache_results", True)
     return triton.autotune(configs=configs, key=key, **kwargs)
 

@@ -4,6 +4,9 @@ backend=None is automatic: the environment variable LM_<OP>_BACKEND if set, else
 imports (and the op's own `fits` check passes), else "reference". An explicit "triton" on a CPU tensor needs
 TRITON_INTERPRET=1 set before triton is first imported (how the CPU tests run the kernels). Ops may accept
 more backends than the two (DeltaProduct: "fla").
+
+Nothing here or in the kernel modules reads the environment at import: the backend, whether the kernels run in the
+interpreter (`interpreted`) and whether they autotune (`autotuning`) are read on each call.
 """
 from __future__ import annotations
 
@@ -34,6 +37,21 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def interpreted() -> bool:
+    """Whether the Triton kernels run in triton's CPU interpreter (TRITON_INTERPRET=1), read on each call: it picks
+    the interpreter's launch configs. triton.jit reads the same variable once, when a kernel is decorated (when its
+    module is imported), and makes an interpreted or a compiled kernel of it; the two agree when the variable is set
+    before the kernel modules are imported, as resolve_backend's message says."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotuning(op: str) -> bool:
+    """Whether `op`'s Triton kernels autotune their launch configs, read on each call: on the GPU unless
+    LM_<OP>_AUTOTUNE=0 (then each kernel launches the first config of its list: less compile time, e.g. in tests);
+    never in the interpreter, which times nothing."""
+    return not interpreted() and os.environ.get(f"LM_{op.upper()}_AUTOTUNE", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +86,7 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, *, fits:
         if not triton_available():
             raise ValueError(f"{op}: backend='triton' needs the triton package (pip install triton); "
                              "or use backend='reference'")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if device.type != "cuda" and not interpreted():
             raise ValueError(f"{op}: backend='triton' on a {device.type} tensor needs TRITON_INTERPRET=1 set before "
                              "triton is imported; use backend='reference' on CPU")
     return backend

@@ -167,18 +167,18 @@ def test_export_files_follow_the_umask(two_runs, tmp_path, mask):
 
 def test_deepspeed_first_cpu_start_is_announced(tmp_path, capsys, monkeypatch):
     pytest.importorskip("deepspeed")
-    from lm.train.distributed import _say_if_deepspeed_compiles
+    from lm.train.distributed import _check_deepspeed_cpu_op
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "empty"))  # nothing compiled there
-    _say_if_deepspeed_compiles()
+    _check_deepspeed_cpu_op(announce=True)
     err = capsys.readouterr().err
     assert "DeepSpeed compiles its CPU communication op deepspeed_shm_comm now" in err and "2 minutes" in err, err
     built = tmp_path / "built" / "deepspeed_shm_comm"
     built.mkdir(parents=True)
     (built / "deepspeed_shm_comm.so").write_bytes(b"")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "built"))
-    _say_if_deepspeed_compiles()
+    _check_deepspeed_cpu_op(announce=True)
     assert capsys.readouterr().err == ""
 
 

@@ -135,11 +135,11 @@ def test_launch_retries_smaller_configs_when_shared_memory_runs_out(monkeypatch)
     from triton.runtime.errors import OutOfResources
 
     import lm_kernels.deltaproduct.chunk as tc
-    monkeypatch.setattr(tc, "INTERPRET", False)
+    monkeypatch.setattr(tc, "interpreted", lambda: False)
     monkeypatch.setattr(tc, "_FIT", {})
     calls, budget = [], [32]
 
-    class Fn:
+    class Kern:
         def __getitem__(self, grid):
             def run(*args, **kw):
                 calls.append((grid, kw["BV"], kw["num_warps"], kw["num_stages"]))
@@ -147,22 +147,19 @@ def test_launch_retries_smaller_configs_when_shared_memory_runs_out(monkeypatch)
                     raise OutOfResources(kw["num_stages"] * kw["BV"], budget[0], "shared memory")
             return run
 
-    class Kern:
-        fn = Fn()
-
     x = torch.zeros(1)
     grid = lambda m: (256 // m["BV"],)  # noqa: E731
     with pytest.warns(UserWarning, match="shared memory"):
-        tc._launch(Kern, "bwd_state", grid, (x,), {"BV": 64})  # BASE: 4 warps, 2 stages
+        tc._launch(Kern(), "bwd_state", grid, (x,), {"BV": 64})  # BASE: 4 warps, 2 stages
     assert calls == [((4,), 64, 4, 2), ((4,), 64, 4, 1), ((8,), 32, 4, 2), ((8,), 32, 2, 1)]
     calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tc._launch(Kern, "bwd_state", grid, (x,), {"BV": 64})
+        tc._launch(Kern(), "bwd_state", grid, (x,), {"BV": 64})
     assert calls == [((8,), 32, 2, 1)]
     budget[0] = 8
     with pytest.raises(OutOfResources):
-        tc._launch(Kern, "main", (1,), (x,), {})  # BV 32 at 8 warps, 4 stages: nothing down to BV 8 fits
+        tc._launch(Kern(), "main", (1,), (x,), {})  # BV 32 at 8 warps, 4 stages: nothing down to BV 8 fits
     assert calls[-1] == ((1,), 16, 8, 1)
 
 

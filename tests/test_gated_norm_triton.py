@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("fast_interpreter")
 
 import lm_kernels.rmsnorm.triton_rmsnorm as T  # noqa: E402  (registers the ops)
+from lm_kernels.backend import interpreted  # noqa: E402
 
 EPS = 1e-5
 
@@ -120,7 +121,7 @@ def test_no_gradient_and_empty():
     assert y.shape == (0, 16) and gx.shape == (0, 16) and torch.equal(gw, torch.zeros(16))
 
 
-@pytest.mark.skipif(not T._INTERPRET, reason="the bounds checker instruments the Triton interpreter (CPU)")
+@pytest.mark.skipif(not interpreted(), reason="the bounds checker instruments the Triton interpreter (CPU)")
 def test_forward_and_backward_in_bounds():
     """Every load and store of both kernels stays inside its tensors (tests/bounds_check.py): split views of a
     projection, a row count that leaves the last chunk short, a group narrower than its block."""

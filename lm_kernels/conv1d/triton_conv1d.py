@@ -16,48 +16,52 @@ float64 inputs); y, dx and the new conv state come out in x's dtype, dweight / d
 the dtype of their input. Tile sizes are autotuned on the GPU (key: channels, width, flags, dtypes)
 among configs that compile without spills on sm_90 for W = 4 (cuobjdump, forward: 72-150 registers);
 under TRITON_INTERPRET=1 one small config (8 x 16 tiles; 32 channels and 16-row chunks in the backward) so that
-CPU tests at tiny shapes cross tile, channel-block and chunk borders.
+CPU tests at tiny shapes cross tile, channel-block and chunk borders. LM_CONV1D_AUTOTUNE=0: the first config only;
+both settings are read per call.
 """
 from __future__ import annotations
 
+import functools
 import math
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotune, launch
-from ..backend import CUSTOM_OP_TAGS, absent, cdiv, next_pow2, num_sms
+from ..autotune import autotune, launch, tuning
+from ..backend import CUSTOM_OP_TAGS, absent, cdiv, interpreted, next_pow2, num_sms
 from . import triton_kernels as K
 from .reference import check_x_add
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_AUTOTUNE = not (_INTERPRET or os.environ.get("LM_CONV1D_AUTOTUNE", "1") == "0")
 MAX_WIDTH = 8
 
 _KEY = ["C", "W", "HAS_STATE", "HAS_BIAS", "HAS_ADD", "VARLEN", "SILU"]
-
-
-def _configs(triples, interpret):
-    if _INTERPRET:
-        triples = [interpret]
-    elif not _AUTOTUNE:
-        triples = triples[:1]
-    return [triton.Config(dict(BT=bt, BC=bc), num_warps=w, num_stages=2) for bt, bc, w in triples]
-
-
-_fwd = autotune(
-    configs=_configs([(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)], (8, 16, 1)),
-    key=_KEY)(K.conv_fwd_kernel)
+# (BT, BC, warps) of the forward, the first: the one launched without autotuning
+_FWD_TRIPLES = [(16, 128, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 64, 2)]
 # the backward walks its rows one at a time with the channels across the threads, BC channels per program (4 per
 # thread: 8-byte bf16 loads; 134 registers on sm_90). The tuner took (128, 1 warp) at Mamba2-350M's shape, fixed and
 # packed (H100, docs/performance.md); (256, 2 warps) is the other candidate
-_bwd = autotune(
-    configs=[triton.Config(dict(BC=bc), num_warps=w, num_stages=1)
-             for bc, w in ([(32, 1)] if _INTERPRET else [(128, 1), (256, 2)][:2 if _AUTOTUNE else 1])],
-    key=_KEY + ["CHUNK", "STATE_GRAD"])(K.conv_bwd_kernel)
+_BWD_PAIRS = [(128, 1), (256, 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _build(interpret: bool, tune: bool, cache: bool):
+    """(forward, backward) autotuners for these settings (lm_kernels.autotune.tuning): their lists when `tune`, else
+    the first config; in the interpreter one small config each (see the module docstring)."""
+    fwd = [(8, 16, 1)] if interpret else _FWD_TRIPLES if tune else _FWD_TRIPLES[:1]
+    bwd = [(32, 1)] if interpret else _BWD_PAIRS if tune else _BWD_PAIRS[:1]
+    return (autotune(configs=[triton.Config(dict(BT=bt, BC=bc), num_warps=w, num_stages=2) for bt, bc, w in fwd],
+                     key=_KEY, cache=cache)(K.conv_fwd_kernel),
+            autotune(configs=[triton.Config(dict(BC=bc), num_warps=w, num_stages=1) for bc, w in bwd],
+                     key=_KEY + ["CHUNK", "STATE_GRAD"], cache=cache)(K.conv_bwd_kernel))
+
+
+def _tuners():
+    """The (forward, backward) autotuners for the settings read now: TRITON_INTERPRET, LM_CONV1D_AUTOTUNE,
+    LM_TRITON_AUTOTUNE_CACHE."""
+    return _build(*tuning("conv1d"))
+
 
 _ACC = {torch.float64: tl.float64}
 
@@ -73,7 +77,7 @@ def _log_n(cu_seqlens):
 def _bwd_chunk(t: int, b: int, c: int, device) -> int:
     """Rows per backward program: ~8 programs per SM or more with 256-channel blocks (16 or more with the tuned
     128-channel ones), few enough that the dweight partials (one (C, W+1) row per program) stay small."""
-    if _INTERPRET:
+    if interpreted():
         return 16
     sms = num_sms(device)
     per_chunk = b * cdiv(c, 256)
@@ -109,7 +113,7 @@ def conv1d_fwd(x, weight, bias, conv_state, cu_seqlens, silu: bool, x_add=None):
     flags = dict(W=w, BS=next_pow2(max(w - 1, 1)), HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None,
                  HAS_ADD=x_add is not None, VARLEN=cu_seqlens is not None, SILU=silu, WRITE_STATE=w > 1,
                  ACC=_ACC.get(x.dtype, tl.float32))
-    launch(_fwd, ("fwd", c, x.dtype, weight.dtype, *flags.values()), grid, (
+    launch(_tuners()[0], ("fwd", c, x.dtype, weight.dtype, *flags.values()), grid, (
         x, x_add if x_add is not None else dummy, conv_state if conv_state is not None else dummy, weight,
         bias if bias is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, y, new_state,
         t, c, n_seq, log_n,
@@ -139,7 +143,7 @@ def conv1d_bwd(dy, x, weight, bias, conv_state, cu_seqlens, silu: bool, state_gr
     grid = lambda meta: (n_chunks, cdiv(c, meta["BC"]), b)  # noqa: E731
     flags = dict(W=w, HAS_STATE=conv_state is not None, HAS_BIAS=bias is not None, HAS_ADD=x_add is not None,
                  VARLEN=cu_seqlens is not None, SILU=silu, STATE_GRAD=state_grad, ACC=acc)
-    launch(_bwd, ("bwd", c, chunk, x.dtype, dy.dtype, weight.dtype, *flags.values()), grid, (
+    launch(_tuners()[1], ("bwd", c, chunk, x.dtype, dy.dtype, weight.dtype, *flags.values()), grid, (
         x, x_add if x_add is not None else dummy, conv_state if conv_state is not None else dummy, weight,
         bias if bias is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy, dy, dx,
         dstate if dstate is not None else dummy, part,

@@ -16,9 +16,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..autotune import autotune
-from .configs import base_configs
-
 
 @triton.jit
 def _qs_terms(b_q, b_k, b_dqi, b_dovn, b_dkd, b_dgc, b_g, b_gq, g_last, rq, m_q, m_t, o_t, nt, scale, dq, dq_rows, o_k,
@@ -152,7 +149,6 @@ def _wy_store(b_k, b_dw, b_Tk, b_b, b_g, b_dvnvb, b_dk, b_db, b_dg, dk, db, dg, 
         tl.store(dg + ((o_t + ph) // NH) * H, b_dgl.to(dg.dtype.element_ty), mask=m_t & ((o_t + ph) % NH == 0))
 
 
-@autotune(configs=base_configs("main", {"BV": 16}), key=["H", "K", "V", "BT", "NH"])
 @triton.jit
 def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db, dg,
                      chunk_seq, chunk_row, cu_rows, chunk_off, scale,
@@ -206,7 +202,6 @@ def _bwd_main_kernel(q, k, v, beta, gc, Tm, hs, vn, do, dh, dvn, dq, dk, dv, db,
               H, K, NH, USE_G, PREC)
 
 
-@autotune(configs=base_configs("qk", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "BK"])
 @triton.jit
 def _bwd_qk_kernel(q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, chunk_seq, chunk_row, cu_rows, chunk_off, scale,
                    LH, NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -253,7 +248,6 @@ def _bwd_qk_kernel(q, k, gc, hs, vn, do, dh, dvn, dq, dkp, dwp, dgp, chunk_seq, 
     tl.store(dgp + o_t * H, b_dg, mask=m_t)
 
 
-@autotune(configs=base_configs("wy", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "NK"])
 @triton.jit
 def _bwd_wy_kernel(k, v, beta, gc, Tm, dvn, dwp, dkp, dgp, dk, dv, db, dg, chunk_seq, chunk_row, cu_rows, LH,
                    NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,

@@ -11,11 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..autotune import autotune
-from .configs import base_configs
 
-
-@autotune(configs=base_configs("bwd_state"), key=["H", "K", "V", "BT", "NH", "BV", "LOAD_AQ"])
 @triton.jit
 def _bwd_state_kernel(q, k, w, gc, do, dht, dh0, dh, dvn, aqkt, cu_rows, chunk_off, scale,
                       NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,

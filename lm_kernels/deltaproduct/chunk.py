@@ -28,11 +28,11 @@ import warnings
 import torch
 from triton.runtime.errors import OutOfResources
 
-from ..backend import cdiv, next_pow2
+from ..backend import cdiv, interpreted, next_pow2
 from ._common import check_inputs
 from .bwd import _bwd_main_kernel, _bwd_qk_kernel, _bwd_wy_kernel
 from .bwd_state import _bwd_state_kernel
-from .configs import BASE, INTERPRET, MAIN_NH1, WY_WIDE_K
+from .configs import BASE, INTERPRETER, MAIN_NH1, WY_WIDE_K
 from .fwd import _fwd_kernel
 from .l2norm import l2norm_triton
 from .prep import _prep_kernel
@@ -63,12 +63,14 @@ def _smaller(name, meta, nw, ns, kw, vary_bv=True):
 
 
 def _launch(kern, name, grid, args, kw, config=None):
-    """kern[grid](*args, **kw) at `config` (meta, num_warps, num_stages), default BASE[name], on the GPU; the
-    interpreter runs the autotune list. grid is a tuple or a function of the meta-parameters. A config that needs more
+    """kern[grid](*args, **kw) at `config` (meta, num_warps, num_stages), default BASE[name], on the GPU; in the
+    interpreter at INTERPRETER[name]. grid is a tuple or a function of the meta-parameters. A config that needs more
     shared memory than the GPU has (wide key heads, float32 inputs) is retried with fewer stages, then narrower V
     blocks (_smaller), with a warning; the config that fit is remembered for these constexprs and dtype."""
-    if INTERPRET:
-        kern[grid](*args, **kw)
+    if interpreted():
+        meta, nw, ns = INTERPRETER[name]
+        kwm = {**kw, **meta}
+        kern[grid(kwm) if callable(grid) else grid](*args, **kwm, num_warps=nw, num_stages=ns)
         return
     meta, nw, ns = config or BASE[name]
     key = (name, repr((meta, nw, ns)), str(args[0].dtype),
@@ -79,7 +81,7 @@ def _launch(kern, name, grid, args, kw, config=None):
     for m, w, st in tries:
         kwm = {**kw, **m}
         try:
-            kern.fn[grid(kwm) if callable(grid) else grid](*args, **kwm, num_warps=w, num_stages=st)
+            kern[grid(kwm) if callable(grid) else grid](*args, **kwm, num_warps=w, num_stages=st)
         except OutOfResources as e:
             err = err or e
             continue
@@ -314,7 +316,7 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
     if not (q.dtype == k.dtype == dt):
         raise ValueError(f"q, k and v must share one dtype for the triton backend, got {q.dtype}, {k.dtype}, {dt}")
     nh = num_householder
-    if INTERPRET and dt == torch.bfloat16:
+    if interpreted() and dt == torch.bfloat16:
         # the interpreter's bf16 tl.dot returns garbage (triton 3.6 - 3.9; float16 is right): compute in float32 there,
         # as the SSD kernels do; autograd casts the gradients back to bf16
         o, ht = chunk_deltaproduct_triton(
@@ -322,7 +324,7 @@ def chunk_deltaproduct_triton(q, k, v, beta, g=None, *, num_householder, scale=N
             initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens=cu_seqlens, chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
         return o.to(dt), ht
-    chunk_size = _fitting_chunk(chunk_size, q.dtype, K, q.is_cuda and not INTERPRET)
+    chunk_size = _fitting_chunk(chunk_size, q.dtype, K, q.is_cuda and not interpreted())
     scale = K ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm:  # one Triton kernel each way per tensor (l2norm.py), contiguous outputs
         q, k = l2norm_triton(q), l2norm_triton(k)

@@ -16,11 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..autotune import autotune
-from .configs import base_configs
 
-
-@autotune(configs=base_configs("fwd", {"BV": 16}), key=["H", "K", "V", "BT", "NH", "OUT", "SAVE", "INTRA"])
 @triton.jit
 def _fwd_kernel(q, k, w, gc, h0, o, ht, hs, vn, aqk, aqkt, v, Tm, beta, cu_rows, chunk_off, scale,
                 NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,

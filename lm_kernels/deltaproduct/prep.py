@@ -17,9 +17,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..autotune import autotune
-from .configs import base_configs
-
 
 @triton.jit
 def _inv16(A):
@@ -69,7 +66,6 @@ def _store_blk(T, eos, i: tl.constexpr, j: tl.constexpr, X, H: tl.constexpr, BT:
     tl.store(T + (rows[:, None] * H) * BT + cols[None, :], X.to(T.dtype.element_ty), mask=(rows < eos)[:, None])
 
 
-@autotune(configs=base_configs("prep"), key=["H", "K", "BT", "NH", "MP", "INTRA", "W_ONLY"])
 @triton.jit
 def _prep_kernel(k, beta, g, gc, Tm, chunk_seq, chunk_row, cu_rows, q, w, aqk, scale,
                  NH: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,

@@ -337,7 +337,8 @@ def _bwd_out_kernel(A, DH, H, SEQ, H0, DFIN, U, DA, DX, DH0,
         carry = tl.where(is_start, 0.0, ag)
 
 
-# Tuning hook for scripts/bench_lru.py: {m: (BN, BN_CHUNK, num_warps)} replaces the heuristic below.
+# {m: (BN, BN_CHUNK, num_warps)} replaces the heuristic below for block size m: the tile sweep of `lm bench lru`
+# (lm/benchmarks/lru.py) sets it per candidate and clears it after; tests/test_lru_scan_triton.py forces small tiles.
 CONFIG_OVERRIDE: dict = {}
 
 

@@ -19,19 +19,14 @@ lm::gated_rms_norm_fwd / lm::gated_rms_norm_bwd are the gated norm's one Triton 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotune, launch
-from ..backend import CUSTOM_OP_TAGS, absent, cdiv, next_pow2, num_sms, on_side
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_AUTOTUNE = not (_INTERPRET or os.environ.get("LM_RMSNORM_AUTOTUNE", "1") == "0")
-
+from ..autotune import autotune, launch, tuning
+from ..backend import CUSTOM_OP_TAGS, absent, cdiv, interpreted, next_pow2, num_sms, on_side
 
 @triton.jit
 def _rmsnorm_fwd_kernel(x, z, za, w, y, r, rsc, s, rs, sx, sz, sza, sy, sr, ss, G, NG, eps, BG: tl.constexpr,
@@ -214,25 +209,31 @@ _BWD_PAIRS = [(br, w) for br in (1, 2, 4, 8) for w in (4, 8, 16)]
 _EPT_PREFERENCE = (4, 8, 2)
 
 
-@functools.lru_cache(maxsize=None)
 def _bwd_kernel(BG: int, plain: bool = False):
     """The gated (or, `plain`, the plain) norm's backward kernel autotuned (key: group, the flags, and the tensors'
-    dtypes) over the configs that suit a group block of BG channels; the fewest elements per thread if none does
-    (BG > 4096). Interpreter: one small config (BR = 128 / BG rows, at most 8) so that tiny test groups take several
-    rows per step."""
-    if _INTERPRET:
+    dtypes) over the configs that suit a group block of BG channels, for the settings read now (TRITON_INTERPRET,
+    LM_RMSNORM_AUTOTUNE=0: the first config only, LM_TRITON_AUTOTUNE_CACHE)."""
+    return _build_bwd(BG, plain, *tuning("rmsnorm"))
+
+
+@functools.lru_cache(maxsize=None)
+def _build_bwd(BG: int, plain: bool, interpret: bool, tune: bool, cache: bool):
+    """_bwd_kernel's autotuner for these settings: the fewest elements per thread if no config suits BG (BG > 4096).
+    Interpreter: one small config (BR = 128 / BG rows, at most 8) so that tiny test groups take several rows per
+    step."""
+    if interpret:
         pairs = [(max(1, min(8, 128 // BG)), 1)]
     else:
         ept = {(br, w): br * BG // (32 * w) for br, w in _BWD_PAIRS}
         pairs = [p for p in _BWD_PAIRS if ept[p] in _EPT_PREFERENCE]
         pairs = sorted(pairs, key=lambda p: _EPT_PREFERENCE.index(ept[p])) or [(1, 16)]
-        if not _AUTOTUNE:
+        if not tune:
             pairs = pairs[:1]
     configs = [triton.Config(dict(BR=br), num_warps=w) for br, w in pairs]
     if plain:
-        return autotune(configs=configs, key=["G", "HAS_DS", "HAS_W", "WRITE_DR", "HAS_RS", "WRITE_DRS"])(
+        return autotune(configs=configs, key=["G", "HAS_DS", "HAS_W", "WRITE_DR", "HAS_RS", "WRITE_DRS"], cache=cache)(
             _rmsnorm_bwd_kernel)
-    return autotune(configs=configs, key=["G", "HAS_ADD", "HAS_W", "DY_SCALED"])(_gated_rmsnorm_bwd_kernel)
+    return autotune(configs=configs, key=["G", "HAS_ADD", "HAS_W", "DY_SCALED"], cache=cache)(_gated_rmsnorm_bwd_kernel)
 
 
 def _bwd_rows(n_rows: int, n_groups: int, device) -> int:
@@ -241,7 +242,7 @@ def _bwd_rows(n_rows: int, n_groups: int, device) -> int:
     partials are (programs, channels) float32: 8.6 MB at 1056 programs x 2048 channels, written and read once, ~2.5%
     of the pass's ~670 MB at 16 x 2048 tokens in bf16. Interpreter: 3 rows, so that CPU tests cross program borders
     inside a loop step."""
-    if _INTERPRET:
+    if interpreted():
         return 3
     want = max(1, cdiv(8 * num_sms(device), n_groups))
     return cdiv(max(1, cdiv(n_rows, want)), 8) * 8

@@ -1,38 +1,33 @@
 """Launch machinery of the Triton SSD scan: the autotuned kernels (launched through lm_kernels.autotune.launch, the
 autotuner's chosen config kept per call shape), and the Plan of a call (shapes, block sizes, the chunk table of packed documents).
 
-Autotuning runs on the GPU only; under the interpreter or with LM_SSD_AUTOTUNE=0 (read at import) every kernel
-launches the first config of its list (saves compile time, e.g. in tests). The autotuners keep their choices on
-disk (lm_kernels.autotune; LM_TRITON_AUTOTUNE_CACHE=0 turns that off). Why each list holds what it holds, with
-the timings: docs/performance.md.
+Autotuning runs on the GPU only; under the interpreter or with LM_SSD_AUTOTUNE=0 every kernel launches the first
+config of its list (saves compile time, e.g. in tests; the two scans: their small last one in the interpreter). These
+settings are read per call (`tuners()`: the autotuners built for them on first use). The autotuners keep their
+choices on disk (lm_kernels.autotune; LM_TRITON_AUTOTUNE_CACHE=0 turns that off). Why each list holds what it holds,
+with the timings: docs/performance.md.
 """
 from __future__ import annotations
 
+import functools
 import math
-import os
+from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotune, launch  # noqa: F401  (launch: the SSD launches call ln.launch)
-from ..backend import cdiv, next_pow2
+from ..autotune import autotune, launch, tuning  # noqa: F401  (launch: the SSD launches call ln.launch)
+from ..backend import cdiv, interpreted, next_pow2
 from .backward import dbdc_bwd_kernel, dcb_bwd_kernel, dstate_bwd_kernel
 from .backward_dx import dx_bwd_kernel
 from .chunk_scan import chunk_scan_fwd2_kernel, chunk_scan_fwd4_kernel
 from .chunk_state import state_fwd_kernel
 from .dt_cb import dtcb_fwd_kernel
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-AUTOTUNE = not (INTERPRET or os.environ.get("LM_SSD_AUTOTUNE", "1") == "0")
 STATE_STEP_ROWS = 256  # the state kernels take a whole chunk per step up to this many rows
 TILE_ROWS = 64  # row / k blocks of C.B, the scan and the backward kernels: min(TILE_ROWS, chunk) (tests use 16)
 MAX_GRID_YZ = 65535  # CUDA's limit on a launch grid's second and third axes (chunks and sequences run on the third)
-
-
-def _tune(configs, key, **kwargs):
-    """Autotune over `configs` on GPU; the first config only without autotuning (see the module docstring)."""
-    return lambda fn: autotune(configs=configs if AUTOTUNE else configs[:1], key=key, **kwargs)(fn)
 
 
 def _cfgs(*pairs):
@@ -46,34 +41,64 @@ def _prune_fwd2(configs, named_args, **kwargs):
     return keep or [c for c in configs if c.kwargs["BK"] <= c.kwargs["BM"]][-1:]
 
 
-_dtcb_fwd = _tune(_cfgs((4, 2), (8, 2)), ["N", "H"])(dtcb_fwd_kernel)
+# The config lists (the first of each: the one launched without autotuning) and keys of the autotuned kernels.
+_DTCB_FWD = (_cfgs((4, 2), (8, 2)), ["N", "H"])
 # 32-row p blocks: more programs for long sequences. The state walks and dcb_bwd also get a 4-warp config capped at
 # 128 registers (4 programs per SM instead of 3 (state, dstate) or 2 (dcb); no spills in the state walks, 12 bytes in
 # dcb_bwd on sm_90): the Mamba2-350M step's tuner picks them (H100)
 _CAP128 = dict(num_warps=4, num_stages=2, maxnreg=128)
-_state_fwd = _tune([triton.Config(dict(BP=bp), num_warps=w, num_stages=2)
-                    for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))] + [triton.Config(dict(BP=64), **_CAP128)],
-                   ["P", "N", "R", "BN", "NC"])(state_fwd_kernel)
-_scan_fwd2_cfgs = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_stages=st)
+_STATE_FWD = ([triton.Config(dict(BP=bp), num_warps=w, num_stages=2) for bp, w in ((64, 8), (64, 4), (32, 4), (32, 8))]
+              + [triton.Config(dict(BP=64), **_CAP128)], ["P", "N", "R", "BN", "NC"])
+_SCAN_FWD2_CFGS = [triton.Config(dict(BM=bm, BK=bk, BP=bp), num_warps=w, num_stages=st)
                    for bm, bk, bp, w, st in ((64, 64, 64, 4, 2), (64, 32, 64, 4, 2), (64, 32, 64, 4, 3),
                                              (128, 64, 64, 8, 2), (128, 32, 64, 8, 3), (64, 32, 32, 4, 2),
                                              (64, 64, 64, 8, 2), (32, 32, 64, 4, 2), (128, 128, 64, 8, 2),
                                              (64, 64, 64, 4, 3), (128, 64, 64, 8, 3),
                                              (32, 16, 16, 4, 2))]  # the last: interpreter tests (small chunks)
-_scan_fwd2 = autotune(
-    configs=(_scan_fwd2_cfgs if AUTOTUNE else _scan_fwd2_cfgs[-1:] if INTERPRET else _scan_fwd2_cfgs[:1]),
-    key=["P", "N", "R", "L"], prune_configs_by={"early_config_prune": _prune_fwd2})(chunk_scan_fwd2_kernel)
 # first: capped at 168 registers (3 programs per SM instead of 2; the config without autotuning); with the gate z
 # (HAS_Z) the cap spills more and the autotuner picks between capped and uncapped. Capped at 128: 4 programs per SM
 # with 16 bytes of spills (triton 3.6); the Mamba2-350M step's tuner takes it (0.223 -> 0.216 ms per call, H100)
-_scan_fwd4_cfgs = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=168),
+_SCAN_FWD4_CFGS = [triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=168),
                    triton.Config(dict(BP=64), num_warps=4, num_stages=1, maxnreg=128)] + [
     triton.Config(dict(BP=bp), num_warps=w, num_stages=1)
     for bp, w in ((64, 4), (32, 4), (64, 8),
                   (16, 4))]  # the last: interpreter tests (small chunks)
-_scan_fwd4 = autotune(
-    configs=(_scan_fwd4_cfgs[:-1] if AUTOTUNE else _scan_fwd4_cfgs[-1:] if INTERPRET else _scan_fwd4_cfgs[:1]),
-    key=["P", "N", "R", "L", "HAS_Z"])(chunk_scan_fwd4_kernel)
+_DSTATE_BWD = (_cfgs((8, 2), (4, 2)) + [triton.Config({}, **_CAP128)], ["P", "N", "R"])
+_DCB_BWD = (_cfgs((4, 2), (8, 2)) + [triton.Config({}, **_CAP128)], ["P", "R"])
+# (8, 4) is not first: float32 / float16 tiles need more shared memory than an H100 has at 4 stages (the
+# autotuner skips such configs; without autotuning the first one launches)
+_DBDC_BWD = (_cfgs((8, 2), (8, 4), (4, 2), (8, 3)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
+             ["P", "N", "R", "BN"])
+_DX_BWD = ([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _cfgs((4, 1)), ["P", "N", "R"])
+
+
+@functools.lru_cache(maxsize=None)
+def _build(interpret: bool, tune: bool, cache: bool) -> SimpleNamespace:
+    """The SSD's autotuned kernels for these settings (lm_kernels.autotune.tuning): each over its whole list when
+    `tune`, else its first config; in the interpreter the two scans take their small last config (16-row chunks
+    of the tests). `ss`: the STORE_SS scan tuners (scan_fwd_ss), made on first use."""
+    def tuned(fn, configs, key, **kw):
+        return autotune(configs=configs if tune else configs[:1], key=key, cache=cache, **kw)(fn)
+
+    fwd2 = _SCAN_FWD2_CFGS if tune else _SCAN_FWD2_CFGS[-1:] if interpret else _SCAN_FWD2_CFGS[:1]
+    fwd4 = _SCAN_FWD4_CFGS[:-1] if tune else _SCAN_FWD4_CFGS[-1:] if interpret else _SCAN_FWD4_CFGS[:1]
+    return SimpleNamespace(
+        cache=cache, ss={},
+        dtcb_fwd=tuned(dtcb_fwd_kernel, *_DTCB_FWD),
+        state_fwd=tuned(state_fwd_kernel, *_STATE_FWD),
+        scan_fwd2=autotune(configs=fwd2, key=["P", "N", "R", "L"], cache=cache,
+                           prune_configs_by={"early_config_prune": _prune_fwd2})(chunk_scan_fwd2_kernel),
+        scan_fwd4=autotune(configs=fwd4, key=["P", "N", "R", "L", "HAS_Z"], cache=cache)(chunk_scan_fwd4_kernel),
+        dstate_bwd=tuned(dstate_bwd_kernel, *_DSTATE_BWD),
+        dcb_bwd=tuned(dcb_bwd_kernel, *_DCB_BWD),
+        dbdc_bwd=tuned(dbdc_bwd_kernel, *_DBDC_BWD),
+        dx_bwd=tuned(dx_bwd_kernel, *_DX_BWD))
+
+
+def tuners() -> SimpleNamespace:
+    """The SSD's autotuned kernels (dtcb_fwd, state_fwd, scan_fwd2, scan_fwd4, dstate_bwd, dcb_bwd, dbdc_bwd, dx_bwd)
+    for the settings read now: TRITON_INTERPRET, LM_SSD_AUTOTUNE, LM_TRITON_AUTOTUNE_CACHE."""
+    return _build(*tuning("ssd"))
 
 
 def _widen(configs, P):
@@ -90,29 +115,16 @@ def _widen(configs, P):
     return out
 
 
-_SS_TUNERS = {}
-
-
-def scan_fwd_ss(four: bool, P: int):
-    """The chunk_scan_fwd4 (four) / fwd2 autotuner for launches with STORE_SS (the folded gated norm,
-    lm_kernels.mamba2): its config list with the p block widened to hold all P columns."""
+def scan_fwd_ss(tn: SimpleNamespace, four: bool, P: int):
+    """The chunk_scan_fwd4 (four) / fwd2 autotuner of `tn` (tuners()) for launches with STORE_SS (the folded gated
+    norm, lm_kernels.mamba2): its config list with the p block widened to hold all P columns."""
     key = (four, P)
-    t = _SS_TUNERS.get(key)
+    t = tn.ss.get(key)
     if t is None:
-        base = _scan_fwd4 if four else _scan_fwd2
+        base = tn.scan_fwd4 if four else tn.scan_fwd2
         kw = dict(prune_configs_by={"early_config_prune": _prune_fwd2}) if not four else {}
-        t = _SS_TUNERS[key] = autotune(configs=_widen(base.configs, P), key=list(base.keys), **kw)(base.fn)
+        t = tn.ss[key] = autotune(configs=_widen(base.configs, P), key=list(base.keys), cache=tn.cache, **kw)(base.fn)
     return t
-
-
-_dstate_bwd = _tune(_cfgs((8, 2), (4, 2)) + [triton.Config({}, **_CAP128)], ["P", "N", "R"])(dstate_bwd_kernel)
-_dcb_bwd = _tune(_cfgs((4, 2), (8, 2)) + [triton.Config({}, **_CAP128)], ["P", "R"])(dcb_bwd_kernel)
-# (8, 4) is not first: float32 / float16 tiles need more shared memory than an H100 has at 4 stages (the
-# autotuner skips such configs; without autotuning the first one launches)
-_dbdc_bwd = _tune(_cfgs((8, 2), (8, 4), (4, 2), (8, 3)) + [triton.Config({}, num_warps=8, num_stages=2, maxnreg=128)],
-                  ["P", "N", "R", "BN"])(dbdc_bwd_kernel)
-_dx_bwd = _tune([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] + _cfgs((4, 1)), ["P", "N", "R"])(
-    dx_bwd_kernel)
 
 
 def p2(v, lo=16):
@@ -121,7 +133,7 @@ def p2(v, lo=16):
 
 def dot_dt(dtype):
     """Operand dtype of tl.dot: the input dtype; float32 under the interpreter (its bf16 dot is wrong)."""
-    if INTERPRET:
+    if interpreted():
         return tl.float32
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 

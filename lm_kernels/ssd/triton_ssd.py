@@ -67,13 +67,14 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
     prec, ddt = dot_prec(x.dtype), dot_dt(x.dtype)
     CB = torch.empty(pl.NCB, pl.G, L, L, dtype=cb_dtype(x.dtype), device=dev)
     tk = tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state)
-    ln.launch(ln._dtcb_fwd, ("dtcb", tk), (pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK) + cdiv(H, pl.BH)), (
+    tn = ln.tuners()
+    ln.launch(tn.dtcb_fwd, ("dtcb", tk), (pl.NCB, pl.G * (L // pl.BM) * (L // pl.BK) + cdiv(H, pl.BH)), (
         dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, B, C, CB, pl.chunk_t0, pl.chunk_len,
         pl.T, H, N, pl.NC, pl.BT, pl.G, dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), B.stride(2), lo, hi),
         dict(L=L, BH=pl.BH, BM=pl.BM, BK=pl.BK, BNF=pl.BNF, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
              HAS_LIMIT=has_limit, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt))
     states = torch.empty(pl.NCB, H, P, N, dtype=state_dtype(x.dtype), device=dev)  # (p, n) per (chunk, head)
-    ln.launch(ln._state_fwd, ("state", tk), lambda META: (cdiv(P, META["BP"]) * cdiv(N, pl.BN), H, pl.nseq), (
+    ln.launch(tn.state_fwd, ("state", tk), lambda META: (cdiv(P, META["BP"]) * cdiv(N, pl.BN), H, pl.nseq), (
         x, B, dtp, cs, initial_state if initial_state is not None else dtp, states,
         final if final is not None else dtp, pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, pl.R,
@@ -99,7 +100,7 @@ def _forward(x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt_softplus, dt_l
                  DOT_PREC=prec, DOT_DT=ddt)
     # (float32 operands compile for sm_90 with spills and twice the shared memory: chunk_scan_fwd2 there)
     four = x.dtype != torch.float32 and L in (2 * pl.BM, 4 * pl.BM)
-    tuner = ln.scan_fwd_ss(four, P) if want_ss else ln._scan_fwd4 if four else ln._scan_fwd2
+    tuner = ln.scan_fwd_ss(tn, four, P) if want_ss else tn.scan_fwd4 if four else tn.scan_fwd2
     if four:
         grid = lambda META: (cdiv(P, META["BP"]), H, pl.NCB)  # noqa: E731
         flags = dict(BM=pl.BM, **flags)
@@ -143,15 +144,16 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     if dfinal is not None:
         dfinal = dfinal.float().contiguous()
     tk = tune_key(pl, x, dt, A, B, D, z, dt_bias, initial_state) + (dy.dtype,)
+    tn = ln.tuners()
     # per-group dy.x^T (decayed), for dB and dC: on the side stream, beside the reverse state pass
     Q = torch.empty(pl.NCB, G, L, L, dtype=torch.float32, device=dev)
     with on_side(side):
-        ln.launch(ln._dcb_bwd, ("dcb", tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
+        ln.launch(tn.dcb_bwd, ("dcb", tk), ((L // pl.BM) * (L // pl.BK), G, pl.NCB), (
             dy, x, dtp, cs, Q, pl.chunk_t0, pl.chunk_len,
             pl.T, P, pl.NC, pl.BT, R, G,
             dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2)),
             dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, IS_VARLEN=pl.varlen, DOT_PREC=prec, DOT_DT=ddt_))
-    ln.launch(ln._dstate_bwd, ("dstate", tk), (pl.npn, H, pl.nseq), (
+    ln.launch(tn.dstate_bwd, ("dstate", tk), (pl.npn, H, pl.nseq), (
         dy, C, cs, dfinal if dfinal is not None else cs, dstates, dinit if dinit is not None else cs,
         pl.cu, pl.chunk_first,
         pl.T, H, P, N, pl.NC, pl.BT, R,
@@ -184,14 +186,14 @@ def _backward(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_state, pl, dt
     n_dcs = cdiv(N, pl.BN_DBDC)
     dcs = torch.empty(n_dcs, H, pl.BT, dtype=torch.float32, device=dev)
     with on_side(side):
-        ln.launch(ln._dbdc_bwd, ("dbdc", tk), (nm * n_dcs, G, pl.NCB), (
+        ln.launch(tn.dbdc_bwd, ("dbdc", tk), (nm * n_dcs, G, pl.NCB), (
             dy, x, B, C, dtp, cs, states, dstates, Q, dB, dC, dcs, pl.chunk_t0, pl.chunk_len,
             pl.T, H, P, N, pl.NC, pl.BT, R, G,
             dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
             B.stride(0), B.stride(1), B.stride(2), dB.stride(0), dB.stride(1), dB.stride(2)),
             dict(L=L, BM=pl.BM, BK=pl.BK, BPF=pl.BPF, BN=pl.BN_DBDC, IS_VARLEN=pl.varlen, DOT_PREC=prec,
                  DOT_DT=ddt_))
-    ln.launch(ln._dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
+    ln.launch(tn.dx_bwd, ("dx", tk), (nm, H, pl.NCB), (
         dy, x, B, C, dtp, cs, states, dstates, D if D is not None else cs,
         dx, ddt_dir, qrow, dD_part, dda, passing, pl.chunk_t0, pl.chunk_len,
         pl.T, H, P, N, pl.NC, pl.BT, R,
