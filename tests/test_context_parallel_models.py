@@ -1,17 +1,18 @@
-"""Every family's model under context parallelism (lm.models.context_parallel) on 2 and 4 gloo ranks against the
-unsharded model: hidden states of each rank's slice, the loss (the ranks' mean), every parameter's gradient (summed
-over the ranks, divided by their number), and an implicit model's iteration count; float64 to 1e-10 and float32 to
-1e-5, rows of a batch and packed documents (tests/test_context_parallel_ops.py's offsets). Anderson acceleration
-solves a least-squares problem per iteration (condition numbers ~1e4 here) from inner products that the ranks sum in
-another order than one rank does: its float64 results agree to ~1e-8, so that case is held to 1e-7, and it runs in
-float64 only: the tiny model's solve does not converge in its 30 iterations (residual ~1e-2) and Anderson's step
-amplifies rounding there (the unsharded float32 run differs from the float64 one by 0.8% after 30 iterations, 19%
-after 80; the plain damped solve by 5e-7), so no float32 run of it, sharded or not, is reproducible to 1e-5."""
+"""Every family's model under context parallelism (lm.models.context_parallel) on 2 gloo ranks (the hybrid and
+FP-Mamba on 4 too: CASES) against the unsharded model: hidden states of each rank's slice, the loss (the ranks' mean),
+every parameter's gradient (summed over the ranks, divided by their number), and an implicit model's iteration count;
+float64 to 1e-10 and float32 to 1e-5, rows of a batch and packed documents (tests/test_context_parallel_ops.py's
+offsets). Anderson acceleration solves a least-squares problem per iteration (condition numbers ~1e4 here) from inner
+products that the ranks sum in another order than one rank does: its float64 results agree to ~1e-8, so that case is
+held to 1e-7, and it runs in float64 only: the tiny model's solve does not converge in its 30 iterations (residual
+~1e-2) and Anderson's step amplifies rounding there (the unsharded float32 run differs from the float64 one by 0.8%
+after 30 iterations, 19% after 80; the plain damped solve by 5e-7), so no float32 run of it, sharded or not, is
+reproducible to 1e-5."""
 from __future__ import annotations
 
 import pytest
 import torch
-from context_parallel_checks import close, run_ranks, summed
+from context_parallel_checks import assert_passed, case_params, check, close, label, run_selected, summed
 from test_context_parallel_ops import OFFSETS, T
 
 from lm.models import MODEL_TYPES
@@ -60,17 +61,15 @@ def _grads(model):
 def _check_family(rank, world, family):
     for dtype in (torch.float64,) if family == "mamba2_anderson" else (torch.float64, torch.float32):
         for packed in (False, True):
-            try:
+            with label(f"{str(dtype)[6:]} packed={packed}"):
                 _check(rank, world, family, dtype, packed)
-            except AssertionError as err:
-                raise AssertionError(f"{family} {dtype} packed={packed}: {err}") from None
 
 
 def _check(rank, world, family, dtype, packed, checkpointing=False):
     model = _model(family, dtype)
     if checkpointing:  # the blocks' forwards, collectives included, run again in the backward on every rank
         model.gradient_checkpointing_enable()
-        assert model.model.gradient_checkpointing
+        check(model.model.gradient_checkpointing, "gradient checkpointing is not on")
     g = torch.Generator().manual_seed(1)
     b = 1 if packed else 2
     ids = torch.randint(0, 64, (b, T), generator=g)
@@ -93,33 +92,43 @@ def _check(rank, world, family, dtype, packed, checkpointing=False):
     close("hidden", hidden["h"], ref_h[:, part], dtype, tight)
     close("loss", summed(out.loss) / world, ref_loss, dtype, tight)
     grads = _grads(model)
-    assert grads.keys() == ref.keys(), sorted(set(grads) ^ set(ref))
-    for n in ref:
-        close(n, summed(grads[n]) / world, ref[n], dtype, tight)
+    check(grads.keys() == ref.keys(), f"parameters with gradients differ: {sorted(set(grads) ^ set(ref))}")
+    for n in ref:  # the same model on every rank: the same names, the same all-reduces
+        if n in grads:
+            close(n, summed(grads[n]) / world, ref[n], dtype, tight)
     if ref_stats is not None:
         for key in ("iterations", "layer_iterations"):
             if key in ref_stats:
-                assert out.fixed_point_stats[key] == ref_stats[key], (key, out.fixed_point_stats[key], ref_stats[key])
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_model_equals_unsharded(family, world):
-    run_ranks(_check_family, world, family)
+                check(out.fixed_point_stats[key] == ref_stats[key],
+                      f"{key}: {out.fixed_point_stats[key]}, unsharded {ref_stats[key]}")
 
 
 def _check_checkpointing(rank, world, family):
+    """model.activation_checkpointing with context parallelism: each block's recomputed forward repeats its
+    exchanges between the ranks, in the same order on all of them."""
     for packed in (False, True):
-        try:
+        with label(f"float64 packed={packed}"):
             _check(rank, world, family, torch.float64, packed, checkpointing=True)
-        except AssertionError as err:
-            raise AssertionError(f"{family} checkpointing packed={packed}: {err}") from None
+
+
+# Every family at 2 ranks. At 4 ranks (slices of 12 tokens: a packed document covers a whole slice, which then hands
+# its entering state on, and attention gathers keys from two ranks back): the hybrid, whose layers are attention,
+# Mamba2, DeltaProduct and the block-diagonal LRU, and FP-Mamba, whose per-layer solve stops on the residual reduced
+# over the group (it converges here) and whose token shift takes the previous rank's last token.
+CASES = {2: {**{family: (_check_family, (family,)) for family in FAMILIES},
+             **{f"{family}_checkpointing": (_check_checkpointing, (family,)) for family in ("hybrid", "fp_mamba")}},
+         4: {family: (_check_family, (family,)) for family in ("hybrid", "fp_mamba")}}
+
+
+@pytest.fixture(scope="module")
+def reports(request):
+    """Every selected case, in one start of 2 ranks and one of 4."""
+    return run_selected(request, CASES)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("family", ["hybrid", "fp_mamba"])
-def test_activation_checkpointing_equals_unsharded(family):
-    """model.activation_checkpointing with context parallelism: each block's recomputed forward repeats its
-    exchanges between the ranks, in the same order on all of them."""
-    run_ranks(_check_checkpointing, 2, family)
+@pytest.mark.parametrize("world, case", case_params(CASES))
+def test_model_equals_unsharded(reports, world, case):
+    """Hidden states, loss, parameter gradients and iteration counts of the family's model (`_checkpointing`: with
+    activation checkpointing) against the unsharded model."""
+    assert_passed(reports, world, case)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from context_parallel_checks import close, run_ranks, summed
+from context_parallel_checks import assert_passed, case_params, check, close, label, run_selected, summed
 
 from lm_kernels.context_parallel import (ContextSlice, all_gather, block_scan_cp, causal_conv1d_cp,
                                          chunk_deltaproduct_cp, pass_states, slice_offsets, ssd_scan_cp,
@@ -170,31 +170,30 @@ def _case_block_scan(rank, world, dtype, packed, expanded):
 
 
 def _all_cases(rank, world, op):
+    """flag: ssd_scan_xbc_cp vs ssd_scan_cp; conv with an x_add; DeltaProduct gated; a time-invariant (expanded) A."""
     for dtype in (torch.float64, torch.float32):
         for packed in (False, True):
             for flag in (False, True):
-                try:
+                with label(f"{str(dtype)[6:]} packed={packed} flag={flag}"):
                     op(rank, world, dtype, packed, flag)
-                except AssertionError as err:
-                    raise AssertionError(f"{op.__name__} {dtype} packed={packed} flag={flag}: {err}") from None
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("op", ["ssd", "conv", "deltaproduct", "block_scan"])
-def test_op_equals_unsharded(op, world):
-    """flag: ssd_scan_xbc_cp vs ssd_scan_cp; conv with an x_add; DeltaProduct gated; a time-invariant (expanded) A."""
-    run_ranks(_all_cases, world, {"ssd": _case_ssd, "conv": _case_conv, "deltaproduct": _case_deltaproduct,
-                                  "block_scan": _case_block_scan}[op])
 
 
 def _case_collectives(rank, world):
+    """all_gather and pass_states on a group of 3 of the 4 ranks, [1, 2, 3] (a group rank unlike the global rank, as
+    in a context group of a data x context run; an odd size)."""
+    members = [1, 2, 3]
+    group = dist.new_group(members)  # every rank of the world takes part in creating it
+    if rank not in members:
+        return
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     # all_gather: forward the stacked values, backward each owner's gradient summed over the ranks
     x = torch.full((2, 3), float(rank), dtype=torch.float64, requires_grad=True)
-    out = all_gather(x, None)
-    assert out.shape == (world, 2, 3) and [float(out[j, 0, 0]) for j in range(world)] == list(range(world))
+    out = all_gather(x, group)
+    check(out.shape == (world, 2, 3) and out[:, 0, 0].tolist() == list(range(world)),
+          f"all_gather: {out[:, 0, 0].tolist()}")
     (out * (rank + 1)).sum().backward()  # every rank weights every entry by rank + 1
-    assert torch.equal(x.grad, torch.full((2, 3), world * (world + 1) / 2, dtype=torch.float64))
+    close("all_gather dx", x.grad, torch.full((2, 3), world * (world + 1) / 2, dtype=torch.float64), torch.float64,
+          0.0)
     # pass_states with a matrix transition: h_r against the fold written out, and its gradient against autograd
     # through that fold on the gathered (S, M) of every rank
     g = torch.Generator().manual_seed(7)
@@ -202,7 +201,7 @@ def _case_collectives(rank, world):
     Ms = torch.randn(world, 2, 3, 3, generator=g, dtype=torch.float64) * 0.5
     ws = torch.randn(world, 2, 3, 4, generator=g, dtype=torch.float64)
     S, M = Ss[rank].clone().requires_grad_(), Ms[rank].clone().requires_grad_()
-    h = pass_states(S, M, ContextSlice(None, lead=rank), torch.matmul)
+    h = pass_states(S, M, ContextSlice(group, lead=rank), torch.matmul)
     (h * ws[rank]).sum().backward()
     Sr, Mr = Ss.clone().requires_grad_(), Ms.clone().requires_grad_()
     hs, loss = [torch.zeros(2, 3, 4, dtype=torch.float64)], 0
@@ -214,12 +213,25 @@ def _case_collectives(rank, world):
     close("h", h, hs[rank].detach(), torch.float64)
     close("dS", S.grad, Sr.grad[rank], torch.float64)
     close("dM", M.grad, Mr.grad[rank], torch.float64)
-    assert dist.get_world_size() == world
+
+
+_OPS = {"ssd": (_all_cases, (_case_ssd,)), "conv": (_all_cases, (_case_conv,)),
+        "deltaproduct": (_all_cases, (_case_deltaproduct,)), "block_scan": (_all_cases, (_case_block_scan,))}
+CASES = {2: dict(_OPS), 4: {**_OPS, "collectives": (_case_collectives, ())}}
+
+
+@pytest.fixture(scope="module")
+def reports(request):
+    """Every selected case, in one start of 2 ranks and one of 4."""
+    return run_selected(request, CASES)
 
 
 @pytest.mark.multirank
-def test_collectives_forward_and_backward():
-    run_ranks(_case_collectives, 3)
+@pytest.mark.parametrize("world, case", case_params(CASES))
+def test_op_equals_unsharded(reports, world, case):
+    """Each op against the unsharded op (float64 and float32, rows and packed documents, both forms of each op);
+    `collectives`: all_gather and pass_states with their backward, on a group of 3 of the 4 ranks."""
+    assert_passed(reports, world, case)
 
 
 def test_slice_offsets():
