@@ -108,23 +108,41 @@ class LazyStats(Mapping):
 NORMS = ("l2", "inf", "inf_rows")
 
 
-def relative_residual(fz: torch.Tensor, z: torch.Tensor, norm: str = "l2", eps: float = 1e-8) -> torch.Tensor:
+def _reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    """t summed ("sum") or maxed ("max") over the ranks of `group` (context parallelism: each rank holds a slice of
+    every sample); t itself without a group."""
+    if group is None:
+        return t
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def relative_residual(fz: torch.Tensor, z: torch.Tensor, norm: str = "l2", eps: float = 1e-8,
+                      group=None) -> torch.Tensor:
     """||f(z) - z|| / (||f(z)|| + eps) per sample (dim 0), in float32 (float64 for float64 inputs).
 
     "l2" and "inf" take the norms over the whole sample; "inf_rows" takes the relative inf-norm of every
-    row (last dim: each token's vector) and the max over rows, as the FP-RNN code does.
+    row (last dim: each token's vector) and the max over rows, as the FP-RNN code does. `group`: a process group
+    whose ranks each hold a slice of every sample (context parallelism): the norms are the whole samples'.
     """
     acc = torch.promote_types(fz.dtype, torch.float32)
     if norm == "inf_rows":
         d = (fz - z).to(acc).abs().amax(-1)
         r = fz.to(acc).abs().amax(-1)
         rows = d / (r + eps)
-        return rows.flatten(1).amax(1) if rows.dim() > 1 else rows
+        return _reduce(rows.flatten(1).amax(1) if rows.dim() > 1 else rows, "max", group)
     d = (fz - z).to(acc).flatten(1)
     r = fz.to(acc).flatten(1)
     if norm == "inf":
-        return d.abs().amax(1) / (r.abs().amax(1) + eps)
-    return d.norm(dim=1) / (r.norm(dim=1) + eps)
+        dr = _reduce(torch.stack([d.abs().amax(1), r.abs().amax(1)]), "max", group)
+        return dr[0] / (dr[1] + eps)
+    if group is None:
+        return d.norm(dim=1) / (r.norm(dim=1) + eps)
+    dr = _reduce(torch.stack([d.pow(2).sum(1), r.pow(2).sum(1)]), "sum", group).sqrt()
+    return dr[0] / (dr[1] + eps)
 
 
 def _bcast(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -144,8 +162,13 @@ def solve(
     patience: int | None = None,
     damping_decay: float = 1.0,
     anderson: int = 0,
+    group=None,
 ) -> tuple[torch.Tensor, FixedPointStats]:
     """Iterate z <- lam f(z) + (1 - lam) z from z0 without autograd; see the module docstring.
+
+    `group` (context parallelism): a process group whose ranks each hold a slice of every sample; the residuals
+    (and Anderson's inner products) are the whole samples', so every rank of the group makes the same decisions and
+    runs the same number of iterations.
 
     tol None (the bounded phase: exactly max_iter iterations) runs no host sync and, unless the damping can decay
     (patience), computes the residual only at the last iteration, for the stats; with damping 1 an iteration is
@@ -155,16 +178,17 @@ def solve(
         raise ValueError(f"max_iter must be >= 0 (got {max_iter})")
     decay = patience is not None and damping_decay != 1.0
     if tol is None:
-        return _solve_bounded(f, z0, max_iter, damping, norm, decay, patience, damping_decay, anderson)
-    return _solve_free(f, z0, max_iter, tol, damping, stop_quantile, norm, decay, patience, damping_decay, anderson)
+        return _solve_bounded(f, z0, max_iter, damping, norm, decay, patience, damping_decay, anderson, group)
+    return _solve_free(f, z0, max_iter, tol, damping, stop_quantile, norm, decay, patience, damping_decay, anderson,
+                       group)
 
 
 class _Damping:
     """lam per sample: a Python float until it can differ between samples (decay after `patience` stalls)."""
 
-    def __init__(self, z, damping, decay, patience, damping_decay):
+    def __init__(self, z, damping, decay, patience, damping_decay, group=None):
         b, dev = z.shape[0], z.device
-        self.decay, self.patience, self.factor = decay, patience, damping_decay
+        self.decay, self.patience, self.factor, self.group = decay, patience, damping_decay, group
         acc = torch.promote_types(z.dtype, torch.float32)
         self.lam = torch.full((b,), float(damping), device=dev, dtype=acc) if decay else float(damping)
         if decay:
@@ -180,7 +204,7 @@ class _Damping:
             lam_b = _bcast(lam, z).to(z.dtype)
             z_next = lam_b * fz + (1 - lam_b) * z
             if anderson > 0:
-                z_next = _anderson_step(z, fz, z_next, hist_z, hist_g, anderson, lam_b)
+                z_next = _anderson_step(z, fz, z_next, hist_z, hist_g, anderson, lam_b, self.group)
             return z_next
         return fz if lam == 1.0 else lam * fz + (1 - lam) * z
 
@@ -196,17 +220,17 @@ class _Damping:
         self.stall = torch.where(dec, torch.zeros_like(self.stall), self.stall)
 
 
-def _solve_bounded(f, z, max_iter, damping, norm, decay, patience, damping_decay, anderson):
+def _solve_bounded(f, z, max_iter, damping, norm, decay, patience, damping_decay, anderson, group=None):
     """tol None: max_iter iterations for every sample; no sync, the residual only where needed."""
     b, dev = z.shape[0], z.device
-    lam = _Damping(z, damping, decay, patience, damping_decay)
+    lam = _Damping(z, damping, decay, patience, damping_decay, group)
     res = torch.full((b,), float("inf"), device=dev, dtype=torch.promote_types(z.dtype, torch.float32))
     hist_z: list[torch.Tensor] = []
     hist_g: list[torch.Tensor] = []
     for it in range(1, max_iter + 1):
         fz = f(z)
         if decay or it == max_iter:
-            r = relative_residual(fz, z, norm)
+            r = relative_residual(fz, z, norm, group=group)
             if decay:
                 lam.update(r, None)
             if it == max_iter:
@@ -216,11 +240,12 @@ def _solve_bounded(f, z, max_iter, damping, norm, decay, patience, damping_decay
     return z, FixedPointStats(max_iter, res.detach(), iters, torch.zeros(b, dtype=torch.bool, device=dev), None)
 
 
-def _solve_free(f, z, max_iter, tol, damping, stop_quantile, norm, decay, patience, damping_decay, anderson):
+def _solve_free(f, z, max_iter, tol, damping, stop_quantile, norm, decay, patience, damping_decay, anderson,
+                group=None):
     """tol set: a sample whose residual falls below tol is frozen at that z; one sync per iteration (the count of
     converged samples), none at the last. While no sample has converged nothing is masked."""
     b, dev = z.shape[0], z.device
-    lam = _Damping(z, damping, decay, patience, damping_decay)
+    lam = _Damping(z, damping, decay, patience, damping_decay, group)
     res = torch.full((b,), float("inf"), device=dev, dtype=torch.promote_types(z.dtype, torch.float32))
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     sample_iters = torch.zeros(b, dtype=torch.long, device=dev)
@@ -230,7 +255,7 @@ def _solve_free(f, z, max_iter, tol, damping, stop_quantile, norm, decay, patien
     it = 0
     for it in range(1, max_iter + 1):
         fz = f(z)
-        r = relative_residual(fz, z, norm)
+        r = relative_residual(fz, z, norm, group=group)
         if n_done:
             active = ~done
             res = torch.where(active, r, res)
@@ -256,8 +281,9 @@ def _solve_free(f, z, max_iter, tol, damping, stop_quantile, norm, decay, patien
     return z, FixedPointStats(it, res.detach(), sample_iters, res < tol, tol)
 
 
-def _anderson_step(z, fz, z_plain, hist_z, hist_g, m, lam_b):
-    """Type-II Anderson mixing over the last m iterates, per sample; falls back to the damped step."""
+def _anderson_step(z, fz, z_plain, hist_z, hist_g, m, lam_b, group=None):
+    """Type-II Anderson mixing over the last m iterates, per sample; falls back to the damped step. `group`: the
+    inner products are summed over its ranks (context parallelism: each holds a slice of every sample)."""
     acc = torch.promote_types(z.dtype, torch.float32)
     g = (fz - z).flatten(1).to(acc)
     hist_z.append(z.flatten(1).to(acc))
@@ -273,9 +299,13 @@ def _anderson_step(z, fz, z_plain, hist_z, hist_g, m, lam_b):
     dZ = Z[..., 1:] - Z[..., :-1]
     # least squares gamma = argmin ||g_k - dG gamma||, regularised
     A = dG.transpose(1, 2) @ dG
+    rhs = dG.transpose(1, 2) @ G[..., -1:]
+    if group is not None:
+        k = A.shape[-1]
+        Ar = _reduce(torch.cat([A, rhs], dim=-1), "sum", group)
+        A, rhs = Ar[..., :k], Ar[..., k:]
     scale = A.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(torch.finfo(acc).tiny)[:, None, None]
     A = A + 1e-10 * scale * torch.eye(A.shape[-1], device=A.device, dtype=acc)
-    rhs = dG.transpose(1, 2) @ G[..., -1:]
     gamma = torch.linalg.solve(A, rhs)  # (b, k-1, 1)
     z_bar = Z[..., -1:] - dZ @ gamma
     g_bar = G[..., -1:] - dG @ gamma

@@ -7,6 +7,11 @@ difference of the per-step losses from the 1-GPU run (bf16 reductions in another
 
     python scripts/gpu_scaling.py --out DIR [--gpus 1,2,4,8] [--cases ...] [--steps 16] [--warmup 4]
     python scripts/gpu_scaling.py --out DIR --dry-run      # CPU (gloo): tiny presets at 1 and 2 ranks, fp32
+
+--context-parallel: at N GPUs each sequence is N x --seq-len tokens, split over the N ranks (train.context_parallel=N,
+one context group): the same tokens per GPU and step as the 1-GPU run at --seq-len, so the efficiency is the per-GPU
+tokens/s of an N-times longer sequence over N GPUs against one GPU's at --seq-len (e.g. --seq-len 32768 --gpus 1,4
+--max-world 4 --micro 1: 128k tokens on 4 GPUs against 32k on one). The runs' data differ: no loss comparison.
 """
 from __future__ import annotations
 
@@ -148,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", action="store_true",
                     help="run jobs side by side on free GPUs of the machine (the 1-GPU runs of all cases at once, "
                          "then two 2-GPU runs, ...); without it one run at a time")
+    ap.add_argument("--context-parallel", action="store_true",
+                    help="at N GPUs, sequences of N x --seq-len tokens over N context ranks (see the docstring)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU (gloo, DS_ACCELERATOR=cpu): tiny presets, 1 and 2 ranks, seq 32, fp32, 4 steps")
     args = ap.parse_args(argv)
@@ -188,11 +195,15 @@ def main(argv=None) -> int:
     def write_doc():
         for runs in results.values():
             compare(runs)
+            if args.context_parallel:  # other sequences at each world size: their losses do not compare
+                for r in runs.values():
+                    for k in ("max_rel_loss_diff_vs_1", "mean_rel_loss_diff_vs_1", "losses_compared"):
+                        r.pop(k, None)
         doc = {"settings": {"gpus": worlds, "max_world": args.max_world, "seq_len": args.seq_len,
                             "steps": args.steps, "warmup": args.warmup, "precision": args.precision,
                             "compile": args.compile, "engine": "deepspeed",
                             "zero_stage": 2, "data": "synthetic", "dry_run": args.dry_run,
-                            "parallel": args.parallel},
+                            "parallel": args.parallel, "context_parallel": args.context_parallel},
                "device": _device(args.dry_run),
                "cases": {c: {k: runs[k] for k in sorted(runs, key=_order)} for c, runs in results.items()}}
         (out / "scaling.json").write_text(json.dumps(doc, indent=1))
@@ -207,10 +218,12 @@ def main(argv=None) -> int:
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
         if run_dir.exists():  # a re-run of the script: fresh runs
             shutil.rmtree(run_dir)
-        cfg = run_config(run_dir, preset, overrides, implicit, seq_len=args.seq_len, micro=micro,
+        cp = n if args.context_parallel and engine == "deepspeed" else 1
+        cfg = run_config(run_dir, preset, overrides, implicit, seq_len=args.seq_len * cp, micro=micro,
                          global_tokens=global_tokens, steps=args.steps, precision=args.precision,
                          compile_=args.compile == "on")
         cfg["train"]["engine"] = engine
+        cfg["train"]["context_parallel"] = cp
         cfg_path.write_text(json.dumps(cfg))
         # one launcher for every N (also 1): the same process setup at each world size
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),

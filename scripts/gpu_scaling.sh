@@ -10,6 +10,8 @@
 #   CASES=mamba2-350m-explicit,llama-1.3b-explicit STEPS=12 bash scripts/gpu_scaling.sh
 #   bash scripts/gpu_scaling.sh --parallel --plain-ref   # runs side by side on free GPUs; + 1-GPU plain-engine runs
 #   bash scripts/gpu_scaling.sh --dry-run           # CPU: tiny presets at 1 and 2 ranks (gloo), fp32
+#   CASES=mamba2-350m-explicit GPUS=1,2,4 MICRO=1 bash scripts/gpu_scaling.sh --context-parallel --seq-len 32768 \
+#     --max-world 4                                 # 32k on 1 GPU against 64k on 2 and 128k on 4 (context parallel)
 #
 # Environment: OUT [/tmp/gpu_scaling_out]  GPUS [1,2,4,8 up to the visible count]  CASES [all]
 #   STEPS [16]  WARMUP [4] (steps left out of tokens/s)  COMPILE [on]  RUN_TIMEOUT [900] (seconds per run)

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm_kernels.context_parallel import causal_conv1d_cp, chunk_deltaproduct_cp
 from lm_kernels.deltaproduct import chunk_deltaproduct, deltaproduct_step
 from lm_kernels.varlen import cpu_offsets
 
@@ -182,7 +183,16 @@ class DeltaProductMixer(Mixer):
         return [causal_conv1d(x, wi, None, cu_seqlens=cu_seqlens, activation="silu")[0]
                 for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, cu_seqlens_cpu=None, attention_mask=None):
+    def _short_convs_cp(self, qkv, cu_seqlens, context):
+        """`_short_convs` on this rank's slice (context parallelism): each conv with its halo from the previous
+        rank."""
+        w = self.conv1d.weight.squeeze(1)
+        return [causal_conv1d_cp(x, wi, None, context.slice, cu_seqlens=cu_seqlens, activation="silu")
+                for x, wi in zip(qkv.split(self.split[:3], dim=-1), w.split(self.split[:3], dim=0))]
+
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, cu_seqlens_cpu=None, attention_mask=None,
+                context=None):
+        """`context` (lm.models.context_parallel.ContextShard): x is this rank's slice of the sequences."""
         b, t, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
@@ -201,7 +211,8 @@ class DeltaProductMixer(Mixer):
         state = cache.get(self.layer_idx) if cache is not None else {}
         conv_state = None
         if self.conv1d is not None and cache is None:
-            q, k, v = self._short_convs(qkv, cu_seqlens)
+            q, k, v = (self._short_convs(qkv, cu_seqlens) if context is None
+                       else self._short_convs_cp(qkv, cu_seqlens, context))
         else:
             if self.conv1d is not None:
                 qkv, conv_state = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), None, cu_seqlens=cu_seqlens,
@@ -227,6 +238,10 @@ class DeltaProductMixer(Mixer):
                 h0, q[:, 0], k.reshape(b, nh, H, dk), v.reshape(b, nh, H, dv), beta.reshape(b, nh, H),
                 g[:, 0] if g is not None else None, use_qk_l2norm=True)
             o = o.unsqueeze(1)
+        elif context is not None:
+            o, new_state = chunk_deltaproduct_cp(
+                q, k, v, beta, g, context.slice, num_householder=nh, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+                chunk_size=self.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
         else:
             o, new_state = chunk_deltaproduct(
                 q, k, v, beta, g, num_householder=nh, initial_state=state.get("state"),

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm_kernels.context_parallel import causal_conv1d_cp, shift_halo, ssd_scan_cp
 from lm_kernels.ssd import ssd_scan, ssd_step
 
 from ..fixed_point import FixedPointStats, phantom, solve
@@ -287,7 +288,7 @@ class FPMambaMixer(Mixer):
         return (iterations + 3.0 * (self.fp_config.layer_solver.phantom_steps - 1)) * per_iter
 
     # --- pieces -------------------------------------------------------------------------------------
-    def _inputs(self, x, injection, conv_state, cu_seqlens, attention_mask=None):
+    def _inputs(self, x, injection, conv_state, cu_seqlens, attention_mask=None, context=None):
         zxbcdt = self.in_proj(x)
         if injection is not None:
             zxbcdt = zxbcdt + injection
@@ -301,7 +302,10 @@ class FPMambaMixer(Mixer):
                                                         (self.nheads, float("-inf"))])
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         new_conv = None
-        if self.conv1d is not None:
+        if self.conv1d is not None and context is not None:
+            xbc = causal_conv1d_cp(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, context.slice,
+                                   cu_seqlens=cu_seqlens, activation="silu")
+        elif self.conv1d is not None:
             xbc, new_conv = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, cu_seqlens=cu_seqlens,
                                           conv_state=conv_state, activation="silu")
         gn = self.ngroups * self.d_state
@@ -315,14 +319,17 @@ class FPMambaMixer(Mixer):
         return x + ys if kind == "sum" else x
 
     def layer_map(self, inp: _Inputs, y, *, y_first=None, state=None, keep=None, cu_seqlens=None,
-                  token=False, return_state=False, max_seqlen=None, attention_mask=None):
+                  token=False, return_state=False, max_seqlen=None, attention_mask=None, context=None):
         """One application of the layer map y^{l-1} -> y^l (module docstring). Returns (y^l, SSM final state
         or None). `token=True`: a single token (t == 1) through ssd_step from `state` (zeros if None).
         `max_seqlen` (with cu_seqlens): the model has checked the offsets, the scan does not read them again.
         `attention_mask` (b, t) bool, False at pads (whose inputs `_inputs` has made identity steps): y^l is 0 at the
         pads, so their iterate stays at y^0 = 0, out of the solver's residual (a row stops as its real tokens alone
-        would), and the first real token's y_{t-1} is a fresh start's 0."""
+        would), and the first real token's y_{t-1} is a fresh start's 0. `context` (context parallelism): y_{t-1} of
+        the slice's first token is the previous rank's last, and the scan passes its state across the slices."""
         b, t, _ = y.shape
+        if context is not None:
+            y_first = shift_halo(y[:, -1], context.slice)
         ys = shift_right(y, y_first, keep)
         xt = inp.x
         if self.q_mixer is not None:
@@ -337,7 +344,7 @@ class FPMambaMixer(Mixer):
             B = F.normalize(B, dim=-1, eps=self.eps)
             C = F.normalize(C, dim=-1, eps=self.eps)
         xh = xt.reshape(b, t, self.nheads, self.headdim)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))  # (float64 stays)
         if token:
             if state is None:
                 sdt = torch.float64 if xh.dtype == torch.float64 else torch.float32
@@ -345,6 +352,10 @@ class FPMambaMixer(Mixer):
             out, new_state = ssd_step(state, xh[:, 0], inp.dt[:, 0], A, B[:, 0], C[:, 0], D=self.D,
                                       dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
             out = out.unsqueeze(1)
+        elif context is not None:
+            out, new_state = ssd_scan_cp(xh, inp.dt, A, B, C, context.slice, chunk_size=self.chunk_size, D=self.D,
+                                         dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+                                         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         else:
             out, new_state = ssd_scan(xh, inp.dt, A, B, C, chunk_size=self.chunk_size, D=self.D,
                                       dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
@@ -356,8 +367,10 @@ class FPMambaMixer(Mixer):
             y_new = y_new.masked_fill(~attention_mask.unsqueeze(-1), 0.0)
         return y_new, new_state
 
-    def _output(self, y, inp, y_first=None, keep=None):
+    def _output(self, y, inp, y_first=None, keep=None, context=None):
         if self.z_y_proj is not None:
+            if context is not None:
+                y_first = shift_halo(y[:, -1], context.slice)
             y = y * F.silu(inp.z + self.z_y_proj(shift_right(y, y_first, keep)))
         return self.out_proj(y)
 
@@ -372,22 +385,28 @@ class FPMambaMixer(Mixer):
             del self._stats[0]
 
     # --- modes --------------------------------------------------------------------------------------
-    def iterate(self, x, *, injection=None, cu_seqlens=None, max_seqlen=None, keep=None, attention_mask=None):
+    def iterate(self, x, *, injection=None, cu_seqlens=None, max_seqlen=None, keep=None, attention_mask=None,
+                context=None):
         """Parallel mode on the normalised layer input x (b, t, hidden). Returns (y after the phantom
         steps, the detached fixed point y*, stats, the layer's x-only inputs, the document mask or None);
         y and y* are (b, t, d_inner), before the output gate / out_proj. `keep` (t,): the document mask (False at
         document starts) where the model has formed it (shared_inputs), else formed here from cu_seqlens.
-        `attention_mask` (b, t): False at pads (see layer_map)."""
-        inp, _ = self._inputs(x, injection, None, cu_seqlens, attention_mask)
-        if cu_seqlens is not None and keep is None:
+        `attention_mask` (b, t): False at pads (see layer_map). `context` (context parallelism): x is this rank's
+        slice; the document mask is the tokens' global one and the solver's residual the whole rows' (every rank of
+        the group iterates alike)."""
+        inp, _ = self._inputs(x, injection, None, cu_seqlens, attention_mask, context)
+        if context is not None:
+            keep = context.positions(x.device) > 0
+        elif cu_seqlens is not None and keep is None:
             keep = position_in_document(x.shape[1], cu_seqlens, x.device) > 0
 
         def f(y):
             return self.layer_map(inp, y, keep=keep, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                  attention_mask=attention_mask)[0]
+                                  attention_mask=attention_mask, context=context)[0]
 
         y0 = inp.x.new_zeros(inp.x.shape)
-        y_star, st = solve(f, y0, **self.fp_config.layer_solver.solve_args(self.training))
+        y_star, st = solve(f, y0, **self.fp_config.layer_solver.solve_args(self.training),
+                           **({"group": context.group} if context is not None else {}))
         y = self._phantom(f, y_star)
         return y, y_star, st, inp, keep
 
@@ -406,13 +425,13 @@ class FPMambaMixer(Mixer):
         return out
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None, keep=None,
-                attention_mask=None):
+                attention_mask=None, context=None):
         if cache is not None:
             return self._sequential(x, injection, cache, cu_seqlens, attention_mask)
         y, _, st, inp, keep = self.iterate(x, injection=injection, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                           keep=keep, attention_mask=attention_mask)
+                                           keep=keep, attention_mask=attention_mask, context=context)
         self._record(st)
-        return self._output(y, inp, keep=keep)
+        return self._output(y, inp, keep=keep, context=context)
 
     def _sequential(self, x, injection, cache, cu_seqlens, attention_mask=None):
         """Token by token against the committed state (generation); see the module docstring. `attention_mask`

@@ -18,6 +18,7 @@ from lm_kernels.rope import rope_kv_step
 from lm_kernels.varlen import document_and_position
 
 from .config import LMConfig
+from .context_parallel import attention_cp
 from .layers import apply_rotary, rotary_cos_sin
 from .modeling import LMForCausalLM, LMModel, Mixer
 
@@ -123,9 +124,11 @@ class Attention(Mixer):
         return out
 
     def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, rope=None, max_seqlen=None, packed=None,
-                attn_mask=None, attention_mask=None):
+                attn_mask=None, attention_mask=None, context=None):
         """`attn_mask` (b, 1, t, s) bool: which keys each new token sees, where the batch has pads (shared_inputs;
-        pads are masked as keys, so `attention_mask`, the new tokens' own mask, needs nothing more here)."""
+        pads are masked as keys, so `attention_mask`, the new tokens' own mask, needs nothing more here).
+        `context` (lm.models.context_parallel.ContextShard): x is this rank's slice of the sequences, `rope` at their
+        global positions; the keys and values of the group's earlier slices are gathered (attention_cp)."""
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)
         if injection is not None:
@@ -147,7 +150,7 @@ class Attention(Mixer):
         if cache is not None and cu_seqlens is not None:
             raise ValueError("Attention: cu_seqlens (packed training) cannot be combined with a generation cache")
         doc = None
-        if cu_seqlens is not None:
+        if cu_seqlens is not None and context is None:
             doc, pos = packed if packed is not None else document_and_position(t, cu_seqlens, x.device)
         elif rope is None:
             pos = cache.positions(t, x.device) if cache is not None else torch.arange(t, device=x.device)
@@ -158,6 +161,9 @@ class Attention(Mixer):
         if cos.dim() == 3:  # each row's own positions (a batch with pads): (b, t, d) -> (b, 1, t, d) over the heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if context is not None:
+            o = attention_cp(q, k, v, context, self.window)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * hd))
 
         mask = None
         if cache is not None:  # all cached keys/values with the new ones appended (a static cache: under a mask)

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lm_kernels.context_parallel import block_scan_cp
 from lm_kernels.lru import block_scan, block_scan_step, companion, lru_lambda_blocks
 
 from .config import LMConfig
@@ -215,7 +216,8 @@ class LRUMixer(Mixer):
             return hlru_transition(gates, v)
         return bdlru_transition(gates, v.reshape(b, t, N, m))
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, attention_mask=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, attention_mask=None, context=None):
+        """`context` (lm.models.context_parallel.ContextShard): x is this rank's slice of the sequences."""
         b, t, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with a generation cache")
@@ -234,6 +236,8 @@ class LRUMixer(Mixer):
                 h0 = xin.new_zeros(b, self.N, self.m)
             final = block_scan_step(h0, A[:, 0], xin[:, 0])
             h = final.unsqueeze(1)
+        elif context is not None:
+            h, final = block_scan_cp(A, xin, context.slice, cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
         else:
             h, final = block_scan(A, xin, initial_state=state.get("h"), cu_seqlens=cu_seqlens,
                                   chunk_size=self.chunk_size, return_final_state=cache is not None)

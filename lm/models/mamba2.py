@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from lm_kernels.mamba2 import fits as mamba2_inner_fits
 from lm_kernels.mamba2 import mamba2_inner
+from lm_kernels.context_parallel import causal_conv1d_cp, ssd_scan_xbc_cp
 from lm_kernels.ssd import ssd_scan_xbc, ssd_step
 
 from .config import LMConfig
@@ -126,7 +127,10 @@ class Mamba2Mixer(Mixer):
             zxbcdt = zxbcdt + injection
         return mask_pads(zxbcdt, attention_mask, [(self.d_inner + self.conv_dim, 0.0), (self.nheads, float("-inf"))])
 
-    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None, attention_mask=None):
+    def forward(self, x, *, injection=None, cache=None, cu_seqlens=None, max_seqlen=None, attention_mask=None,
+                context=None):
+        """`context` (lm.models.context_parallel.ContextShard): x is this rank's slice of the sequences; the conv and
+        the scan pass what crosses the slice borders (the three ops, not the fused one)."""
         b, t, _ = x.shape
         state = cache.get(self.layer_idx) if cache is not None else {}
         if cache is not None and t == 1 and "ssm" in state:
@@ -139,9 +143,9 @@ class Mamba2Mixer(Mixer):
         zxbcdt = self.in_proj(x)
         if attention_mask is not None:
             zxbcdt, injection = self._mask_pads(zxbcdt, injection, attention_mask), None
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))  # (float64 stays)
         conv_w = self.conv1d.weight.squeeze(1)  # a view, whose backward is a view (a select's is a kernel)
-        if mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
+        if context is None and mamba2_inner_fits(zxbcdt, conv_w.shape[-1]):
             # compiled, one norm group: the norm folded into out_proj (lm_kernels.mamba2's fold_norm): the scan gates
             # its output and sums its squares, out_proj takes the norm weight into its own, and the row scale rstd
             # fuses into the residual add after the block (eager, it would be a pass of its own)
@@ -162,13 +166,20 @@ class Mamba2Mixer(Mixer):
                 z_add, x_add, dt_add = (injection[..., lo:hi] for lo, hi in self._cols.values())
             if dt_add is not None:
                 dt = dt + dt_add
-            xbc, conv_state = causal_conv1d(xbc, conv_w, self.conv1d.bias, cu_seqlens=cu_seqlens, x_add=x_add,
-                                            conv_state=state.get("conv"), activation="silu")
-            # x, B, C stay one tensor: the scan's backward writes their gradient as one
-            y, ssm = ssd_scan_xbc(xbc, dt, A, headdim=self.headdim, ngroups=self.ngroups, dstate=self.d_state,
-                                  chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                                  dt_limit=self.dt_limit, initial_state=state.get("ssm"), cu_seqlens=cu_seqlens,
-                                  return_final_state=cache is not None, max_seqlen=max_seqlen)
+            scan = dict(headdim=self.headdim, ngroups=self.ngroups, dstate=self.d_state, chunk_size=self.chunk_size,
+                        D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen)
+            if context is not None:
+                xbc = causal_conv1d_cp(xbc, conv_w, self.conv1d.bias, context.slice, cu_seqlens=cu_seqlens,
+                                       x_add=x_add, activation="silu")
+                y, ssm = ssd_scan_xbc_cp(xbc, dt, A, context.slice, **scan)
+                conv_state = None
+            else:
+                xbc, conv_state = causal_conv1d(xbc, conv_w, self.conv1d.bias, cu_seqlens=cu_seqlens, x_add=x_add,
+                                                conv_state=state.get("conv"), activation="silu")
+                # x, B, C stay one tensor: the scan's backward writes their gradient as one
+                y, ssm = ssd_scan_xbc(xbc, dt, A, initial_state=state.get("ssm"), return_final_state=cache is not None,
+                                      **scan)
             y = self.norm(y.reshape(b, t, self.d_inner), z, z_add=z_add)
             rstd = None
         if cache is not None:

@@ -32,6 +32,7 @@ from lm_kernels.varlen import packed_offsets
 from ..fixed_point import FixedPointStats, phantom, solve
 from .cache import LMCache, mask_positions
 from .config import ImplicitSettings, LMConfig
+from .context_parallel import ContextShard, check_context, group_loss
 from .decode import decoder_for, resolve_decode
 from .layers import RMSNorm, SwiGLU, add_rms_norm
 from .loss import linear_cross_entropy, logits_cross_entropy
@@ -315,21 +316,27 @@ class LMModel(LMPreTrainedModel):
             h, u = run(layer, h, u=u, next_norm=(nxt.weight, nxt.eps, not last), **kw)
         return u
 
-    def _shared(self, h, cache, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None, real=None) -> dict:
+    def _shared(self, h, cache, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None, real=None,
+                context: ContextShard | None = None) -> dict:
         """The mixers' shared inputs for this forward (see Mixer.shared_inputs), at the cache's positions. `real`
         (b, t) bool: the new tokens' mask where some are pads (LMModel._real_tokens), handed to every mixer as
-        `attention_mask`; with pads among them or among the cached tokens, each row's positions and the key mask."""
+        `attention_mask`; with pads among them or among the cached tokens, each row's positions and the key mask.
+        `context` (context parallelism): the tokens' global positions, and the shard itself to every mixer."""
         if not len(self.layers):
             return {}
         t = h.shape[1]
         if cache is not None:
             pos, keys = cache.positions(t, h.device), cache.key_mask(t)
+        elif context is not None:
+            pos, keys = context.positions(h.device), None
         else:
             pos, keys = (mask_positions(real), real) if real is not None else (None, None)
         out = self.mixer_shared_inputs(t, cu_seqlens, h.device, positions=pos, max_seqlen=max_seqlen,
                                        cu_seqlens_cpu=cu_seqlens_cpu, key_mask=keys)
         if real is not None:
             out["attention_mask"] = real
+        if context is not None:
+            out["context"] = context
         return out
 
     def fixed_point_map(self, inj, cache=None, cu_seqlens=None, shared=None):
@@ -350,7 +357,7 @@ class LMModel(LMPreTrainedModel):
 
     def forward(self, input_ids, *, cache: LMCache | None = None, cu_seqlens=None, max_seqlen: int | None = None,
                 cu_seqlens_cpu: torch.Tensor | None = None, prefill: str | None = None,
-                attention_mask: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, context: ContextShard | None = None):
         """Returns (hidden states after the final norm (b, t, d), stats dict or None).
 
         `cu_seqlens`: offsets of packed documents (batch 1), on any device. `max_seqlen`: the longest document's
@@ -372,7 +379,12 @@ class LMModel(LMPreTrainedModel):
         at 0). Pads go before a row's real tokens (left padding, what generation needs) or, without a cache, also
         after them (right padding); see `_real_tokens`. A cache keeps the mask of the tokens it has seen (LMCache):
         later chunks' masks are read for their new tokens only. All ones costs one check (a wait for the device)
-        and changes nothing."""
+        and changes nothing.
+        `context` (lm.models.context_parallel.ContextShard): input_ids are this rank's slice of the sequences, which
+        the ranks of its group run together (context parallelism; packed documents are the shard's offsets)."""
+        if context is not None:
+            check_context(context, cache, cu_seqlens, attention_mask)
+            cu_seqlens, max_seqlen, cu_seqlens_cpu = context.packed(input_ids.device)
         if cu_seqlens is not None and not torch.compiler.is_compiling():
             # once per forward, here: the compiled blocks' kernels take the offsets unread (no host sync inside a
             # graph), attention takes the longest document's length as this host int, and ops that need the
@@ -391,9 +403,9 @@ class LMModel(LMPreTrainedModel):
         solver = None  # the stack's solve: a mapping read lazily (no wait for the device in the forward)
         if settings is None:
             h = self._stack(emb, None, cache, cu_seqlens,
-                            self._shared(emb, cache, cu_seqlens, max_seqlen, cu_seqlens_cpu, real))
+                            self._shared(emb, cache, cu_seqlens, max_seqlen, cu_seqlens_cpu, real, context))
         elif cache is None:
-            h, st = self._simultaneous(emb, settings, cu_seqlens, max_seqlen, cu_seqlens_cpu, real)
+            h, st = self._simultaneous(emb, settings, cu_seqlens, max_seqlen, cu_seqlens_cpu, real, context)
             solver = st.as_mapping()
         elif input_ids.shape[1] > 1 and cache.prefill == "parallel":
             h, st = self._parallel_prefill(emb, settings, cache, real)
@@ -492,15 +504,18 @@ class LMModel(LMPreTrainedModel):
             z, _ = solve(f, torch.zeros_like(emb), **{**settings.solve_args(training=False), "tol": None})
         return f(z)
 
-    def _simultaneous(self, emb, settings, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None, real=None):
+    def _simultaneous(self, emb, settings, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None, real=None, context=None):
         inj = self.injection(emb)
-        shared = self._shared(emb, None, cu_seqlens, max_seqlen, cu_seqlens_cpu, real)
+        shared = self._shared(emb, None, cu_seqlens, max_seqlen, cu_seqlens_cpu, real, context)
         f = self.fixed_point_map(inj, None, cu_seqlens, shared)
         z0 = torch.zeros_like(emb)
         # the solve's iterations replay one captured graph of the map where they can (lm.models.solve_graph)
-        f_solve = solve_map(self, f, inj, shared, z0) if capturable(self, inj, cu_seqlens, None) else f
-        # packed sequences: one "sample" per document is not separable here; the batch row is the unit
-        z, st = solve(f_solve, z0, **settings.solve_args(self.training))
+        graphs = context is None and capturable(self, inj, cu_seqlens, None)
+        f_solve = solve_map(self, f, inj, shared, z0) if graphs else f
+        # packed sequences: one "sample" per document is not separable here; the batch row is the unit. Context
+        # parallelism: a row's residual is the whole row's, reduced over the group (every rank iterates alike)
+        z, st = solve(f_solve, z0, **settings.solve_args(self.training),
+                      **({"group": context.group} if context is not None else {}))
         if torch.is_grad_enabled() and settings.phantom_steps > 0:
             z = phantom(f, z, steps=settings.phantom_steps, damping=settings.damping)
         return z, st
@@ -627,6 +642,7 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         past_key_values: LMCache | None = None,
         prefill: str | None = None,
         decode: str | None = None,
+        context: ContextShard | None = None,
         **kwargs,
     ) -> LMOutput:
         """`labels`: Hugging Face convention (shifted inside, -100 ignored). `targets`: already aligned with
@@ -642,7 +658,9 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
         `attention_mask`: 1 at real tokens, 0 at pads, over the new tokens or the cached and new ones (as
         `generate` passes it): left-padded rows get what each prompt gets alone (LMModel.forward).
         `decode`: the one-token path with a cache, "eager" | "static" | "graph" | "auto" (lm.models.decode);
-        None = the cache's (set by `generate`), else eager."""
+        None = the cache's (set by `generate`), else eager.
+        `context` (lm.models.context_parallel.ContextShard): input_ids and targets are this rank's slice of the
+        sequences (context parallelism); the loss is this rank's part of the group's token mean (group_loss)."""
         if cache is None:
             cache = past_key_values
         if use_cache is False:
@@ -657,8 +675,12 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
             return LMOutput(loss=None, logits=logits, **{CACHE_FIELD: cache})
         if use_cache and cache is None:
             cache = LMCache(self.config.num_hidden_layers)
+        if context is not None and (labels is not None or self.compression_head is not None or logits_to_keep):
+            raise ValueError("context parallelism: pass targets aligned with input_ids (labels shift across the "
+                             "slices), with the LM head over every token")
         h, stats = self.model(input_ids, cache=cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              cu_seqlens_cpu=cu_seqlens_cpu, prefill=prefill, attention_mask=attention_mask)
+                              cu_seqlens_cpu=cu_seqlens_cpu, prefill=prefill, attention_mask=attention_mask,
+                              context=context)
         if self.compression_head is not None:  # decodes the whole sequence from its last state
             if labels is not None:
                 raise ValueError("labels: the compression head predicts targets aligned with input_ids (no shift); "
@@ -673,10 +695,14 @@ class LMForCausalLM(LMPreTrainedModel, GenerationMixin):
             if logits_to_keep:
                 targets = targets[:, -logits_to_keep:]
         if fused_loss and targets is not None and self.lm_head.bias is None:
-            return LMOutput(loss=linear_cross_entropy(h, self.lm_head.weight, targets), logits=None,
-                            fixed_point_stats=stats, **{CACHE_FIELD: cache})
+            loss = linear_cross_entropy(h, self.lm_head.weight, targets)
+            if context is not None:
+                loss = group_loss(loss, targets, context)
+            return LMOutput(loss=loss, logits=None, fixed_point_stats=stats, **{CACHE_FIELD: cache})
         logits = self.lm_head(h)
         loss = logits_cross_entropy(logits, targets) if targets is not None else None
+        if loss is not None and context is not None:
+            loss = group_loss(loss, targets, context)
         return LMOutput(loss=loss, logits=logits, fixed_point_stats=stats, **{CACHE_FIELD: cache})
 
     # the one-token decode path of `generate` when it is not given `decode=`: see lm.models.decode

@@ -28,6 +28,7 @@ from lm.models.config import ImplicitSettings
 
 from ..resources import config_path
 from .curriculum import parse_curriculum
+from .length_warmup import parse_stages
 
 
 def _implicit(value):
@@ -59,6 +60,9 @@ class DataSection:
     # an implicit model's tolerance-stopped solve then judges convergence over the whole micro-batch
     cu_seqlens: bool = False
     synthetic_vocab: int = 256               # synthetic source: token ids drawn from [0, synthetic_vocab)
+    # sequence-length warm-up: [{until: 0.02, seq_len: 2048}, ...] trains rows of seq_len tokens cut into rows of
+    # the stage's length while the fraction of steps done is below `until` (lm.train.length_warmup)
+    seq_len_warmup: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -94,6 +98,9 @@ class TrainSection:
     stop_after_steps: Union[int, None] = None  # stop early (the schedule still spans all steps)
     num_threads: Union[int, None] = None     # torch.set_num_threads on CPU
     fused_loss: bool = True                  # LM-head cross-entropy in token chunks: no (tokens x vocab) logits held
+    # ranks that share each sequence, each holding a contiguous slice of it (lm.train.context_parallel): the
+    # world is context_parallel x data-parallel ranks; 1 = off
+    context_parallel: int = 1
     # wall-clock budget of the training (evaluation time not counted): the LR schedule then runs on
     # max(step, steps * elapsed / budget), so its decay ends when the first of the two budgets runs out
     max_minutes: Union[float, None] = None
@@ -398,6 +405,11 @@ def validate(cfg: TrainConfig) -> None:
     if t.steps is not None:
         _need(t.steps >= 1, "train.steps", "must be >= 1", t.steps)
     _need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1", t.micro_batch_size)
+    _need(t.context_parallel >= 1, "train.context_parallel", "must be >= 1 (1 = off)", t.context_parallel)
+    if d.seq_len_warmup:
+        _need(d.source != "task", "data.seq_len_warmup", "takes rows of data.seq_len tokens: not with data.source=task "
+              "(its batches have their own lengths)", d.seq_len_warmup)
+        parse_stages(d.seq_len_warmup, d.seq_len, t.context_parallel)
     _need(t.global_batch_tokens >= 1, "train.global_batch_tokens", "must be >= 1", t.global_batch_tokens)
     _need(t.precision in ("bf16", "fp32"), "train.precision", "must be bf16 or fp32", t.precision)
     _need(t.engine in ("auto", "deepspeed", "torch"), "train.engine", "must be auto, deepspeed or torch", t.engine)

@@ -120,6 +120,10 @@ def to_model_inputs(batch: dict, device: torch.device) -> dict:
             t = t.pin_memory()
         return t.to(device, non_blocking=True)
 
+    if "context" in batch:  # this rank's slice of its context group's batch (lm.train.context_parallel)
+        from .context_parallel import moved
+
+        return moved(batch, move)
     if "cu_seqlens" in batch:
         cu = batch["cu_seqlens"]
         # (offsets already on a device are left to the model to check, which waits for the device)

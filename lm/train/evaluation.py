@@ -16,7 +16,7 @@ from .data import to_model_inputs
 
 def _token_loss_sums(model, inputs: dict) -> tuple[float, float]:
     out = model(input_ids=inputs["input_ids"], cu_seqlens=inputs.get("cu_seqlens"), max_seqlen=inputs.get("max_seqlen"),
-                cu_seqlens_cpu=inputs.get("cu_seqlens_cpu"))
+                cu_seqlens_cpu=inputs.get("cu_seqlens_cpu"), context=inputs.get("context"))
     t = inputs["targets"]
     loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), t.reshape(-1),
                            ignore_index=-100, reduction="sum")

@@ -39,11 +39,13 @@ from .budget import TimeBudget
 from .checkpointer import Checkpointer
 from .config import TrainConfig
 from .console import Console
+from .context_parallel import ContextGroups, check_context_parallel
 from .curriculum import Curriculum, curriculum_phases
 from .data import build_data, build_task_data
 from .distributed import Dist, resolve_auto_engine, shutdown  # noqa: F401  (re-exported)
 from .engine import DeepSpeedEngine, TorchEngine, deepspeed_config
 from .evaluation import Evaluator
+from .length_warmup import LengthWarmup, parse_stages
 from .metrics import MetricsLogger, StepLog, StepWindow
 from .model import build_model, check_model_settings, load_model_config
 from .optim import make_optimizer
@@ -65,11 +67,14 @@ class Plan:
 
     @classmethod
     def of(cls, cfg: TrainConfig, world: int) -> "Plan":
+        """`world`: the data-parallel ranks (the world size / train.context_parallel: a context group's ranks share
+        their sequences)."""
         t, d = cfg.train, cfg.data
         per_micro = t.micro_batch_size * d.seq_len * world
+        ranks = "world_size" if t.context_parallel == 1 else "(world_size / context_parallel)"
         if t.global_batch_tokens % per_micro:
             raise ValueError(f"train.global_batch_tokens: {t.global_batch_tokens} is not a multiple of micro_batch_size"
-                             f" * seq_len * world_size = {t.micro_batch_size} * {d.seq_len} * {world} = {per_micro}")
+                             f" * seq_len * {ranks} = {t.micro_batch_size} * {d.seq_len} * {world} = {per_micro}")
         total = t.steps if t.steps is not None else math.ceil(t.tokens / t.global_batch_tokens)
         return cls(t.global_batch_tokens // per_micro, total, t.global_batch_tokens)
 
@@ -104,12 +109,18 @@ def _resumed_engine(cfg: TrainConfig) -> str | None:
         return None  # no checkpoint (or a broken one): find_resume says what is wrong
 
 
-def build_run_data(cfg: TrainConfig, dist: Dist):
-    """(train reader, make_val(n) -> batches, tokenizer or None, data vocabulary size)."""
+def build_run_data(cfg: TrainConfig, groups: ContextGroups, total_steps: int):
+    """(train reader, make_val(n) -> batches, tokenizer or None, data vocabulary size). The training reader cuts its
+    rows to the sequence-length warm-up's stage (LengthWarmup, `enter(step)`); with context parallelism the readers
+    of a context group's ranks read the same batches and each yields its slice (`groups`)."""
     if cfg.data.source == "task":  # a synthetic task (lm.data.synthetic.source)
-        return build_task_data(cfg, rank=dist.rank, world_size=dist.world)
-    return build_data(cfg.data, seed=cfg.train.seed, micro_batch_size=cfg.train.micro_batch_size, rank=dist.rank,
-                      world_size=dist.world)
+        return build_task_data(cfg, rank=groups.data_rank, world_size=groups.data_world)
+    train, make_val, tokenizer, vocab = build_data(cfg.data, seed=cfg.train.seed,
+                                                   micro_batch_size=cfg.train.micro_batch_size,
+                                                   rank=groups.data_rank, world_size=groups.data_world)
+    stages = parse_stages(cfg.data.seq_len_warmup, cfg.data.seq_len, cfg.train.context_parallel)
+    train = LengthWarmup(train, stages, cfg.data.seq_len, total_steps)
+    return groups.reader(train), groups.val(make_val), tokenizer, vocab
 
 
 def build_engine(cfg: TrainConfig, model, dist: Dist, plan: Plan, universal: bool = False):
@@ -141,8 +152,10 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     model_config = load_model_config(cfg)  # the preset, read once
     phases = curriculum_phases(cfg.curriculum, model_config.model_type)
     check_model_settings(cfg, model_config, phases)
+    check_context_parallel(cfg)
     dist = Dist(t, resumed_engine=_resumed_engine(cfg))
-    plan = Plan.of(cfg, dist.world)
+    groups = ContextGroups(t.context_parallel, dist.world, dist.rank)
+    plan = Plan.of(cfg, groups.data_world)
     resume_from = find_resume(cfg, dist)
     resumed = None
     if resume_from is not None:
@@ -158,7 +171,7 @@ def train(cfg: TrainConfig, *, hooks: dict | None = None) -> dict:
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
-    data = build_run_data(cfg, dist)
+    data = build_run_data(cfg, groups, plan.total_steps)
     model = build_model(cfg, model_config, phases, data[3])
 
     lock = RunLock(cfg.run_dir)
@@ -187,6 +200,7 @@ def _run(cfg: TrainConfig, dist: Dist, plan: Plan, phases, model, data, resumed,
     step, stop, stepper = r.step, r.stop, r.stepper
     while step < stop.at and not stop.now:
         r.curriculum.enter(step)
+        r.enter_length(step)
         queued = stepper.queue(step, r.schedule.lr(step), r.curriculum.phase)
         step += 1
         behind, stepper.behind = stepper.behind, None
@@ -221,6 +235,7 @@ class _Run:
         self.run_dir, self.total_steps = Path(cfg.run_dir), plan.total_steps
         reader, make_val, tokenizer, _ = data
         self.task = task_component(cfg, reader, self.run_dir, dist)
+        self.lengths = reader if cfg.data.source != "task" else None  # (LengthWarmup, or ShardedReader over one)
         model.to(dist.device)
         model.train()
         engine = build_engine(cfg, model, dist, plan, universal=resumed is not None and resumed.reshard)
@@ -260,6 +275,14 @@ class _Run:
         self.checkpoints = Checkpointer(cfg, total_steps=plan.total_steps, tokens_per_step=plan.tokens_per_step,
                                         engine=engine, reader=reader, dist=dist, logger=logger, state=self._state,
                                         last_saved=self.step if resumed is not None else -1)
+
+    def enter_length(self, step: int) -> None:
+        """Before step `step` + 1: the sequence-length warm-up's stage (data.seq_len_warmup), logged where it
+        changes."""
+        length = self.lengths.enter(step) if self.lengths is not None else None
+        if length is not None:
+            self.logger.log({"event": "seq_len", "step": step, "seq_len": length})
+            self.console.write(f"step {step}: sequences of {length} tokens")
 
     def _state(self) -> dict:
         """The loop's part of a checkpoint's client.json."""
@@ -324,14 +347,15 @@ def _announce(cfg: TrainConfig, dist: Dist, plan: Plan, model, resumed, step: in
     n_params = sum(p.numel() for p in model.parameters())
     logger.log({"event": "start", "step": step, "total_steps": plan.total_steps, "total_tokens": plan.total_steps *
                 plan.tokens_per_step, "accumulation": plan.accumulation, "world_size": dist.world,
-                "engine": dist.engine, "device": str(dist.device), "params": n_params,
+                "context_parallel": cfg.train.context_parallel, "engine": dist.engine, "device": str(dist.device), "params": n_params,
                 "resumed_from": str(resumed.path) if resumed else None,
                 **({"resumed_world_size": resumed.world_size, "config_changes": resumed.changes} if resumed else {})})
     t = cfg.train
     console.write(f"lm train: {model.config.model_type} {n_params / 1e6:.2f}M params, {plan.total_steps} steps x "
                   f"{t.global_batch_tokens} tokens ({plan.accumulation} x {t.micro_batch_size} x {cfg.data.seq_len} x "
-                  f"{dist.world} ranks), engine {dist.engine} on {dist.device}" + (f", resumed at step {step}" if step
-                                                                                    else "")
+                  f"{dist.world // t.context_parallel} ranks"
+                  + (f", each sequence over {t.context_parallel} context ranks" if t.context_parallel > 1 else "")
+                  + f"), engine {dist.engine} on {dist.device}" + (f", resumed at step {step}" if step else "")
                   + (f" (written by {resumed.world_size} ranks)" if resumed and resumed.world_size != dist.world
                      else ""))
     for line in resumed.changes if resumed else ():
