@@ -193,12 +193,12 @@ def test_mamba2_block_compiles_as_one_graph(use, monkeypatch):
     monkeypatch.setenv("LM_RMSNORM_BACKEND", "triton")
     cfg = LMMamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, d_state=16, headdim=8, chunk_size=16)
     block = Block(cfg, 0, Mamba2Mixer)
-    x = torch.randn(1, 40, 32, requires_grad=True)
+    x = torch.randn(1, 24, 32, requires_grad=True)  # two chunks of 16, the second partial
     kw = {}
     if use == "implicit":
-        kw["injection"] = torch.randn(1, 40, Mamba2Mixer.injection_dim(cfg), requires_grad=True)
+        kw["injection"] = torch.randn(1, 24, Mamba2Mixer.injection_dim(cfg), requires_grad=True)
     elif use == "packed":
-        kw["cu_seqlens"] = _cu([7, 23, 10])
+        kw["cu_seqlens"] = _cu([5, 13, 6])  # the second document crosses the chunk boundary
     torch._dynamo.reset()
     explained = torch._dynamo.explain(block)(x, **kw)
     torch._dynamo.reset()
