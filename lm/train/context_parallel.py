@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from lm.models.context_parallel import ContextShard
 
+from .data import MappedReader
+
 
 class ContextGroups:
     """The world's context groups (see the module docstring). n == 1: no groups, every rank its own data rank."""
@@ -65,27 +67,15 @@ class ContextGroups:
         return lambda max_batches: [self.shard(b) for b in make_val(max_batches)]
 
 
-class ShardedReader:
-    """A training reader whose batches are sliced for this rank (ContextGroups.shard); its state (resume) is the
-    reader's own."""
+class ShardedReader(MappedReader):
+    """A training reader whose batches are sliced for this rank (ContextGroups.shard)."""
 
     def __init__(self, reader, groups: ContextGroups):
-        self.inner, self.groups = reader, groups
+        super().__init__(reader)
+        self.groups = groups
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        return self.groups.shard(next(self.inner))
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def map(self, batch: dict) -> dict:
+        return self.groups.shard(batch)
 
 
 def check_context_parallel(cfg) -> None:

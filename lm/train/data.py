@@ -133,3 +133,29 @@ def to_model_inputs(batch: dict, device: torch.device) -> dict:
         return {"input_ids": move(batch["input_ids"]).reshape(1, -1), "targets": move(batch["targets"]).reshape(1, -1),
                 "cu_seqlens": move(cu), **extra}
     return {"input_ids": move(batch["input_ids"]), "targets": move(batch["targets"])}
+
+
+class MappedReader:
+    """A training reader whose batches pass through `map` on the way out (the sequence-length warm-up's cut rows,
+    context parallelism's slices); its state (resume) and its other attributes are the wrapped reader's."""
+
+    def __init__(self, reader):
+        self.inner = reader
+
+    def map(self, batch: dict) -> dict:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return self.map(next(self.inner))
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

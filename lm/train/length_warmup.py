@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .data import MappedReader
+
 
 def parse_stages(value, seq_len: int, context_parallel: int = 1) -> list[tuple[float, int]]:
     """data.seq_len_warmup -> [(until, seq_len), ...]; a ValueError naming the field and what to change."""
@@ -60,12 +62,13 @@ def cut_rows(batch: dict, length: int) -> dict:
     return out
 
 
-class LengthWarmup:
+class LengthWarmup(MappedReader):
     """A training reader whose micro-batches are cut to the current stage's length (see the module docstring);
     `enter(step)` before each step. Its state (resume) is the reader's own: the stage follows from the step."""
 
     def __init__(self, reader, stages: list[tuple[float, int]], seq_len: int, total_steps: int):
-        self.inner, self.stages, self.seq_len, self.total_steps = reader, stages, seq_len, total_steps
+        super().__init__(reader)
+        self.stages, self.seq_len, self.total_steps = stages, seq_len, total_steps
         self.length = None  # set by `enter`; data.seq_len until then
 
     def enter(self, step: int) -> int | None:
@@ -78,17 +81,5 @@ class LengthWarmup:
         changed, self.length = length != self.length, length
         return length if changed else None
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        return cut_rows(next(self.inner), self.length or self.seq_len)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def map(self, batch: dict) -> dict:
+        return cut_rows(batch, self.length or self.seq_len)
