@@ -259,3 +259,17 @@ def test_max_tokens(tmp_path, tok):
     assert decode_split(tok, tmp_path / "o", "train") == expected_split(docs[:n], 0.2, "train")
     last = len(tok.encode(docs[n - 1], add_special_tokens=False)) + 1
     assert total - last < 300  # it stopped at the document that reached max_tokens
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_progress_bar_only_on_a_terminal(tmp_path, tok, capsys, monkeypatch, tty):
+    """A job's log file (stderr not a terminal) gets no bar, whose carriage returns would make one long line; a
+    terminal gets it."""
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty, raising=False)
+    write_jsonl(tmp_path / "a.jsonl", make_docs(10))
+    prep.prepare_data(str(tmp_path / "a.jsonl"), tmp_path / "out", workers=0, progress=True)
+    err = capsys.readouterr().err
+    assert ("prepare out: " in err) == tty, err
+    assert ("\r" in err) == tty

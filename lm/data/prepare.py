@@ -361,10 +361,12 @@ def _log(enabled: bool, msg: str) -> None:
 
 
 def _progress_bar(enabled: bool, initial: int, name: str):
+    """The tokenizing progress bar, on a terminal only: written to a job's log file its carriage returns make one
+    long line (the closing summary line says what was prepared either way)."""
     from tqdm.auto import tqdm
 
-    return tqdm(desc=f"prepare {name}", unit="tok", unit_scale=True, initial=initial, disable=not enabled,
-                dynamic_ncols=True)
+    return tqdm(desc=f"prepare {name}", unit="tok", unit_scale=True, initial=initial,
+                disable=not (enabled and sys.stderr.isatty()), dynamic_ncols=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
