@@ -63,18 +63,23 @@ def _tree(run, data, context_parallel: int, eval_batches: int) -> dict:
         "eval": {"batches": eval_batches, "at_end": True, "sample_tokens": 0}})
 
 
-def _run(tmp_path, data, ranks: int, context_parallel: int, eval_batches: int) -> tuple[list, float]:
-    """(every step's loss, the held-out loss) of a torchrun launch of `ranks` processes."""
+def _launch(cfg, ranks: int, *extra) -> str:
     from lm.train.distributed import free_port
 
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+           str(free_port()), "-m", "lm.train", str(cfg), *extra]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return p.stdout + p.stderr
+
+
+def _run(tmp_path, data, ranks: int, context_parallel: int, eval_batches: int) -> tuple[list, float]:
+    """(every step's loss, the held-out loss) of a torchrun launch of `ranks` processes."""
     run = tmp_path / f"run_{ranks}_{context_parallel}"
     cfg = tmp_path / f"cfg_{ranks}_{context_parallel}.yaml"
     cfg.write_text(yaml.safe_dump(_tree(run, data, context_parallel, eval_batches)))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-           str(free_port()), "-m", "lm.train", str(cfg)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    _launch(cfg, ranks)
     recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
     start = next(r for r in recs if r.get("event") == "start")
     assert start["world_size"] == ranks, start
@@ -110,6 +115,25 @@ def test_two_data_by_two_context_ranks_train_as_one_rank(tmp_path, corpus, one_r
     four = _run(tmp_path, corpus, 4, 2, 2)
     _same(four[0], one_rank[0])
     _same([four[1]], [one_rank[1]])
+
+
+@pytest.mark.multirank
+def test_context_parallel_run_resumes_as_uninterrupted(tmp_path, corpus, one_rank):
+    """2 context ranks stopped after step 2 (its checkpoint written) and resumed: step 3 (its warm-up stage, reader
+    position and each rank's slice) and the held-out loss are the uninterrupted 1-rank run's."""
+    run = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(_tree(run, corpus, 2, 4)))
+    _launch(cfg, 2, "train.stop_after_steps=2", "checkpoint.at_end=true")
+    assert (run / "checkpoints" / "step_00000002").is_dir()
+    out = _launch(cfg, 2, "--resume")
+    assert "resumed at step 2" in out, out[-3000:]
+    recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    losses = {r["step"]: r["loss"] for r in recs if "event" not in r}
+    assert sorted(losses) == [1, 2, 3], recs
+    _same([losses[s] for s in (1, 2, 3)], one_rank[0])
+    val = [r["val_loss"] for r in recs if r.get("event") == "eval"]
+    _same(val[-1:], [one_rank[1]])
 
 
 @pytest.mark.parametrize("over, message", [
