@@ -120,20 +120,29 @@ def test_two_data_by_two_context_ranks_train_as_one_rank(tmp_path, corpus, one_r
 @pytest.mark.multirank
 def test_context_parallel_run_resumes_as_uninterrupted(tmp_path, corpus, one_rank):
     """2 context ranks stopped after step 2 (its checkpoint written) and resumed: step 3 (its warm-up stage, reader
-    position and each rank's slice) and the held-out loss are the uninterrupted 1-rank run's."""
+    position and each rank's slice) and the held-out loss are the uninterrupted 1-rank run's; resumed from the same
+    checkpoint as 2 data-parallel ranks (train.context_parallel 2 -> 1, reported as a change), step 3 is too (its
+    held-out loss is over each data rank's own batches: another set)."""
+    import shutil
+
     run = tmp_path / "run"
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(_tree(run, corpus, 2, 4)))
     _launch(cfg, 2, "train.stop_after_steps=2", "checkpoint.at_end=true")
     assert (run / "checkpoints" / "step_00000002").is_dir()
+    data_parallel = tmp_path / "data_parallel"
+    shutil.copytree(run, data_parallel)
     out = _launch(cfg, 2, "--resume")
     assert "resumed at step 2" in out, out[-3000:]
-    recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    losses = {r["step"]: r["loss"] for r in recs if "event" not in r}
-    assert sorted(losses) == [1, 2, 3], recs
-    _same([losses[s] for s in (1, 2, 3)], one_rank[0])
-    val = [r["val_loss"] for r in recs if r.get("event") == "eval"]
-    _same(val[-1:], [one_rank[1]])
+    out = _launch(cfg, 2, f"run_dir={data_parallel}", "train.context_parallel=1", "--resume")
+    assert "train.context_parallel: 2 -> 1" in out, out[-3000:]
+    for folder, same_eval in ((run, True), (data_parallel, False)):
+        recs = [json.loads(line) for line in open(folder / "metrics.jsonl")]
+        losses = {r["step"]: r["loss"] for r in recs if "event" not in r}
+        assert sorted(losses) == [1, 2, 3], recs
+        _same([losses[s] for s in (1, 2, 3)], one_rank[0])
+        if same_eval:
+            _same([r["val_loss"] for r in recs if r.get("event") == "eval"][-1:], [one_rank[1]])
 
 
 @pytest.mark.parametrize("over, message", [
