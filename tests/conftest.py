@@ -182,3 +182,21 @@ def autotuner_runs(monkeypatch):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def spy_solve(monkeypatch):
+    """spy_solve(module) -> a list that receives the keyword arguments of every later call of `module.solve` (the
+    fixed-point solve a model module imported; the real solve still runs)."""
+    def install(module):
+        seen = []
+        real = module.solve
+
+        def spy(f, z0, **kw):
+            seen.append(kw)
+            return real(f, z0, **kw)
+
+        monkeypatch.setattr(module, "solve", spy)
+        return seen
+
+    return install

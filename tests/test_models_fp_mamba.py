@@ -231,19 +231,12 @@ def test_one_batch_overfit_and_stats_reach_output():
     assert all(layer.mixer.pop_stats() == [] for layer in model.model.layers)  # popped by the model
 
 
-def test_solver_settings_train_eval_and_gamma_cap(monkeypatch):
+def test_solver_settings_train_eval_and_gamma_cap(spy_solve):
     """The layer's solve takes its config's layer_solver (one ImplicitSettings, FP-Mamba's defaults completing a
     partial dict): the training cap drawn from train_iter_gamma at every forward, the evaluation cap and quantile."""
     import lm.models.fp_mamba as fp
 
-    seen = []
-    real = fp.solve
-
-    def spy(f, z0, **kw):
-        seen.append(kw)
-        return real(f, z0, **kw)
-
-    monkeypatch.setattr(fp, "solve", spy)
+    seen = spy_solve(fp)
     model = tiny(layer_solver={"max_iter": 50, "train_iter_gamma": [4.0, 1.0]}, num_hidden_layers=1)
     s = model.config.layer_solver
     assert (s.tol, s.stop_quantile, s.eval_quantile, s.norm, s.patience, s.damping_decay, s.eval_max_iter) == (

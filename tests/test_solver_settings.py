@@ -30,19 +30,12 @@ def test_solve_args_of_training_and_evaluation():
     assert hash(ImplicitSettings(train_iter_gamma=[2.0, 1.0])) == hash(ImplicitSettings(train_iter_gamma=(2.0, 1.0)))
 
 
-def test_the_model_hands_its_settings_to_the_solver(monkeypatch):
+def test_the_model_hands_its_settings_to_the_solver(spy_solve):
     """Training and evaluation forwards and the one-token decode step call solve with the settings' solve_args;
     set_solver switches them without writing the shared config, whose `implicit` stays the saved default."""
     import lm.models.modeling as modeling
 
-    seen = []
-    real = modeling.solve
-
-    def spy(f, z0, **kw):
-        seen.append(kw)
-        return real(f, z0, **kw)
-
-    monkeypatch.setattr(modeling, "solve", spy)
+    seen = spy_solve(modeling)
     first = ImplicitSettings(max_iter=2, phantom_steps=1)
     second = ImplicitSettings(max_iter=3, tol=0.2, stop_quantile=0.5, eval_factor=2.0, damping=0.9)
     torch.manual_seed(0)
@@ -67,17 +60,10 @@ def test_the_model_hands_its_settings_to_the_solver(monkeypatch):
     assert model.solver_config() is config  # the saved default again: no copy
 
 
-def test_decode_step_solves_with_the_evaluation_cap_and_no_tolerance(monkeypatch):
+def test_decode_step_solves_with_the_evaluation_cap_and_no_tolerance(spy_solve):
     import lm.models.modeling as modeling
 
-    seen = []
-    real = modeling.solve
-
-    def spy(f, z0, **kw):
-        seen.append(kw)
-        return real(f, z0, **kw)
-
-    monkeypatch.setattr(modeling, "solve", spy)
+    seen = spy_solve(modeling)
     torch.manual_seed(0)
     model = build_model(load_config("lm_mamba2-tiny", **TINY, implicit={"max_iter": 2}), device="cpu").eval()
     s = ImplicitSettings(max_iter=3, tol=0.2, eval_factor=2.0, damping=0.9)
